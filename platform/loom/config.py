@@ -1,0 +1,353 @@
+"""Compose the run config with Hydra and validate it against typed schemas.
+
+This module must stay free of torch/Lightning imports: a bad config is refused before the
+heavy imports load (the CLI's first second). Everything invalid becomes a `ConfigError`
+whose message is one paragraph naming the full key, the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking")
+
+
+class ConfigError(Exception):
+    """An invalid config or usage: the CLI prints the message and exits 2."""
+
+
+def conf_dir() -> Path:
+    """The primary config directory: `$LOOM_CONF_DIR`, else `conf/` of this checkout."""
+    env = os.environ.get("LOOM_CONF_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "conf"
+
+
+# ----------------------------------------------------------------------------- schemas
+
+
+@dataclass
+class RunConfig:
+    id: str | None = None
+    root: str = "runs"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 1.0
+    log_every_n_steps: int = 10
+    val_every_n_steps: int = 0
+    limit_val_batches: int = 8
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 100
+    keep_last: int = 2
+
+
+@dataclass
+class SecurityConfig:
+    allow_targets: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    accelerator: str = "cpu"
+    devices: int = 2
+    num_nodes: int = 1
+    max_restarts: int = 0
+    precision: str = "32-true"
+    backend: str = "gloo"
+    device_name: str = "cpu"
+    device_memory_gb: float | None = None
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    host_memory_gb: float = 16.0
+    cpu_cores: int = 2
+    interconnect: str = "loopback"
+    dataloader_workers: int = 0
+    pin_memory: bool = False
+    rdzv_endpoint: str | None = None
+    resolved_from: str | None = None
+
+
+@dataclass
+class SingleStrategyConfig:
+    name: str = "single"
+
+
+@dataclass
+class DDPStrategyConfig:
+    name: str = "ddp"
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    comm_hook: str | None = None
+    powersgd_rank: int = 1
+
+
+@dataclass
+class TinycodeDatasetConfig:
+    name: str = "tinycode"
+    batch_size: int = 16
+    seq_len: int = 128
+    max_bytes: int = 16_000_000
+    val_every: int = 20
+    cache_dir: str | None = None
+
+
+@dataclass
+class GPTModelConfig:
+    name: str = "gpt_tiny"
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    vocab_size: int = 256
+    block_size: int = 256
+    dropout: float = 0.0
+
+
+@dataclass
+class AdamWConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrackingConfig:
+    name: str = "offline"
+    wandb: bool = True
+    csv: bool = True
+    project: str = "loom"
+    entity: str | None = None
+
+
+# Which schema types each group option. A group option's yaml declares `name:`; options of
+# one group that share a shape share a schema.
+SCHEMAS: dict[str, dict[str, type]] = {
+    "hardware": {"*": HardwareConfig},
+    "strategy": {"single": SingleStrategyConfig, "ddp": DDPStrategyConfig},
+    "dataset": {"tinycode": TinycodeDatasetConfig},
+    "model": {"gpt_tiny": GPTModelConfig, "gpt_small": GPTModelConfig},
+    "optim": {"adamw": AdamWConfig},
+    "tracking": {"*": TrackingConfig},
+}
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "security": SecurityConfig,
+}
+TOP_LEVEL = {"experiment": str, "seed": int}
+
+COMM_HOOKS = (None, "fp16_compress", "bf16_compress", "powersgd")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+# ----------------------------------------------------------------------------- compose
+
+
+def group_options(group: str) -> list[str]:
+    """The yaml files of one config group, i.e. the valid `group=option` choices."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Hydra-compose conf/train.yaml with the user's overrides; Hydra errors -> ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="loom"):
+            return hydra_compose("train", overrides=list(overrides))
+    except MissingConfigException as e:
+        missing = (e.missing_cfg_file or "").strip("/")
+        group, _, option = missing.rpartition("/")
+        if group and e.options:
+            raise ConfigError(
+                f"Invalid config: {group}={option} is not a known {group}. "
+                f"Valid choices for {group}: {', '.join(e.options)} (files in conf/{group}/)."
+            ) from None
+        raise ConfigError(f"Invalid config: {str(e).splitlines()[0]}") from None
+    except OverrideParseException as e:
+        raise ConfigError(
+            f"Invalid override syntax: {str(e).splitlines()[0]}. Overrides look like key=value, "
+            "group=option or key='[a,b]'."
+        ) from None
+    except HydraException as e:
+        key = getattr(e.__cause__, "full_key", None)
+        if key:
+            raise ConfigError(_unknown_key_message(key, _override_value(overrides, key))) from None
+        raise ConfigError(f"Invalid config: {' '.join(str(e).split())}") from None
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    for ov in overrides:
+        k, _, v = ov.lstrip("+~").partition("=")
+        if k == key:
+            return v
+    return None
+
+
+def _unknown_key_message(full_key: str, value: Any, valid: list[str] | None = None) -> str:
+    parent, _, leaf = full_key.rpartition(".")
+    if valid is None:
+        valid = _valid_keys(parent)
+    shown = f"={value}" if value is not None else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return (
+        f"Invalid config: unknown key {full_key}{shown}. Valid keys {where}: {', '.join(valid)}."
+    )
+
+
+def _valid_keys(parent: str) -> list[str]:
+    if not parent:
+        return sorted([*TOP_LEVEL, *SECTIONS, *GROUPS])
+    if parent in SECTIONS:
+        return [f.name for f in dataclasses.fields(SECTIONS[parent])]
+    return []
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Type every section with its schema and run the cross-field checks.
+
+    Returns a new, plain (non-struct) config with defaults filled in.
+    """
+    out: dict[str, Any] = {}
+    known = {*TOP_LEVEL, *SECTIONS, *GROUPS}
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(_unknown_key_message(str(key), cfg[key], _valid_keys("")))
+    for key, typ in TOP_LEVEL.items():
+        val = cfg.get(key)
+        if not isinstance(val, typ) or isinstance(val, bool):
+            raise ConfigError(
+                f"Invalid config: {key}={val!r} must be of type {typ.__name__}."
+            )
+        out[key] = val
+    for section, schema in SECTIONS.items():
+        out[section] = _typed(section, schema, cfg.get(section, {}))
+    for group in GROUPS:
+        node = cfg.get(group)
+        name = node.get("name") if isinstance(node, DictConfig) else None
+        schemas = SCHEMAS[group]
+        schema = schemas.get(name) or schemas.get("*")
+        if schema is None:
+            raise ConfigError(
+                f"Invalid config: {group}.name={name!r} has no schema in Loom. "
+                f"Valid choices for {group}: {', '.join(sorted(schemas))}."
+            )
+        out[group] = _typed(group, schema, node)
+    result = OmegaConf.create(out)
+    _check(result)
+    return result
+
+
+def _typed(prefix: str, schema: type, node: Any) -> DictConfig:
+    """Merge `node` onto the schema; OmegaConf errors become one-paragraph ConfigErrors."""
+    base = OmegaConf.structured(schema)
+    try:
+        merged = OmegaConf.merge(base, node if node is not None else {})
+    except OmegaConfBaseException as e:
+        key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
+        if type(e).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+            value = OmegaConf.select(node, str(e.full_key)) if e.full_key else None
+            valid = [f.name for f in dataclasses.fields(schema)]
+            raise ConfigError(_unknown_key_message(key, value, valid)) from None
+        value = OmegaConf.select(node, str(e.full_key), default=None) if e.full_key else None
+        expected = _field_type(schema, str(e.full_key))
+        raise ConfigError(
+            f"Invalid config: {key}={value!r} has the wrong type; expected {expected}."
+        ) from None
+    out = OmegaConf.create(OmegaConf.to_container(merged))
+    return out
+
+
+def _field_type(schema: type, name: str) -> str:
+    for f in dataclasses.fields(schema):
+        if f.name == name.split(".")[0]:
+            return str(f.type).replace("typing.", "")
+    return "a value of the schema's type"
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"Invalid config: {key}={value!r}: {rule}.")
+
+
+def _check(cfg: DictConfig) -> None:
+    """Range and cross-field checks: what types alone cannot say."""
+    positive = [
+        "trainer.max_steps",
+        "trainer.accumulate_grad_batches",
+        "trainer.log_every_n_steps",
+        "dataset.batch_size",
+        "dataset.seq_len",
+        "hardware.devices",
+        "hardware.num_nodes",
+        "checkpoint.keep_last",
+    ]
+    for key in positive:
+        v = OmegaConf.select(cfg, key)
+        _require(v >= 1, key, v, "must be a positive integer (>= 1)")
+    for key in ("trainer.val_every_n_steps", "checkpoint.every_n_steps", "hardware.max_restarts",
+                "trainer.limit_val_batches", "hardware.dataloader_workers"):
+        v = OmegaConf.select(cfg, key)
+        _require(v >= 0, key, v, "must be >= 0 (0 disables it)")
+    _require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _require(cfg.trainer.gradient_clip_val >= 0, "trainer.gradient_clip_val",
+             cfg.trainer.gradient_clip_val, "must be >= 0 (0 disables clipping)")
+    _require(cfg.hardware.accelerator in ("cpu", "gpu"), "hardware.accelerator",
+             cfg.hardware.accelerator, "valid choices: cpu, gpu")
+    _require(cfg.hardware.precision in PRECISIONS, "hardware.precision",
+             cfg.hardware.precision, f"valid choices: {', '.join(PRECISIONS)}")
+    _require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
+             "must be >= 2 so the previous checkpoint survives while the next is written")
+    if cfg.run.id is not None:
+        rid = str(cfg.run.id)
+        _require(bool(rid) and all(c.isalnum() or c in "-_." for c in rid) and not rid.startswith("."),
+                 "run.id", rid, "use letters, digits, '-', '_' and '.' only")
+    _require(bool(cfg.experiment) and "/" not in cfg.experiment and not cfg.experiment.startswith("."),
+             "experiment", cfg.experiment, "must be a plain directory name")
+
+    if cfg.strategy.name == "single":
+        _require(cfg.hardware.devices * cfg.hardware.num_nodes == 1, "hardware.devices",
+                 cfg.hardware.devices, "strategy=single runs one process: set hardware.devices=1 "
+                 "(and hardware.num_nodes=1) or choose strategy=ddp")
+    if cfg.strategy.name == "ddp":
+        _require(cfg.strategy.comm_hook in COMM_HOOKS, "strategy.comm_hook", cfg.strategy.comm_hook,
+                 "valid choices: null, " + ", ".join(str(h) for h in COMM_HOOKS[1:]))
+        _require(cfg.strategy.bucket_cap_mb >= 1, "strategy.bucket_cap_mb",
+                 cfg.strategy.bucket_cap_mb, "must be >= 1")
+
+    model = cfg.model
+    if "n_head" in model:
+        _require(model.d_model % model.n_head == 0, "model.n_head", model.n_head,
+                 f"must divide model.d_model={model.d_model}")
+        _require(cfg.dataset.seq_len <= model.block_size, "dataset.seq_len", cfg.dataset.seq_len,
+                 f"exceeds the model's context model.block_size={model.block_size}; "
+                 "lower dataset.seq_len or raise model.block_size")
+
+
+def load_frozen(path: Path) -> DictConfig:
+    """Read a run's frozen config.yaml (no Hydra, no validation: it was validated once)."""
+    return OmegaConf.load(path)

@@ -1,0 +1,1 @@
+"""Datasets: corpora become packed, memory-mapped token files; samplers are resumable."""

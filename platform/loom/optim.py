@@ -1,0 +1,35 @@
+"""Optimizer and LR schedule shared by every model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from omegaconf import DictConfig
+
+
+def build_optimizer(
+    named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig, max_steps: int
+) -> dict:
+    """AdamW (decay on matrices only) + linear warmup and cosine decay, stepped per step."""
+    decay = [p for _, p in named_params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+    )
+    warmup, floor = optim.warmup_steps, optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

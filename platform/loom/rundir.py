@@ -1,0 +1,87 @@
+"""Run identity and the run directory: derive the id, freeze config.yaml once, detect resume."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom.config import ConfigError
+from loom.tracking.summary import read_summary
+
+# Keys that do not change what a run computes: changing them resumes the same run.
+VOLATILE = ("run", "tracking", "hardware.max_restarts", "hardware.rdzv_endpoint",
+            "trainer.log_every_n_steps")
+
+
+def identity(cfg: DictConfig) -> dict[str, Any]:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data = copy.deepcopy(data)
+    for key in VOLATILE:
+        parent, _, leaf = key.rpartition(".")
+        node = data
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    return data
+
+
+def run_id(cfg: DictConfig) -> str:
+    """The user's `run.id`, else a hash of everything that shapes the result."""
+    if cfg.run.id:
+        return str(cfg.run.id)
+    blob = json.dumps(identity(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+@dataclass
+class Frozen:
+    run_dir: Path
+    run_id: str
+    state: str  # "new" | "resume" | "completed"
+
+
+def run_dir_of(cfg: DictConfig, rid: str) -> Path:
+    return (Path(cfg.run.root) / cfg.experiment / rid).resolve()
+
+
+def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
+    """Create the run dir and write config.yaml + plan.json once; an existing run is resumed
+    (same config) or refused (a different config under the same run.id)."""
+    rid = run_id(cfg)
+    cfg = copy.deepcopy(cfg)
+    cfg.run.id = rid
+    run_dir = run_dir_of(cfg, rid)
+    frozen_path = run_dir / "config.yaml"
+    if frozen_path.exists():
+        old = OmegaConf.load(frozen_path)
+        a = json.dumps(identity(old), sort_keys=True, indent=1).splitlines()
+        b = json.dumps(identity(cfg), sort_keys=True, indent=1).splitlines()
+        if a != b:
+            diff = "\n".join(difflib.unified_diff(a, b, "frozen config.yaml", "this command", lineterm="", n=0))
+            raise ConfigError(
+                f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
+                f"refusing to resume it with this one. Differences:\n{diff}\n"
+                "Use the original overrides to resume, or set run.id=<new id> for a new run."
+            )
+        summary = read_summary(run_dir)
+        state = "completed" if summary and summary.get("status") == "completed" else "resume"
+        return Frozen(run_dir, rid, state)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "config.yaml.tmp"
+        tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        tmp.replace(frozen_path)
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    except OSError as e:
+        raise ConfigError(
+            f"Invalid config: run.root={cfg.run.root!r}: cannot create the run dir {run_dir} ({e.strerror}). "
+            "Choose a writable run.root."
+        ) from None
+    return Frozen(run_dir, rid, "new")

@@ -1,0 +1,1 @@
+"""Tracking: loggers (CSV, wandb offline), the step recorder, summary.json."""

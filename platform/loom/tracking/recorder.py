@@ -1,0 +1,215 @@
+"""Per-step measurement: time, throughput, FLOPs/MFU, memory and utilization.
+
+Hand-written rather than Lightning's ThroughputMonitor callback, which synchronizes the GPU
+after every batch on rank 0. Here the hot path only reads a clock and adds a detached loss
+tensor; the device is synchronized, metrics reduced across ranks (mean/min/max) and logged
+once per `trainer.log_every_n_steps`, by rank 0. Rates and MFU come from Lightning's
+`Throughput` utility over the window of logged steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+import psutil
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.throughput import Throughput
+
+from loom.tracking.system import GpuStats
+
+log = logging.getLogger("loom")
+
+# Order of the per-rank vector all-gathered at every log step.
+_FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
+           "gpu_power_w", "loss")
+
+
+class Recorder(pl.Callback):
+    def __init__(
+        self,
+        *,
+        log_every: int,
+        samples_per_step: int,          # global: micro batch x accumulation x data-parallel size
+        seq_len: int,
+        flops_per_token: float | None,
+        peak_flops_per_device: float | None,
+        world_size: int,
+    ) -> None:
+        self.log_every = log_every
+        self.samples_per_step = samples_per_step
+        self.seq_len = seq_len
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.throughput = Throughput(
+            available_flops=peak_flops_per_device, world_size=world_size, window_size=2
+        )
+        self.proc = psutil.Process()
+        self.gpu = GpuStats()
+        # State of this attempt (a resumed run starts counting again; totals use global_step).
+        self.start_step = 0
+        self.loop_start = 0.0
+        self.loop_time = 0.0
+        self.last_log_time = 0.0
+        self.last_log_step = 0
+        self.batch_end = 0.0
+        self.data_wait = 0.0
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_count = 0
+        self.first_loss: float | None = None
+        self.final_loss: float | None = None
+        self.history: list[dict[str, float]] = []   # rank 0: the logged rows
+        self.cpu_samples: list[float] = []
+        self.gpu_util_samples: list[float] = []
+
+    # ---------------------------------------------------------------- hot path
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = self.last_log_step = trainer.global_step
+        self.proc.cpu_percent(None)
+        self._sync(pl_module)
+        self.loop_start = self.last_log_time = self.batch_end = time.perf_counter()
+        self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
+                               flops=0 if self.flops_per_token else None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.data_wait += time.perf_counter() - self.batch_end
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            loss = loss.detach()
+            self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+            self.loss_count += 1
+        step = trainer.global_step
+        if step > self.last_log_step and (step % self.log_every == 0 or step >= trainer.max_steps):
+            self._log(trainer, pl_module)
+        self.batch_end = time.perf_counter()
+
+    # ---------------------------------------------------------------- log steps
+    def _sync(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync(pl_module)
+        now = time.perf_counter()
+        step = trainer.global_step
+        steps = step - self.last_log_step
+        window = now - self.last_log_time
+        gpu = self.gpu.sample(pl_module.device)
+        loss = (self.loss_sum / max(1, self.loss_count)).float() if self.loss_sum is not None else None
+        local = torch.tensor(
+            [
+                1000 * window / steps,
+                1000 * self.data_wait / steps,
+                self.proc.cpu_percent(None),
+                self.proc.memory_info().rss / 2**30,
+                gpu["util"],
+                gpu["mem_gb"],
+                gpu["power_w"],
+                loss.item() if loss is not None else float("nan"),
+            ],
+            dtype=torch.float64,
+        )
+        gathered = self._gather(trainer, local, pl_module.device)
+        self.loss_sum, self.loss_count, self.data_wait = None, 0, 0.0
+        self.last_log_step, self.last_log_time = step, now
+        self.loop_time = now - self.loop_start
+
+        per_device_samples = (step - self.start_step) * self.samples_per_step // self.world_size
+        per_device_tokens = per_device_samples * self.seq_len
+        flops = None
+        if self.flops_per_token:
+            flops = int(steps * self.samples_per_step * self.seq_len * self.flops_per_token / self.world_size)
+        self.throughput.update(
+            time=self.loop_time, batches=step - self.start_step, samples=per_device_samples,
+            lengths=per_device_tokens, flops=flops,
+        )
+        rates = self.throughput.compute()
+        if trainer.global_rank != 0:
+            return
+        mean = gathered.mean(0)
+        col = {name: i for i, name in enumerate(_FIELDS)}
+        row: dict[str, float] = {
+            "train/loss": float(mean[col["loss"]]),
+            "train/lr": float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else float("nan"),
+            "perf/step_time_ms": float(mean[col["step_time_ms"]]),
+            "perf/step_time_ms_min": float(gathered[:, col["step_time_ms"]].min()),
+            "perf/step_time_ms_max": float(gathered[:, col["step_time_ms"]].max()),
+            "perf/data_wait_ms": float(mean[col["data_wait_ms"]]),
+            "perf/samples_per_sec": rates.get("device/samples_per_sec", 0.0) * self.world_size,
+            "perf/tokens_per_sec": rates.get("device/items_per_sec", 0.0) * self.world_size,
+            "sys/cpu_percent": float(mean[col["cpu_percent"]]),
+            "sys/rss_gb": float(mean[col["rss_gb"]]),
+            "sys/rss_gb_max": float(gathered[:, col["rss_gb"]].max()),
+        }
+        if "device/flops_per_sec" in rates:
+            row["perf/tflops_per_device"] = rates["device/flops_per_sec"] / 1e12
+        if "device/mfu" in rates:
+            row["perf/mfu"] = rates["device/mfu"]
+        if self.gpu.available:
+            row["sys/gpu_util"] = float(mean[col["gpu_util"]])
+            row["sys/gpu_mem_gb"] = float(mean[col["gpu_mem_gb"]])
+            row["sys/gpu_power_w"] = float(mean[col["gpu_power_w"]])
+            self.gpu_util_samples.append(row["sys/gpu_util"])
+        self.cpu_samples.append(row["sys/cpu_percent"])
+        if self.first_loss is None:
+            self.first_loss = row["train/loss"]
+        self.final_loss = row["train/loss"]
+        self.history.append({"step": step, **row})
+        for logger in trainer.loggers:
+            logger.log_metrics(row, step=step)
+        log.info(
+            f"step {step}/{trainer.max_steps}  loss {row['train/loss']:.4f}  "
+            f"{row['perf/tokens_per_sec']:,.0f} tok/s  {row['perf/step_time_ms']:.1f} ms/step",
+        )
+
+    def _gather(self, trainer: pl.Trainer, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if trainer.world_size == 1:
+            return local.unsqueeze(0)
+        gathered = trainer.strategy.all_gather(local.to(device))
+        return gathered.reshape(trainer.world_size, -1).cpu()
+
+    # ---------------------------------------------------------------- end of run
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step > self.last_log_step:
+            self._log(trainer, pl_module)
+        self._sync(pl_module)
+        self.loop_time = time.perf_counter() - self.loop_start
+
+    def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
+        """This rank's peaks, for summary.json (gathered by the worker)."""
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        peak_gpu = None
+        if pl_module.device.type == "cuda":
+            peak_gpu = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu}
+
+    def throughput_summary(self, trainer: pl.Trainer, peak_flops: float | None) -> dict[str, Any]:
+        steps = trainer.global_step - self.start_step
+        t = self.loop_time
+        samples = steps * self.samples_per_step
+        tokens = samples * self.seq_len
+        out: dict[str, Any] = {
+            "samples_per_sec": samples / t if t > 0 else None,
+            "tokens_per_sec": tokens / t if t > 0 else None,
+            "tflops_per_device": None,
+            "mfu": None,
+        }
+        if self.flops_per_token and t > 0:
+            per_device = tokens * self.flops_per_token / self.world_size / t
+            out["tflops_per_device"] = per_device / 1e12
+            out["mfu"] = per_device / peak_flops if peak_flops else None
+        return out
+
+    def attempt(self) -> dict[str, Any]:
+        return {
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "cpu_percent_mean": sum(self.cpu_samples) / len(self.cpu_samples) if self.cpu_samples else None,
+            "gpu_util_mean": (sum(self.gpu_util_samples) / len(self.gpu_util_samples)
+                              if self.gpu_util_samples else None),
+        }

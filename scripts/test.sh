@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then run the test suite (extra arguments go to pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export WANDB_MODE=offline WANDB_SILENT=true
+exec .venv/bin/python -m pytest "$@"
