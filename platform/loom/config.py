@@ -141,7 +141,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "hardware": {"*": HardwareConfig},
     "strategy": {"single": SingleStrategyConfig, "ddp": DDPStrategyConfig},
     "dataset": {"tinycode": TinycodeDatasetConfig},
-    "model": {"gpt_tiny": GPTModelConfig, "gpt_small": GPTModelConfig},
+    "model": {name: GPTModelConfig for name in ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")},
     "optim": {"adamw": AdamWConfig},
     "tracking": {"*": TrackingConfig},
 }
@@ -329,6 +329,17 @@ def _check(cfg: DictConfig) -> None:
     _require(bool(cfg.experiment) and "/" not in cfg.experiment and not cfg.experiment.startswith("."),
              "experiment", cfg.experiment, "must be a plain directory name")
 
+    _check_hardware(cfg)
+    _check_strategy(cfg)
+    _check_model(cfg)
+
+
+def _check_hardware(cfg: DictConfig) -> None:
+    """Hardware profile checks (beyond types and the positive counts above)."""
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    """Strategy options and their fit with the hardware (world size, TP size...)."""
     if cfg.strategy.name == "single":
         _require(cfg.hardware.devices * cfg.hardware.num_nodes == 1, "hardware.devices",
                  cfg.hardware.devices, "strategy=single runs one process: set hardware.devices=1 "
@@ -339,6 +350,8 @@ def _check(cfg: DictConfig) -> None:
         _require(cfg.strategy.bucket_cap_mb >= 1, "strategy.bucket_cap_mb",
                  cfg.strategy.bucket_cap_mb, "must be >= 1")
 
+
+def _check_model(cfg: DictConfig) -> None:
     model = cfg.model
     if "n_head" in model:
         _require(model.d_model % model.n_head == 0, "model.n_head", model.n_head,
