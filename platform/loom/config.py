@@ -60,23 +60,60 @@ class SecurityConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """Where a `launcher: slurm` job runs (the sbatch/srun options Loom will pass)."""
+
+    partition: str | None = None      # null: the cluster's default partition
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "04:00:00"      # [D-]HH:MM:SS, as sbatch --time takes it
+    gpus_per_node: int | None = None  # null: hardware.devices
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None       # per node; null: the partition's default
+    constraint: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MeasuredConfig:
+    """What `loom probe` measured on a machine (kept next to the datasheet numbers)."""
+
+    matmul_tflops: float | None = None
+    matmul_dtype: str | None = None
+    matmul_size: int | None = None
+    allreduce_busbw_gbps: float | None = None
+    allreduce_backend: str | None = None
+    allreduce_world_size: int | None = None
+    allreduce_bytes: int | None = None
+    host: str | None = None
+    torch_version: str | None = None
+    probed_at: str | None = None
+
+
+@dataclass
 class HardwareConfig:
     name: str = "cpu"
-    accelerator: str = "cpu"
-    devices: int = 2
+    accelerator: str = "cpu"          # cpu | gpu
+    devices: int = 2                  # processes (cpu) or GPUs per node
     num_nodes: int = 1
     max_restarts: int = 0
     precision: str = "32-true"
-    backend: str = "gloo"
+    backend: str = "gloo"             # gloo | nccl (nccl needs accelerator=gpu)
+    launcher: str = "torchrun"        # torchrun | slurm
     device_name: str = "cpu"
     device_memory_gb: float | None = None
+    bf16_supported: bool = True       # false for pre-Ampere GPUs (V100, T4)
+    # Datasheet dense peak per precision (bf16, fp16, tf32, fp32), TFLOP/s per device.
+    # Empty or missing key: MFU is null.
     peak_tflops: dict[str, float] = field(default_factory=dict)
     host_memory_gb: float = 16.0
     cpu_cores: int = 2
     interconnect: str = "loopback"
     dataloader_workers: int = 0
     pin_memory: bool = False
-    rdzv_endpoint: str | None = None
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous (required for num_nodes > 1)
+    slurm: SlurmConfig | None = None
+    measured: MeasuredConfig | None = None
     resolved_from: str | None = None
 
 
@@ -334,8 +371,70 @@ def _check(cfg: DictConfig) -> None:
     _check_model(cfg)
 
 
+PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32")
+BACKENDS = ("gloo", "nccl")
+LAUNCHERS = ("torchrun", "slurm")
+
+
 def _check_hardware(cfg: DictConfig) -> None:
-    """Hardware profile checks (beyond types and the positive counts above)."""
+    """Hardware profile checks (beyond types and the positive counts above).
+
+    Only the profile's own consistency: whether this machine can run it is
+    `loom.hardware.check_machine`, called by `loom train` (not by `loom plan`).
+    """
+    hw = cfg.hardware
+    gpu = hw.accelerator == "gpu"
+    _require(hw.backend in BACKENDS, "hardware.backend", hw.backend,
+             f"valid choices: {', '.join(BACKENDS)} (nccl on GPUs, gloo on CPUs)")
+    _require(gpu or hw.backend != "nccl", "hardware.backend", hw.backend,
+             f"nccl needs GPUs but hardware.accelerator={hw.accelerator}; set hardware.backend=gloo")
+    _require(hw.launcher in LAUNCHERS, "hardware.launcher", hw.launcher,
+             f"valid choices: {', '.join(LAUNCHERS)}")
+    if gpu and hw.precision.startswith("bf16"):
+        _require(hw.bf16_supported, "hardware.precision", hw.precision,
+                 f"hardware={hw.name} ({hw.device_name}) has no bf16 support "
+                 "(hardware.bf16_supported=false; bf16 needs Ampere or later); "
+                 "set hardware.precision=16-mixed or hardware.precision=32-true")
+    for key, val in (hw.peak_tflops or {}).items():
+        _require(key in PEAK_KEYS, f"hardware.peak_tflops.{key}", val,
+                 f"unknown precision key; valid keys: {', '.join(PEAK_KEYS)}")
+        _require(val is None or val > 0, f"hardware.peak_tflops.{key}", val,
+                 "must be > 0 (TFLOP/s per device; leave the key out when unknown)")
+    for key in ("device_memory_gb", "host_memory_gb"):
+        val = hw[key]
+        _require(val is None or val > 0, f"hardware.{key}", val, "must be > 0 (GB)")
+    _require(hw.cpu_cores >= 1, "hardware.cpu_cores", hw.cpu_cores, "must be >= 1")
+    if hw.rdzv_endpoint is not None:
+        host, _, port = str(hw.rdzv_endpoint).rpartition(":")
+        _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, "hardware.rdzv_endpoint",
+                 hw.rdzv_endpoint, "must be host:port, e.g. hardware.rdzv_endpoint=node0.cluster:29500")
+    if hw.num_nodes > 1 and hw.launcher == "torchrun":
+        _require(hw.rdzv_endpoint is not None, "hardware.rdzv_endpoint", hw.rdzv_endpoint,
+                 f"hardware.num_nodes={hw.num_nodes} needs a rendezvous endpoint that every node "
+                 "reaches; set hardware.rdzv_endpoint=<host of node 0>:29500 and run the same "
+                 "`loom train` command on every node")
+    if hw.launcher == "slurm":
+        _require(hw.slurm is not None, "hardware.slurm", hw.slurm,
+                 "hardware.launcher=slurm needs a hardware.slurm block (partition, account, "
+                 "time_limit, ...); start from conf/hardware/slurm.yaml")
+    if hw.slurm is not None:
+        sl = hw.slurm
+        _require(_slurm_time(str(sl.time_limit)), "hardware.slurm.time_limit", sl.time_limit,
+                 "must be [D-]HH:MM:SS or minutes, as sbatch --time takes it, e.g. 04:00:00")
+        if sl.gpus_per_node is not None:
+            _require(sl.gpus_per_node == hw.devices, "hardware.slurm.gpus_per_node", sl.gpus_per_node,
+                     f"must equal hardware.devices={hw.devices} (one process per GPU), or be null")
+        for key in ("cpus_per_task", "mem_gb"):
+            val = sl[key]
+            _require(val is None or val > 0, f"hardware.slurm.{key}", val, "must be > 0 or null")
+
+
+def _slurm_time(text: str) -> bool:
+    days, _, rest = text.rpartition("-")
+    if days and not days.isdigit():
+        return False
+    parts = rest.split(":")
+    return 1 <= len(parts) <= 3 and all(p.isdigit() for p in parts)
 
 
 def _check_strategy(cfg: DictConfig) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -40,6 +39,26 @@ def run_id(cfg: DictConfig) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every full key whose value differs."""
+    a, b = _flat(old), _flat(new)
+    missing = object()
+    return [
+        f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, missing) != b.get(k, missing)
+    ]
+
+
 @dataclass
 class Frozen:
     run_dir: Path
@@ -61,13 +80,12 @@ def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
     frozen_path = run_dir / "config.yaml"
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
-        a = json.dumps(identity(old), sort_keys=True, indent=1).splitlines()
-        b = json.dumps(identity(cfg), sort_keys=True, indent=1).splitlines()
-        if a != b:
-            diff = "\n".join(difflib.unified_diff(a, b, "frozen config.yaml", "this command", lineterm="", n=0))
+        diff = config_diff(identity(old), identity(cfg))
+        if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
-                f"refusing to resume it with this one. Differences:\n{diff}\n"
+                f"refusing to resume it with this one. Differences (frozen -> this command): "
+                f"{'; '.join(diff)}. "
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
         summary = read_summary(run_dir)
