@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom.config import ConfigError, compose, validate
 from loom.hardware import auto_overrides, check_machine, user_set
 
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INFEASIBLE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INFEASIBLE, EXIT_PREEMPTED = 0, 1, 2, 3, 143
 
 
 def resolve(overrides: list[str]) -> DictConfig:
@@ -37,22 +38,34 @@ def resolve(overrides: list[str]) -> DictConfig:
 
 
 def _plan(cfg: DictConfig, show: bool) -> dict:
+    """make_plan; the table when asked (`loom plan`) or when the run cannot fit; warnings
+    (e.g. MFU null for a device without a known peak) as one line each on stderr."""
     from loom.plan import make_plan, render
 
     plan = make_plan(cfg)
     if show or not plan["fits"]:
         render(plan)
+    for w in plan.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
     return plan
 
 
 def _infeasible(plan: dict) -> int:
     mem = plan["memory_per_device_bytes"]
     hint = (f" strategy={plan['suggestion']} would fit." if plan["suggestion"]
-            else " No strategy fits: use more devices or a smaller model.")
+            else " No strategy fits: use more devices, a smaller model or a smaller dataset.batch_size.")
+    if plan.get("max_micro_batch") and plan["max_micro_batch"] < plan["micro_batch"]:
+        hint += f" With strategy={plan['strategy']}, dataset.batch_size<={plan['max_micro_batch']} fits."
+    cap = plan["capacity_per_device_bytes"]
+    if not plan.get("host_memory_ok", True):
+        need = f"{mem['host_offload'] / 1e9:,.1f} GB of host memory per device (offload)"
+        have = "more host memory than hardware.host_memory_gb allows"
+    else:
+        need = f"{mem['total'] / 1e9:,.1f} GB per device"
+        have = f"{cap / 1e9:,.1f} GB ({plan['capacity_source']})" if cap is not None else "unknown"
     print(
-        f"Plan infeasible: strategy={plan['strategy']} needs {mem['total'] / 1e9:,.1f} GB per device "
-        f"but hardware={plan['hardware']} has {plan['capacity_per_device_bytes'] / 1e9:,.1f} GB "
-        f"({plan['capacity_source']}).{hint}",
+        f"Plan infeasible: strategy={plan['strategy']} needs {need} but hardware={plan['hardware']} "
+        f"has {have}.{hint}",
         file=sys.stderr,
     )
     return EXIT_INFEASIBLE
@@ -61,7 +74,26 @@ def _infeasible(plan: dict) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = resolve(args.overrides)
     plan = _plan(cfg, show=True)
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps(plan, indent=2) + "\n")
     return EXIT_OK if plan["fits"] else _infeasible(plan)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """Measure this machine (matmul TFLOP/s, all-reduce bus bandwidth) and write a profile."""
+    from loom.probe import probe
+
+    return probe(out=args.out, size=args.size, repeats=args.repeats,
+                 allreduce_mb=args.allreduce_mb, processes=args.processes)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Markdown report (+ plots) of a run dir, or a comparison table of a sweep / several runs."""
+    from loom.report import report
+
+    return report(args.paths, out=args.out)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -81,28 +113,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\n"
               "Nothing to do. Change an override or set run.id=<new id> to train a new run.")
         return EXIT_OK
+    from loom.checkpoint import UnsafeCheckpoint, newest_checkpoint
+
+    try:
+        newest_checkpoint(frozen.run_dir)
+    except UnsafeCheckpoint as e:
+        raise ConfigError(str(e)) from None
     verb = "Resuming" if frozen.state == "resume" else "Starting"
     print(f"{verb} run {frozen.run_id} in {frozen.run_dir}", flush=True)
 
     from loom.launch import launch
 
     cfg.run.id = frozen.run_id
+    started = time.time()
     rc = launch(cfg, frozen.run_dir)
-    return _finish(cfg, frozen.run_dir, rc)
+    return _finish(cfg, frozen.run_dir, rc, started)
 
 
-def _finish(cfg: DictConfig, run_dir: Path, rc: int) -> int:
+def _finish(cfg: DictConfig, run_dir: Path, rc: int, started: float) -> int:
     from loom.console import print_summary
     from loom.tracking.summary import empty_summary, read_summary, write_summary
 
     summary = read_summary(run_dir)
-    if rc != 0 and (summary is None or summary.get("status") == "completed"):
+    stale = summary is None or (run_dir / "summary.json").stat().st_mtime < started - 1
+    if rc != 0 and stale:
         # The workers died before rank 0 could write it: record the failure here.
         summary = empty_summary(cfg, str(cfg.run.id))
         write_summary(run_dir, summary)
     if summary is not None:
         print_summary(run_dir, summary)
     print(f"run dir: {run_dir}")
+    if summary is not None and summary["status"] == "preempted":
+        print("Run preempted: a checkpoint was saved. Run the same command again to resume.", file=sys.stderr)
+        return EXIT_PREEMPTED
     if rc != 0 or summary is None or summary["status"] != "completed":
         print(f"Training failed (exit {rc}); see {run_dir / 'logs'}", file=sys.stderr)
         return EXIT_FAILED
@@ -117,8 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan", help="world size, batch math, memory per device, fits or not")
+    pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (as plan.json)")
     pl.add_argument("overrides", nargs="*")
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("probe", help="measure this machine and write a hardware profile")
+    pr.add_argument("--out", metavar="PATH",
+                    help="profile yaml to write (default: conf/hardware/probe_<hostname>.yaml)")
+    pr.add_argument("--size", type=int, default=None, help="matmul size n (n x n @ n x n)")
+    pr.add_argument("--repeats", type=int, default=5, help="timed matmul repeats (best is kept)")
+    pr.add_argument("--allreduce-mb", type=float, default=32.0, help="all-reduce message size, MB")
+    pr.add_argument("--processes", type=int, default=None,
+                    help="all-reduce ranks (default: 2 on CPU, every GPU on GPU)")
+    pr.set_defaults(func=cmd_probe)
+    rp = sub.add_parser("report", help="report.md + plots of a run, or a comparison of a sweep's runs")
+    rp.add_argument("paths", nargs="+", metavar="PATH",
+                    help="a run dir, a sweep dir (holding run dirs), or several run dirs")
+    rp.add_argument("--out", metavar="DIR",
+                    help="where a comparison's report.md and scaling.png go "
+                         "(default: the sweep dir, else the first run's parent)")
+    rp.set_defaults(func=cmd_report)
     return p
 
 

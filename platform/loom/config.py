@@ -81,7 +81,8 @@ class MeasuredConfig:
     matmul_tflops: float | None = None
     matmul_dtype: str | None = None
     matmul_size: int | None = None
-    allreduce_busbw_gbps: float | None = None
+    matmul_threads: int | None = None     # CPU: the threads one rank gets (cores / devices)
+    allreduce_busbw_gbps: float | None = None  # GB/s (bytes), nccl-tests' bus bandwidth
     allreduce_backend: str | None = None
     allreduce_world_size: int | None = None
     allreduce_bytes: int | None = None
@@ -104,8 +105,8 @@ class HardwareConfig:
     device_memory_gb: float | None = None
     bf16_supported: bool = True       # false for pre-Ampere GPUs (V100, T4)
     # Datasheet dense peak per precision (bf16, fp16, tf32, fp32), TFLOP/s per device.
-    # Empty or missing key: MFU is null.
-    peak_tflops: dict[str, float] = field(default_factory=dict)
+    # null or missing key: MFU is null.
+    peak_tflops: dict[str, float | None] = field(default_factory=dict)
     host_memory_gb: float = 16.0
     cpu_cores: int = 2
     interconnect: str = "loopback"
@@ -129,6 +130,36 @@ class DDPStrategyConfig:
     find_unused_parameters: bool = False
     comm_hook: str | None = None
     powersgd_rank: int = 1
+
+
+@dataclass
+class FSDPStrategyConfig:
+    """FSDP2 (`fully_shard`) through Lightning's ModelParallelStrategy."""
+
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    hybrid_shard: bool = True
+    shard_units: list[str] | None = None
+
+
+@dataclass
+class FSDPTPStrategyConfig:
+    """FSDP2 across the data-parallel mesh dim x tensor parallel across the other."""
+
+    name: str = "fsdp_tp"
+    tensor_parallel: int = 2
+    reshard_after_forward: bool = True
+    shard_units: list[str] | None = None
+
+
+@dataclass
+class DeepSpeedStrategyConfig:
+    """DeepSpeed ZeRO stage 1/2/3 (`zero3_offload`: stage 3 + optimizer on the host)."""
+
+    name: str = "zero2"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    deepspeed_config: str | None = None
 
 
 @dataclass
@@ -168,6 +199,7 @@ class TrackingConfig:
     name: str = "offline"
     wandb: bool = True
     csv: bool = True
+    mode: str = "offline"             # wandb mode: offline | online (needs an API key) | disabled
     project: str = "loom"
     entity: str | None = None
 
@@ -176,7 +208,9 @@ class TrackingConfig:
 # one group that share a shape share a schema.
 SCHEMAS: dict[str, dict[str, type]] = {
     "hardware": {"*": HardwareConfig},
-    "strategy": {"single": SingleStrategyConfig, "ddp": DDPStrategyConfig},
+    "strategy": {"single": SingleStrategyConfig, "ddp": DDPStrategyConfig,
+                 "fsdp": FSDPStrategyConfig, "fsdp_tp": FSDPTPStrategyConfig,
+                 **{z: DeepSpeedStrategyConfig for z in ("zero1", "zero2", "zero3", "zero3_offload")}},
     "dataset": {"tinycode": TinycodeDatasetConfig},
     "model": {name: GPTModelConfig for name in ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")},
     "optim": {"adamw": AdamWConfig},
@@ -269,6 +303,7 @@ def validate(cfg: DictConfig) -> DictConfig:
 
     Returns a new, plain (non-struct) config with defaults filled in.
     """
+    _check_targets(cfg)
     out: dict[str, Any] = {}
     known = {*TOP_LEVEL, *SECTIONS, *GROUPS}
     for key in cfg:
@@ -297,6 +332,20 @@ def validate(cfg: DictConfig) -> DictConfig:
     result = OmegaConf.create(out)
     _check(result)
     return result
+
+
+def _check_targets(cfg: DictConfig) -> None:
+    """Refuse any `_target_` outside the allow-list, before anything is instantiated."""
+    from loom.security import ALLOWED_PREFIXES, disallowed_targets
+
+    bad = disallowed_targets(OmegaConf.to_container(cfg, resolve=False))
+    if bad:
+        key, value = bad[0]
+        raise ConfigError(
+            f"Invalid config: {key}={value} is not allowed: `_target_` may only name code under "
+            f"{', '.join(ALLOWED_PREFIXES)} or a prefix the user allows on the command line with "
+            f"security.allow_targets='[my_pkg.]'. Nothing was instantiated."
+        )
 
 
 def _typed(prefix: str, schema: type, node: Any) -> DictConfig:
@@ -448,6 +497,81 @@ def _check_strategy(cfg: DictConfig) -> None:
                  "valid choices: null, " + ", ".join(str(h) for h in COMM_HOOKS[1:]))
         _require(cfg.strategy.bucket_cap_mb >= 1, "strategy.bucket_cap_mb",
                  cfg.strategy.bucket_cap_mb, "must be >= 1")
+    if cfg.strategy.name in ("fsdp", "fsdp_tp"):
+        _check_model_parallel(cfg)
+    if cfg.strategy.name in ZERO_STAGES:
+        _check_zero(cfg)
+
+
+# The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
+# before torch is imported: the choices for strategy.shard_units.
+GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}
+
+
+def _check_model_parallel(cfg: DictConfig) -> None:
+    """fsdp / fsdp_tp: sharding units exist in the model; the TP size fits devices and heads."""
+    s, hw, model = cfg.strategy, cfg.hardware, cfg.model
+    is_gpt = str(model.name).startswith("gpt")
+    if s.shard_units is not None:
+        units = list(s.shard_units)
+        _require(len(units) > 0, "strategy.shard_units", units,
+                 "list at least one module class name, or null for the model's default (GPT: Block)")
+        if is_gpt:
+            bad = [u for u in units if u not in GPT_MODULE_CLASSES]
+            _require(not bad, "strategy.shard_units", units,
+                     f"{', '.join(map(str, bad))} is not a module class of model={model.name}; "
+                     f"valid choices: {', '.join(GPT_MODULE_CLASSES)}")
+    mp_precisions = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+    _require(hw.precision in mp_precisions, "hardware.precision", hw.precision,
+             f"strategy={s.name} (Lightning's ModelParallelStrategy) supports "
+             f"{', '.join(mp_precisions)}; use bf16-mixed or a ZeRO/DDP strategy for 16-mixed")
+    if s.name != "fsdp_tp":
+        return
+    tp, world = s.tensor_parallel, hw.devices * hw.num_nodes
+    _require(tp >= 1, "strategy.tensor_parallel", tp, "must be a positive integer (>= 1)")
+    _require(hw.devices % tp == 0, "strategy.tensor_parallel", tp,
+             f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); "
+             f"valid choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0)}")
+    _require(world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {world}")
+    _require(is_gpt, "model.name", model.name,
+             "strategy=fsdp_tp needs a model with a tensor-parallel plan; models with one: gpt_*. "
+             "Use strategy=fsdp for this model")
+    _require(model.n_head % tp == 0, "strategy.tensor_parallel", tp,
+             f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads)")
+
+
+def _check_zero(cfg: DictConfig) -> None:
+    """DeepSpeed ZeRO: offload options per stage, the user's JSON, host memory for offload."""
+    s, hw = cfg.strategy, cfg.hardware
+    stage = ZERO_STAGES[s.name]
+    _require(not s.offload_params or stage == 3, "strategy.offload_params", s.offload_params,
+             f"parameter offload needs ZeRO stage 3 (strategy=zero3 or zero3_offload), not strategy={s.name}")
+    if s.name == "zero3_offload":
+        _require(s.offload_optimizer, "strategy.offload_optimizer", s.offload_optimizer,
+                 "strategy=zero3_offload is ZeRO-3 with the optimizer on the host; "
+                 "use strategy=zero3 for no offload")
+    from loom.strategies import resolved_deepspeed_config
+
+    if s.deepspeed_config:  # frozen as an absolute path: ranks and resumes may run elsewhere
+        s.deepspeed_config = str(Path(s.deepspeed_config).expanduser().resolve())
+    resolved_deepspeed_config(cfg)  # raises ConfigError for a missing, malformed or conflicting JSON
+    if s.offload_optimizer or s.offload_params:
+        from loom.models.spec import model_spec
+
+        params = model_spec(cfg).params
+        world = hw.devices * hw.num_nodes
+        # ZeRO-Offload keeps the fp32 master copy + Adam m and v on the host: 12 bytes per
+        # parameter, partitioned over all ranks; one node hosts `devices` partitions.
+        per_param = 12 + (4 if s.offload_params else 0)
+        need = per_param * params / world * hw.devices
+        have = hw.host_memory_gb * 1e9 * 0.8
+        _require(need <= have, "hardware.host_memory_gb", hw.host_memory_gb,
+                 f"strategy={s.name} keeps {need / 1e9:,.1f} GB of optimizer state"
+                 f"{' and parameters' if s.offload_params else ''} in host memory per node "
+                 f"({per_param} bytes x {params / 1e6:,.1f}M params x {hw.devices}/{world} ranks), "
+                 f"more than 80% of hardware.host_memory_gb; use more nodes, a smaller model, "
+                 f"or a profile with more host memory")
 
 
 def _check_model(cfg: DictConfig) -> None:

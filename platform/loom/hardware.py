@@ -2,45 +2,87 @@
 
 Runs in the launcher before torch is imported, so GPUs are counted through NVML
 (nvidia-ml-py), which answers in milliseconds, not through torch.cuda.
+
+Two kinds of check live in two places: a profile's own consistency (backend, precision,
+rendezvous, SLURM fields) is `config._check_hardware`, run for every verb; whether *this*
+machine can run it is `check_machine` here, run by `loom train` only, so `loom plan
+hardware=h100x8` works on a laptop.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from loom.config import ConfigError
 
+# NVML device names whose datasheet numbers a shipped profile holds. Exact names only: an
+# H100 PCIe (756 dense bf16) must not borrow the SXM peak, so anything else stays `gpu`
+# with an unknown peak (MFU null) rather than a guessed one.
+KNOWN_GPUS = {
+    "NVIDIA A100-SXM4-80GB": "a100x8",
+    "NVIDIA H100 80GB HBM3": "h100x8",
+    "NVIDIA H200": "h200x8",
+}
 
-def visible_gpus() -> int:
-    """Number of NVIDIA GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES)."""
+
+@dataclass
+class GpuInfo:
+    count: int
+    name: str | None = None
+    memory_gb: float | None = None
+
+
+def gpu_info() -> GpuInfo:
+    """GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES), and the first one's
+    name and memory."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
             count = pynvml.nvmlDeviceGetCount()
+            name = mem = None
+            if count:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+                name = pynvml.nvmlDeviceGetName(handle)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                mem = round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9, 1)
         finally:
             pynvml.nvmlShutdown()
     except Exception:
-        return 0
+        return GpuInfo(0)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         count = min(count, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
-    return count
+    return GpuInfo(count, name, mem) if count else GpuInfo(0)
+
+
+def visible_gpus() -> int:
+    """Number of NVIDIA GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES)."""
+    return gpu_info().count
 
 
 def auto_overrides(overrides: list[str]) -> list[str]:
     """Overrides that turn `hardware=auto` into a concrete profile for this machine.
 
+    Every visible GPU: the shipped profile of a known device (datasheet peak), else `gpu`
+    with NVML's name and memory (peak unknown: MFU null). No GPU: `cpu`.
     The concrete profile comes first so the user's own `hardware.*` overrides still win.
     """
-    gpus = visible_gpus()
+    info = gpu_info()
     rest = [o for o in overrides if not o.startswith("hardware=")]
-    if gpus:
-        return ["hardware=gpu", f"hardware.devices={gpus}", *rest]
-    return ["hardware=cpu", *rest]
+    if not info.count:
+        return ["hardware=cpu", *rest]
+    profile = KNOWN_GPUS.get(info.name or "")
+    if profile:
+        return [f"hardware={profile}", f"hardware.devices={info.count}", *rest]
+    found = [f"hardware.device_name='{info.name}'"] if info.name else []
+    if info.memory_gb:
+        found.append(f"hardware.device_memory_gb={info.memory_gb}")
+    return ["hardware=gpu", f"hardware.devices={info.count}", *found, *rest]
 
 
 def user_set(overrides: list[str], key: str) -> bool:
@@ -48,17 +90,37 @@ def user_set(overrides: list[str], key: str) -> bool:
 
 
 def check_machine(cfg: DictConfig) -> None:
-    """Refuse a profile this machine cannot run (exit 2 before any process starts)."""
+    """Refuse a profile this machine cannot run (exit 2 before any process starts).
+
+    `loom train` only: every node of a multi-node run starts the same command, so this node
+    must have `hardware.devices` GPUs itself.
+    """
     hw = cfg.hardware
-    if hw.accelerator == "gpu" and hw.num_nodes == 1:
+    if hw.launcher == "slurm":
+        raise ConfigError(
+            f"Invalid config: hardware.launcher=slurm (hardware={hw.name}): SLURM launch is not "
+            "available yet. `loom plan` works with this profile; to train now, start "
+            "`loom train hardware=multinode hardware.rdzv_endpoint=<node0>:29500` on every node "
+            "of your allocation (e.g. from an sbatch script with srun --ntasks-per-node=1)."
+        )
+    if hw.accelerator == "gpu":
         have = visible_gpus()
         if have == 0:
             raise ConfigError(
-                f"Invalid config: hardware={hw.name} needs CUDA GPUs but this machine has none "
-                "visible to NVML. Use hardware=cpu (or hardware=auto) here."
+                f"Invalid config: hardware={hw.name} (hardware.accelerator=gpu) needs CUDA GPUs "
+                "but this machine has none visible to NVML. Use hardware=cpu (or hardware=auto) "
+                f"here; `loom plan hardware={hw.name}` still estimates the run without GPUs."
             )
         if hw.devices > have:
             raise ConfigError(
-                f"Invalid config: hardware.devices={hw.devices} but this machine has {have} GPU(s). "
-                f"Set hardware.devices<={have}."
+                f"Invalid config: hardware.devices={hw.devices} (hardware={hw.name}) but this "
+                f"machine has {have} GPU(s). Set hardware.devices<={have}."
+            )
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        limit = 4 * cores
+        if hw.devices > limit:
+            raise ConfigError(
+                f"Invalid config: hardware.devices={hw.devices} CPU processes on a machine with "
+                f"{cores} core(s) would thrash; set hardware.devices<={limit} (hardware={hw.name})."
             )

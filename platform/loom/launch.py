@@ -55,8 +55,16 @@ def launch(cfg: DictConfig, run_dir: Path) -> int:
         except Exception:
             return 1
     proc = subprocess.Popen(torchrun_command(cfg, run_dir), env=env)
+
+    def forward(signum, frame) -> None:
+        # torchrun handles SIGTERM (it stops its workers with it, and Loom's workers then
+        # checkpoint and exit); SIGUSR1 would kill the agent outright, so it becomes SIGTERM.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -20,6 +21,7 @@ from omegaconf import DictConfig
 from loom.config import load_frozen
 
 log = logging.getLogger("loom")
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect from a preempted job
 
 # Lightning advice that does not apply to Loom's setup (it chooses workers per profile and
 # its own sampler on purpose).
@@ -30,6 +32,7 @@ _QUIET = (
     r".*Checkpoint directory .* exists and is not empty.*",
     r".*Experiment logs directory .* exists.*",
     r".*on_epoch=True.*",
+    r".*your dataloader is not resumable.*",  # loom.data.position resumes it
     r".*It is recommended to use `self.log\(.*sync_dist=True`.*",
 )
 
@@ -74,8 +77,23 @@ def quiet_library_consoles() -> None:
         lg.propagate = False
 
 
+def die_with_parent() -> None:
+    """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
+    training on as an orphan (torchrun starts workers in their own sessions)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the agent died before we got here
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(run_dir: Path) -> int:
     """Train the frozen run in `run_dir` on this rank; returns the process exit code."""
+    die_with_parent()
     run_dir = Path(run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")
     rank = int(os.environ.get("RANK", 0))
@@ -88,7 +106,14 @@ def run(run_dir: Path) -> int:
     import torch
 
     torch.set_num_threads(threads)
-    return _fit(cfg, run_dir, rank)
+    try:
+        from loom.distributed import init_from_torchrun
+
+        init_from_torchrun(cfg.hardware.backend)
+        return _fit(cfg, run_dir, rank)
+    except Exception:
+        log.exception(f"rank {rank} failed")
+        raise
 
 
 def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
@@ -97,9 +122,9 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
 
     quiet_library_consoles()
     from loom import checkpoint, strategies
+    from loom.checkpointing import Checkpointing
     from loom.data.module import TokenDataModule
     from loom.data.position import DataPosition
-    from loom.memory import optim_state_bytes, param_bytes
     from loom.models.lit import CausalLMModule
     from loom.models.spec import model_spec
     from loom.tracking.loggers import build_loggers, truncate_metrics
@@ -112,8 +137,8 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     world = hw.devices * hw.num_nodes
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    resume = checkpoint.last_checkpoint(run_dir)
-    resumed_step = checkpoint.step_of(resume) if resume else None
+    resume = checkpoint.newest_checkpoint(run_dir)
+    resumed_step = checkpoint.step_of(resume)
     if rank == 0 and resumed_step is not None:
         truncate_metrics(run_dir, resumed_step)
         log.info(f"resuming from {resume.relative_to(run_dir)} (step {resumed_step})")
@@ -130,22 +155,8 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         peak_flops_per_device=plan.get("peak_flops_per_device"),
         world_size=world,
     )
-    callbacks: list[pl.Callback] = [DataPosition(), recorder]
-    if cfg.checkpoint.every_n_steps:
-        from pytorch_lightning.callbacks import ModelCheckpoint
-
-        callbacks.append(
-            ModelCheckpoint(
-                dirpath=str(checkpoint.checkpoint_dir(run_dir)),
-                filename="step-{step:07d}",
-                auto_insert_metric_name=False,
-                every_n_train_steps=cfg.checkpoint.every_n_steps,
-                save_top_k=cfg.checkpoint.keep_last,
-                monitor="step",
-                mode="max",
-                save_last="link",
-            )
-        )
+    saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
+    callbacks: list[pl.Callback] = [DataPosition(), recorder, saver]
     accum = cfg.trainer.accumulate_grad_batches
     val_every = cfg.trainer.val_every_n_steps or cfg.trainer.max_steps
     trainer = pl.Trainer(
@@ -160,7 +171,7 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         gradient_clip_val=cfg.trainer.gradient_clip_val or None,
         logger=build_loggers(cfg, run_dir, run_id) or False,
         callbacks=callbacks,
-        enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
+        enable_checkpointing=False,  # loom.checkpointing saves (atomic, preemption-aware)
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         val_check_interval=val_every * accum,
         check_val_every_n_epoch=None,
@@ -177,7 +188,11 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
     status = "failed"
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
+                    weights_only=True if resume and resume.is_file() else None)
+        if saver.preempted:
+            status = "preempted"
+            return EXIT_PREEMPTED
         status = "completed"
         state = strategies.full_model_state(trainer, module)
         if rank == 0:
@@ -186,9 +201,9 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
             )
             summary["final_weights"] = "final/model.safetensors"
         local = recorder.rank_stats(module)
+        held_params, held_optim = strategies.local_state_bytes(trainer, module)
         stats = torch.tensor(
-            [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, param_bytes(module),
-             sum(optim_state_bytes(o) for o in trainer.optimizers)],
+            [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim],
             dtype=torch.float64,
         )
         per_rank = (trainer.strategy.all_gather(stats.to(module.device)).reshape(world, -1).cpu()
@@ -200,9 +215,6 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
             "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
         }
-    except BaseException:
-        log.exception("training failed")
-        raise
     finally:
         if rank == 0:
             step = trainer.global_step

@@ -12,8 +12,15 @@ from loom.optim import build_optimizer
 
 
 class CausalLMModule(pl.LightningModule):
-    # The module classes FSDP shards as units, and which make up the TP plan.
+    # The module classes FSDP shards as units (strategy.shard_units overrides them by name).
     sharding_units: tuple[type, ...] = (Block,)
+    # Tensor parallelism, per unit class: submodule -> colwise | rowwise (Megatron-style:
+    # q/k/v and the MLP's up projection split by output features, i.e. by heads; the two
+    # output projections by input features, so each unit needs one all-reduce per branch).
+    tensor_parallel_plan: dict[type, dict[str, str]] = {
+        Block: {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
+                "mlp.fc": "colwise", "mlp.proj": "rowwise"},
+    }
 
     def __init__(self, model_cfg: DictConfig, optim_cfg: DictConfig, max_steps: int) -> None:
         super().__init__()
@@ -23,6 +30,16 @@ class CausalLMModule(pl.LightningModule):
         m = OmegaConf.to_container(model_cfg)
         m.pop("name")
         self.model = GPT(**m)
+
+    def configure_model(self) -> None:
+        """Lightning calls this before the optimizers are built. The model itself is built in
+        __init__ (same seed, same initial weights under every strategy); a strategy that
+        shards it (Loom's ModelParallelStrategy: FSDP2 / TP) does so here, once."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        parallelize = getattr(strategy, "parallelize", None)
+        if parallelize is not None and not getattr(self, "_parallelized", False):
+            parallelize(self)
+            self._parallelized = True
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

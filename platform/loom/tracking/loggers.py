@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from loom.secrets import redact
+
+log = logging.getLogger("loom")
 
 
 class _AppendingWriter(ExperimentWriter):
@@ -59,16 +67,102 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
     os.replace(tmp, path)
 
 
+class SafeWandbLogger(WandbLogger):
+    """A WandbLogger whose failures cost the run its wandb record, never the run itself.
+
+    Lightning calls loggers inside the training loop, so an exception from wandb (its files
+    on a full disk, its service process gone) would kill a training that is otherwise fine.
+    Here the first failure is logged once as a warning and the logger disables itself; the
+    training, metrics.csv and summary.json carry on. Also: `finalize` finishes the wandb run
+    (an offline run left to wandb's atexit hook was recorded without its exit), and the
+    `anonymous` argument, deprecated in wandb 0.31, is not passed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._wandb_init.pop("anonymous", None)
+        self.disabled = False
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if not self.disabled:
+            self.disabled = True
+            log.warning(
+                f"wandb {what} failed ({type(exc).__name__}: {exc}); wandb logging is off for the rest "
+                "of this run. Training, metrics.csv and summary.json continue."
+            )
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self.disabled:
+            return
+        try:
+            super().log_metrics(metrics, step)
+        except Exception as e:
+            self._failed("log_metrics", e)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        if self.disabled:
+            return
+        try:
+            super().log_hyperparams(params)
+        except Exception as e:
+            self._failed("init/log_hyperparams", e)
+
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        if self.disabled:
+            return
+        try:
+            super().after_save_checkpoint(checkpoint_callback)
+        except Exception as e:
+            self._failed("after_save_checkpoint", e)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self.disabled:
+            return
+        try:
+            super().finalize(status)
+            if self._experiment is not None:
+                self._experiment.finish(exit_code=0 if status in ("success", "finished") else 1)
+        except Exception as e:
+            self._failed("finish", e)
+
+
+def wandb_settings() -> Any:
+    """What the wandb run records besides Loom's metrics and (redacted) config: no git state,
+    no code, no system metadata (it holds the full argv and the host), no Launch job."""
+    import wandb
+
+    return wandb.Settings(
+        disable_git=True,
+        save_code=False,
+        disable_code=True,
+        disable_job_creation=True,
+        x_disable_meta=True,
+        x_disable_machine_info=True,
+    )
+
+
+def wandb_mode(cfg: DictConfig) -> str:
+    """tracking.mode, except that WANDB_MODE=offline|disabled in the environment (a CI's kill
+    switch) keeps an online config from going online."""
+    mode = str(cfg.tracking.get("mode", "offline"))
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode == "online" and env in ("offline", "dryrun", "disabled"):
+        log.info(f"tracking.mode=online but WANDB_MODE={env}: wandb stays {env}")
+        return "offline" if env == "dryrun" else env
+    return mode
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path, run_id: str) -> list:
     loggers: list = []
     if cfg.tracking.csv:
         loggers.append(RunCSVLogger(run_dir))
-    if cfg.tracking.wandb:
-        from pytorch_lightning.loggers import WandbLogger
-
-        os.environ.setdefault("WANDB_MODE", "offline")
+    if cfg.tracking.wandb and cfg.tracking.get("mode", "offline") != "disabled":
         os.environ.setdefault("WANDB_SILENT", "true")
-        logger = WandbLogger(
+        logger = SafeWandbLogger(
             save_dir=str(run_dir),
             project=cfg.tracking.project,
             entity=cfg.tracking.entity,
@@ -76,7 +170,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_id: str) -> list:
             name=f"{cfg.experiment}/{run_id}",
             resume="allow",
             log_model=False,
+            mode=wandb_mode(cfg),
+            settings=wandb_settings() if rank_zero_only.rank == 0 else None,
         )
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        # Only global rank 0 creates the wandb run (log_hyperparams is rank-zero-only).
+        logger.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
         loggers.append(logger)
     return loggers

@@ -5,6 +5,12 @@ after every batch on rank 0. Here the hot path only reads a clock and adds a det
 tensor; the device is synchronized, metrics reduced across ranks (mean/min/max) and logged
 once per `trainer.log_every_n_steps`, by rank 0. Rates and MFU come from Lightning's
 `Throughput` utility over the window of logged steps.
+
+Training time (`train_time_s`, the denominator of every rate) is the wall time of the
+training loop of this attempt, from `on_train_start` to `on_train_end`, minus the time
+spent in validation (as Lightning's ThroughputMonitor also does): tokens/s counts the tokens
+trained per second of training. Rank 0 logs "training loop started at step N" and
+"training loop ended" lines, so the rank log's timestamps are an independent stopwatch.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class Recorder(pl.Callback):
         self.start_step = 0
         self.loop_start = 0.0
         self.loop_time = 0.0
+        self.val_time = 0.0             # validation inside the loop, excluded from loop_time
+        self.val_window = 0.0           # ... and from the current logging window
+        self.val_start: float | None = None
         self.last_log_time = 0.0
         self.last_log_step = 0
         self.batch_end = 0.0
@@ -74,6 +83,8 @@ class Recorder(pl.Callback):
         self.loop_start = self.last_log_time = self.batch_end = time.perf_counter()
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
                                flops=0 if self.flops_per_token else None)
+        if trainer.global_rank == 0:
+            log.info(f"training loop started at step {self.start_step}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.data_wait += time.perf_counter() - self.batch_end
@@ -89,6 +100,22 @@ class Recorder(pl.Callback):
             self._log(trainer, pl_module)
         self.batch_end = time.perf_counter()
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not self.loop_start:
+            return
+        self._sync(pl_module)
+        self.val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.val_start is None:
+            return
+        self._sync(pl_module)
+        now = time.perf_counter()
+        self.val_time += now - self.val_start
+        self.val_window += now - self.val_start
+        self.val_start = None
+        self.batch_end = now  # the next batch's data wait starts here, not before validation
+
     # ---------------------------------------------------------------- log steps
     def _sync(self, pl_module: pl.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -99,7 +126,7 @@ class Recorder(pl.Callback):
         now = time.perf_counter()
         step = trainer.global_step
         steps = step - self.last_log_step
-        window = now - self.last_log_time
+        window = now - self.last_log_time - self.val_window
         gpu = self.gpu.sample(pl_module.device)
         loss = (self.loss_sum / max(1, self.loss_count)).float() if self.loss_sum is not None else None
         local = torch.tensor(
@@ -116,9 +143,9 @@ class Recorder(pl.Callback):
             dtype=torch.float64,
         )
         gathered = self._gather(trainer, local, pl_module.device)
-        self.loss_sum, self.loss_count, self.data_wait = None, 0, 0.0
+        self.loss_sum, self.loss_count, self.data_wait, self.val_window = None, 0, 0.0, 0.0
         self.last_log_step, self.last_log_time = step, now
-        self.loop_time = now - self.loop_start
+        self.loop_time = now - self.loop_start - self.val_time
 
         per_device_samples = (step - self.start_step) * self.samples_per_step // self.world_size
         per_device_tokens = per_device_samples * self.seq_len
@@ -179,7 +206,10 @@ class Recorder(pl.Callback):
         if trainer.global_step > self.last_log_step:
             self._log(trainer, pl_module)
         self._sync(pl_module)
-        self.loop_time = time.perf_counter() - self.loop_start
+        self.loop_time = time.perf_counter() - self.loop_start - self.val_time
+        if trainer.global_rank == 0:
+            log.info(f"training loop ended at step {trainer.global_step}: {self.loop_time:.3f} s training, "
+                     f"{self.val_time:.3f} s validation")
 
     def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """This rank's peaks, for summary.json (gathered by the worker)."""

@@ -1,0 +1,36 @@
+"""Process-group setup for ranks started by torchrun.
+
+Initialized here, before Lightning (which then skips its own init), because torch's env://
+rendezvous reuses the elastic agent's store across restarts without a per-attempt prefix:
+after a restart a rank read the dead previous attempt's gloo address and failed to connect.
+Prefixing the store with the restart count gives every attempt its own keys.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+def init_from_torchrun(backend: str, timeout_s: float = 600) -> bool:
+    """Initialize the default process group from torchrun's environment; False if not under it."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "TORCHELASTIC_RUN_ID" not in os.environ or world == 1 or dist.is_initialized():
+        return False
+    rank = int(os.environ["RANK"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=(rank == 0 and not agent_store), timeout=timedelta(seconds=timeout_s),
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"/loom/attempt_{attempt}", store), rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return True

@@ -1,0 +1,226 @@
+"""Hardware profiles: shipped numbers, validation refusals (exit 2, key named, no run dir),
+`auto` resolution, the machine check, SLURM's clear refusal, and `loom probe`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from conftest import LOOM, ROOT
+from omegaconf import OmegaConf
+
+from loom import hardware
+from loom.cli import resolve
+from loom.config import ConfigError, group_options
+from loom.plan import make_plan
+
+PROFILES = group_options("hardware")
+
+
+def _runs(root):
+    return [p for p in root.rglob("*") if p.name in ("config.yaml", "plan.json")]
+
+
+# ------------------------------------------------------------------ the shipped profiles
+
+
+def test_profiles_exist():
+    for name in ("auto", "cpu", "gpu", "a100x8", "h100x8", "h200x8", "multinode", "slurm"):
+        assert name in PROFILES
+
+
+@pytest.mark.parametrize("name", [p for p in PROFILES if p != "auto"])
+def test_every_profile_validates_and_plans(name):
+    extra = ["hardware.rdzv_endpoint=node0:29500"] if name == "multinode" else []
+    cfg = resolve([f"hardware={name}", *extra])
+    hw = cfg.hardware
+    assert hw.name == name
+    assert hw.backend == ("nccl" if hw.accelerator == "gpu" else "gloo")
+    make_plan(cfg)
+
+
+@pytest.mark.parametrize(("name", "memory", "bf16", "fp32", "tf32"), [
+    ("a100x8", 80, 312.0, 19.5, 156.0),
+    ("h100x8", 80, 989.4, 66.9, 494.7),
+    ("h200x8", 141, 989.4, 66.9, 494.7),
+])
+def test_datasheet_numbers(name, memory, bf16, fp32, tf32):
+    hw = resolve([f"hardware={name}"]).hardware
+    assert (hw.devices, hw.num_nodes, hw.device_memory_gb) == (8, 1, memory)
+    assert (hw.peak_tflops.bf16, hw.peak_tflops.fp32, hw.peak_tflops.tf32) == (bf16, fp32, tf32)
+    assert hw.precision == "bf16-mixed" and hw.bf16_supported
+    assert "nvlink" in hw.interconnect and hw.pin_memory
+
+
+def test_generic_gpu_has_unknown_peak():
+    cfg = resolve(["hardware=gpu"])
+    assert all(v is None for v in cfg.hardware.peak_tflops.values())
+    assert make_plan(resolve(["hardware=gpu", "hardware.peak_tflops.bf16=100"]))["peak_flops_per_device"] == 1e14
+    plan = make_plan(cfg)
+    assert plan["peak_flops_per_device"] is None
+    assert any("MFU will be null" in w for w in plan["warnings"])
+
+
+def test_cpu_profile_runs_fp32_over_gloo():
+    hw = resolve(["hardware=cpu"]).hardware
+    assert (hw.accelerator, hw.precision, hw.backend) == ("cpu", "32-true", "gloo")
+
+
+# ------------------------------------------------------------------ validation refusals
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["hardware=cpu", "hardware.devices=0"], "hardware.devices"),
+    (["hardware=h100x8", "hardware.num_nodes=0"], "hardware.num_nodes"),
+    (["hardware=multinode"], "hardware.rdzv_endpoint"),
+    (["hardware=multinode", "hardware.rdzv_endpoint=node0"], "hardware.rdzv_endpoint"),
+    (["hardware=gpu", "hardware.bf16_supported=false"], "hardware.precision"),
+    (["hardware=cpu", "hardware.backend=nccl"], "hardware.backend"),
+    (["hardware=cpu", "hardware.backend=mpi"], "hardware.backend"),
+    (["hardware=h100x8", "+hardware.peak_tflops.fp8=1979"], "hardware.peak_tflops.fp8"),
+    (["hardware=slurm", "hardware.slurm.time_limit=soon"], "hardware.slurm.time_limit"),
+    (["hardware=slurm", "hardware.slurm.gpus_per_node=4"], "hardware.slurm.gpus_per_node"),
+    (["hardware=cpu", "hardware.launcher=slurm"], "hardware.slurm"),
+])
+def test_invalid_profile_refused(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        resolve(overrides)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_bf16_gpu_without_it_accepts_16_mixed():
+    cfg = resolve(["hardware=gpu", "hardware.bf16_supported=false", "hardware.precision=16-mixed"])
+    assert cfg.hardware.precision == "16-mixed"
+
+
+def _cli(tmp_path, *args):
+    t0 = time.perf_counter()
+    p = subprocess.run([*LOOM, *args, f"run.root={tmp_path}"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=60)
+    return p, time.perf_counter() - t0
+
+
+def test_unknown_profile_lists_choices(tmp_path):
+    p, dt = _cli(tmp_path, "train", "hardware=tpu_v9")
+    assert p.returncode == 2
+    assert "hardware=tpu_v9" in p.stderr and "h100x8" in p.stderr and "cpu" in p.stderr
+    assert "Traceback" not in p.stderr and dt < 3
+    assert not _runs(tmp_path)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["hardware=cpu", "hardware.devices=0"], "hardware.devices=0"),
+    (["hardware=multinode"], "hardware.rdzv_endpoint"),
+    (["hardware=gpu", "hardware.bf16_supported=false"], "hardware.precision='bf16-mixed'"),
+])
+def test_cli_refusals_exit_2_without_run_dir(tmp_path, args, needle):
+    for verb in ("train", "plan"):
+        p, _ = _cli(tmp_path, verb, *args)
+        assert p.returncode == 2, (verb, p.stderr)
+        assert needle in p.stderr and "Traceback" not in p.stderr
+    assert not _runs(tmp_path)
+
+
+@pytest.mark.skipif(hardware.visible_gpus() > 0, reason="this machine has GPUs")
+def test_gpu_profile_refused_for_train_on_cpu_machine_but_plans(tmp_path):
+    p, _ = _cli(tmp_path, "train", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
+    assert p.returncode == 2 and "hardware=h100x8" in p.stderr and "needs CUDA GPUs" in p.stderr
+    assert not _runs(tmp_path)
+    p, _ = _cli(tmp_path, "plan", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
+    assert p.returncode == 0, p.stderr
+
+
+def test_slurm_plans_but_train_refuses_clearly(tmp_path):
+    p, _ = _cli(tmp_path, "plan", "hardware=slurm", "strategy=zero2")
+    assert p.returncode == 0, p.stderr
+    assert "16 (2 node(s) x 8)" in p.stdout
+    p, _ = _cli(tmp_path, "train", "hardware=slurm", "strategy=zero2")
+    assert p.returncode == 2
+    assert "SLURM launch is not available yet" in p.stderr and "hardware.launcher=slurm" in p.stderr
+    assert not _runs(tmp_path)
+
+
+# ------------------------------------------------------------------ auto and the machine
+
+
+def test_auto_resolves_to_cpu_here_and_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(0))
+    cfg = resolve([])
+    assert (cfg.hardware.name, cfg.hardware.resolved_from) == ("cpu", "auto")
+    p, _ = _cli(tmp_path, "train", "--cfg", "job")
+    assert p.returncode == 0
+    frozen = OmegaConf.create(p.stdout)
+    if hardware.visible_gpus() == 0:
+        assert frozen.hardware.name == "cpu" and frozen.hardware.resolved_from == "auto"
+
+
+def test_auto_picks_a_known_gpu_profile(monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(4, "NVIDIA H100 80GB HBM3", 85.0))
+    hw = resolve(["hardware=auto"]).hardware
+    assert (hw.name, hw.devices, hw.resolved_from) == ("h100x8", 4, "auto")
+    assert hw.peak_tflops.bf16 == 989.4
+
+
+def test_auto_unknown_gpu_gets_nvml_name_and_memory_but_no_peak(monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(2, "NVIDIA H100 PCIe", 85.5))
+    cfg = resolve([])
+    hw = cfg.hardware
+    assert (hw.name, hw.devices, hw.device_name, hw.device_memory_gb) == ("gpu", 2, "NVIDIA H100 PCIe", 85.5)
+    assert make_plan(cfg)["peak_flops_per_device"] is None
+
+
+def test_auto_user_overrides_still_win(monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(8, "NVIDIA H200", 150.0))
+    hw = resolve(["hardware.devices=2"]).hardware
+    assert (hw.name, hw.devices) == ("h200x8", 2)
+
+
+def test_check_machine(monkeypatch):
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: 4)
+    hardware.check_machine(resolve(["hardware=h100x8", "hardware.devices=4"]))
+    with pytest.raises(ConfigError, match=r"hardware.devices=8 .* has 4 GPU"):
+        hardware.check_machine(resolve(["hardware=h100x8"]))
+    # every node of a multi-node run checks its own GPUs
+    with pytest.raises(ConfigError, match="hardware.devices=8"):
+        hardware.check_machine(resolve(["hardware=multinode", "hardware.rdzv_endpoint=n0:29500"]))
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: 0)
+    with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+        hardware.check_machine(resolve(["hardware=gpu"]))
+    hardware.check_machine(resolve(["hardware=cpu"]))
+    with pytest.raises(ConfigError, match="hardware.devices=64"):
+        hardware.check_machine(resolve(["hardware=cpu", "hardware.devices=64"]))
+
+
+# ------------------------------------------------------------------ loom probe
+
+
+def test_probe_writes_a_profile_plan_accepts(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    env = {"LOOM_CONF_DIR": str(conf)}
+    out = conf / "hardware" / "probe_test.yaml"
+    t0 = time.perf_counter()
+    p = subprocess.run([*LOOM, "probe", "--out", str(out), "--repeats", "3", "--allreduce-mb", "8"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, **env})
+    took = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr
+    assert took < 30, took
+    prof = OmegaConf.load(out)
+    assert prof.name == "probe_test" and prof.accelerator in ("cpu", "gpu")
+    m = prof.measured
+    assert m.matmul_tflops > 0 and m.allreduce_busbw_gbps > 0
+    if prof.accelerator == "cpu":
+        assert prof.peak_tflops.fp32 == m.matmul_tflops and m.allreduce_backend == "gloo"
+        assert "measured" in out.read_text().split("name:")[0]  # the comment says so
+    plan_json = tmp_path / "plan.json"
+    p = subprocess.run([*LOOM, "plan", "hardware=probe_test", "--json", str(plan_json)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60, env={**os.environ, **env})
+    assert p.returncode == 0, p.stderr
+    plan = OmegaConf.load(plan_json)
+    if prof.accelerator == "cpu":
+        assert plan.peak_flops_per_device == pytest.approx(m.matmul_tflops * 1e12)
+        assert plan.comm_time_s_at_measured_busbw is not None

@@ -1,0 +1,186 @@
+"""Fault tolerance: killed, preempted or corrupted runs resume exactly; hostile input is refused.
+
+Every run here is the real 2-process DDP job on CPU in fp32 with dropout on (so RNG state
+matters). "Exact" is bit-for-bit: same losses at every step and identical final weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FAST, LOOM, LoomResult, run_loom
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+ARGS = [*FAST, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=4", "model.dropout=0.1", "run.id=r"]
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def _assert_same_run(a: LoomResult, b: LoomResult) -> None:
+    la, lb = a.losses(), b.losses()
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    assert la == lb, "loss curves differ"
+    wa, wb = _weights(a.run_dir), _weights(b.run_dir)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> LoomResult:
+    """The uninterrupted run every other one must reproduce."""
+    r = run_loom("train", *ARGS, root=tmp_path_factory.mktemp("reference"))
+    assert r.rc == 0, r.out + r.err
+    return r
+
+
+def _start(root: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.Popen([*LOOM, "train", *ARGS, *extra, f"run.root={root}"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"exited early: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _workers(run_dir: Path) -> list[int]:
+    """The rank processes (not torchrun, whose command line also names loom.worker)."""
+    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in out.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" not in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
+    run_dir = tmp_path / "gpt" / "r"
+    proc = _start(tmp_path, "hardware.max_restarts=1")
+    _wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
+    victims = _workers(run_dir)
+    assert len(victims) == 2
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    r = LoomResult(0, out, "", run_dir)
+    s = r.summary()
+    assert s["status"] == "completed" and s["restarts"] == 1
+    assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 8
+    _assert_same_run(reference, r)
+
+
+def test_sigterm_to_launcher_preempts_then_relaunch_completes_identically(tmp_path, reference):
+    run_dir = tmp_path / "gpt" / "r"
+    proc = _start(tmp_path)
+    _wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    s = LoomResult(143, out, "", run_dir).summary()
+    assert s["status"] == "preempted" and 4 <= s["global_step"] < STEPS
+    # the preemption checkpoint is the step the ranks stopped at, complete and pointed to by `last`
+    assert (run_dir / "checkpoints" / f"step-{s['global_step']:07d}.ckpt").is_file()
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{s['global_step']:07d}.ckpt"
+    assert not (run_dir / "final").exists()
+
+    again = run_loom("train", *ARGS, root=tmp_path)
+    assert again.rc == 0, again.out + again.err
+    assert again.summary()["resumed_from_step"] == s["global_step"]
+    _assert_same_run(reference, again)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
+    run_dir = tmp_path / "gpt" / "r"
+    proc = _start(tmp_path)
+    _wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*.ckpt"))
+    newest, previous = ckpts[-1], ckpts[-2]
+    # a kill during a write leaves a half-written file: truncate the newest, leave a .partial
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    (run_dir / "checkpoints" / "step-0009999.ckpt.partial").write_bytes(b"half")
+
+    again = run_loom("train", *ARGS, root=tmp_path)
+    assert again.rc == 0, again.out + again.err
+    assert "falling back" in (run_dir / "logs" / "rank-0.log").read_text() + again.out + again.err
+    assert again.summary()["resumed_from_step"] == int(previous.name[5:12])
+    _assert_same_run(reference, again)
+
+
+def test_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "MARKER"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    from loom.cli import resolve
+    from loom.rundir import freeze
+
+    cfg = resolve([*ARGS, f"run.root={tmp_path}"])
+    frozen = freeze(cfg, {"global_batch": 32})
+    (frozen.run_dir / "checkpoints").mkdir()
+    torch.save({"state_dict": {}, "x": Payload()}, frozen.run_dir / "checkpoints" / "step-0000004.ckpt")
+    r = run_loom("train", *ARGS, root=tmp_path)
+    assert r.rc == 2
+    assert "Refusing checkpoint" in r.err and "system" in r.err
+    assert not marker.exists()
+
+
+def test_checkpoint_write_error_fails_the_run_loudly(tmp_path):
+    run_dir = tmp_path / "gpt" / "r"
+    from loom.cli import resolve
+    from loom.rundir import freeze
+
+    freeze(resolve([*ARGS, f"run.root={tmp_path}"]), {"global_batch": 32, "peak_flops_per_device": None})
+    (run_dir / "checkpoints").write_text("not a directory")  # every checkpoint write must fail
+    r = run_loom("train", *ARGS, root=tmp_path)
+    assert r.rc == 1
+    logs = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "checkpoints" in logs and ("Not a directory" in logs or "FileExistsError" in logs)
+    assert r.summary()["status"] == "failed"
+
+
+@pytest.mark.parametrize("how", ["override", "config file"])
+def test_hostile_target_is_refused_before_anything_runs(tmp_path, how):
+    marker = tmp_path / "MARKER"
+    env = {}
+    if how == "override":
+        args = ["+model._target_=os.system", f"+model.command=touch {marker}"]
+    else:
+        import shutil
+
+        conf = tmp_path / "conf"
+        shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
+        (conf / "model" / "evil.yaml").write_text(f"name: gpt_tiny\n_target_: os.system\ncommand: touch {marker}\n")
+        args, env = ["model=evil"], {"LOOM_CONF_DIR": str(conf)}
+    p = subprocess.run([*LOOM, "train", *args, f"run.root={tmp_path}"], capture_output=True, text=True,
+                       env={**os.environ, **env}, cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "os.system" in p.stderr and "not allowed" in p.stderr
+    assert not marker.exists() and not (tmp_path / "gpt").exists()
+

@@ -1,0 +1,444 @@
+"""Tracking that tells the truth: throughput against an independent stopwatch, MFU, one wandb
+run per Loom run (also across a resume), no secrets in the run dir, reports and plots.
+
+Real trainings are slow on 2 cores, so a few module-scoped runs serve many checks:
+  ddp_run      2 ranks, tracking=offline (wandb offline + CSV), secrets in the environment
+  single_run   1 process, CSV only; with ddp_run it forms a 2-run "sweep" dir
+  resumed_run  a copy of ddp_run marked as killed, then resumed by the same command
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import FAST, LOOM, run_loom
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TOKEN": "sentinel-token-0987654321"}
+STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last step: see the stopwatch
+MICRO_BATCH, SEQ_LEN = 16, 128
+BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
+DDP_ARGS = ("train", *BASE, "tracking=offline", f"trainer.max_steps={STEPS}",
+            f"checkpoint.every_n_steps={CKPT_EVERY}")
+SINGLE_ARGS = ("train", *BASE, "tracking=csv", "strategy=single", "hardware.devices=1",
+               f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=0")
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tracking")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(root):
+    r = run_loom(*DDP_ARGS, root=root, env=SENTINELS)
+    assert r.rc == 0, r.out + r.err
+    plots = sorted(p.name for p in (r.run_dir / "plots").glob("*.png")) if (r.run_dir / "plots").is_dir() else []
+    return SimpleNamespace(result=r, run_dir=r.run_dir, plots_after_train=plots)
+
+
+@pytest.fixture(scope="module")
+def single_run(root, ddp_run):
+    r = run_loom(*SINGLE_ARGS, root=root)
+    assert r.rc == 0, r.out + r.err
+    assert r.run_dir.parent == ddp_run.run_dir.parent  # both in <root>/gpt/: a sweep-like dir
+    return r
+
+
+@pytest.fixture(scope="module")
+def resumed_run(root, ddp_run):
+    """ddp_run's dir, copied to another root and marked the way a killed run is left
+    (status failed: the launcher writes that), resumed by the same command."""
+    root2 = root.parent / (root.name + "-resume")
+    copy = root2 / ddp_run.run_dir.relative_to(root)
+    shutil.copytree(ddp_run.run_dir, copy, symlinks=True)
+    shutil.rmtree(copy / "final")
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["status"] = "failed"
+    (copy / "summary.json").write_text(json.dumps(summary))
+    r = run_loom(*DDP_ARGS, root=root2, env=SENTINELS)
+    assert r.rc == 0, r.out + r.err
+    assert r.run_dir == copy
+    return r
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _log_times(run_dir: Path) -> dict[str, float]:
+    """Timestamps (wall clock, written by Python's logging) of rank 0's loop lines."""
+    times: dict[str, float] = {}
+    pat = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] (\S+) \w+: (.*)$")
+    for line in (run_dir / "logs" / "rank-0.log").read_text().splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        msg = m.group(3)
+        if msg.startswith("training loop started"):
+            times["start"] = t
+        elif msg.startswith(f"step {STEPS}/{STEPS} "):
+            times["last_step"] = t
+        elif msg.startswith("training loop ended"):
+            times["end"] = t
+    return times
+
+
+def _tokens_this_attempt(s: dict) -> int:
+    plan_batch = s["samples"] // s["global_step"]
+    return (s["global_step"] - (s["resumed_from_step"] or 0)) * plan_batch * SEQ_LEN
+
+
+def _files(run_dir: Path):
+    for dirpath, _dirs, names in os.walk(run_dir):
+        for n in names:
+            p = Path(dirpath) / n
+            if p.is_file():
+                yield p
+
+
+def _assert_png(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image as mpimg
+
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, img.shape
+    assert img.std() > 0.01, f"{path} is blank"
+
+
+# ----------------------------------------------------------------------------- throughput
+
+
+def test_tokens_per_sec_matches_an_independent_stopwatch(ddp_run):
+    """The independent measure: the wall-clock timestamps Python's logging puts on rank 0's
+    "training loop started" line (on_train_start) and on the last step's line. They bracket
+    exactly the training steps of this attempt: the end-of-run validation comes after the last
+    step's line (and is excluded from train_time_s, as in Lightning's ThroughputMonitor), and
+    STEPS is not a checkpoint step, so nothing but the last step's tail is outside the bracket.
+    A different clock (time.time vs perf_counter) and different code (the log record, not the
+    recorder's accumulators) measure the same interval, so a miscounted denominator (start-up,
+    validation, a previous attempt) shows up as a mismatch."""
+    s = ddp_run.result.summary()
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == STEPS
+    tokens = _tokens_this_attempt(s)
+    assert tokens == STEPS * 2 * MICRO_BATCH * SEQ_LEN == s["tokens"]
+    tps, train_time = s["throughput"]["tokens_per_sec"], s["train_time_s"]
+    # the summary's rate is tokens / train_time_s (train_time_s is rounded to 1 ms)
+    assert tps * train_time == pytest.approx(tokens, rel=0.005)
+
+    t = _log_times(ddp_run.run_dir)
+    assert {"start", "last_step", "end"} <= set(t), t
+    stopwatch = t["last_step"] - t["start"]
+    assert train_time == pytest.approx(stopwatch, rel=0.05), (train_time, stopwatch)
+    assert tps == pytest.approx(tokens / stopwatch, rel=0.05)
+    # validation ran after the last step and is not counted as training time
+    assert train_time <= t["end"] - t["start"] + 0.01
+    assert s["wall_time_s"] > train_time
+
+    # the per-step rows add up to the same loop time (log_every_n_steps=1: one row per step)
+    rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert sum(float(r["perf/step_time_ms"]) for r in rows) / 1000 == pytest.approx(stopwatch, rel=0.05)
+
+
+def _recorder(peak: float | None, world: int = 2):
+    from loom.tracking.recorder import Recorder
+
+    rec = Recorder(log_every=1, samples_per_step=32, seq_len=128, flops_per_token=6e6,
+                   peak_flops_per_device=peak, world_size=world)
+    rec.start_step, rec.loop_time = 4, 2.0  # a resumed attempt: steps 4..14 in 2 s
+    return rec
+
+
+def test_mfu_null_when_the_device_peak_is_unknown():
+    out = _recorder(None).throughput_summary(SimpleNamespace(global_step=14), None)
+    tokens = 10 * 32 * 128
+    assert out["tokens_per_sec"] == pytest.approx(tokens / 2.0)
+    assert out["samples_per_sec"] == pytest.approx(10 * 32 / 2.0)
+    assert out["tflops_per_device"] == pytest.approx(tokens * 6e6 / 2 / 2.0 / 1e12)
+    assert out["mfu"] is None
+
+
+def test_mfu_against_a_known_peak():
+    peak = 1e12  # 1 TFLOP/s per device
+    out = _recorder(peak).throughput_summary(SimpleNamespace(global_step=14), peak)
+    per_device_flops = 10 * 32 * 128 * 6e6 / 2 / 2.0  # tokens * flops/token / devices / seconds
+    assert out["mfu"] == pytest.approx(per_device_flops / peak)
+    assert out["mfu"] == pytest.approx(0.06144)  # 40960 tokens * 6 MFLOP / 2 devices / 2 s / 1 TFLOP/s
+    assert 0 < out["mfu"] < 1
+
+
+def test_ddp_run_measures_every_metric(ddp_run):
+    rows = ddp_run.result.metrics()
+    names = {"train/loss", "train/lr", "perf/step_time_ms", "perf/step_time_ms_min", "perf/step_time_ms_max",
+             "perf/data_wait_ms", "perf/samples_per_sec", "perf/tokens_per_sec", "perf/tflops_per_device",
+             "sys/cpu_percent", "sys/rss_gb", "sys/rss_gb_max"}
+    assert names <= set(rows[0]), set(rows[0])
+    last = rows[-1] if rows[-1].get("perf/step_time_ms") else rows[-2]
+    assert float(last["perf/step_time_ms_min"]) <= float(last["perf/step_time_ms"]) <= float(
+        last["perf/step_time_ms_max"])
+    assert "perf/mfu" not in rows[0] or not rows[0]["perf/mfu"]  # CPU profile: peak unknown
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def test_one_wandb_run_per_loom_run_with_two_ranks(ddp_run, root):
+    run = ddp_run.run_dir
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    assert runs[0].name.endswith(f"-{run.name}")  # the wandb run id is the Loom run id
+    assert (runs[0] / f"run-{run.name}.wandb").is_file()
+    assert not (root / "wandb").exists()  # nothing in the working directory
+    assert "wandb" not in (run / "logs" / "rank-1.log").read_text().lower()
+
+
+def test_resume_continues_the_same_wandb_run(resumed_run, ddp_run):
+    """wandb 0.31 offline writes one offline-run-<time>-<id> dir per attempt; with the id fixed
+    to the Loom run id and resume="allow", `wandb sync` appends them to one run."""
+    run = resumed_run.run_dir
+    s = resumed_run.summary()
+    assert s["status"] == "completed" and s["resumed_from_step"] == 10 and s["global_step"] == STEPS
+    dirs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(dirs) == 2, dirs
+    assert all(d.name.endswith(f"-{run.name}") for d in dirs), dirs
+    assert all((d / f"run-{run.name}.wandb").is_file() for d in dirs)
+    # this attempt trained steps 11-12: the rate is over those tokens and this attempt's time
+    assert s["throughput"]["tokens_per_sec"] * s["train_time_s"] == pytest.approx(
+        2 * 2 * MICRO_BATCH * SEQ_LEN, rel=0.005)
+    steps = [int(r["step"]) for r in resumed_run.metrics() if r.get("train/loss")]
+    assert steps == list(range(1, STEPS + 1))  # history kept, redone steps not duplicated
+
+
+def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):
+    for run in (ddp_run.run_dir, resumed_run.run_dir):
+        files = list(_files(run))
+        assert any("wandb" in p.parts for p in files)
+        for p in files:
+            data = p.read_bytes()
+            for value in SENTINELS.values():
+                assert value.encode() not in data, f"{value} leaked into {p}"
+
+
+def test_tracking_wandb_without_a_key_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "NETRC")}
+    env.update(HOME=str(tmp_path), WANDB_MODE="offline", WANDB_SILENT="true")
+    t0 = time.perf_counter()
+    p = subprocess.run([*LOOM, "train", *BASE, "tracking=wandb", "strategy=single", "trainer.max_steps=1", f"run.root={tmp_path / 'runs'}"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "WANDB_API_KEY" in p.stderr and "tracking=offline" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "runs").exists()
+    assert time.perf_counter() - t0 < 30
+
+
+def test_tracking_checks_finds_a_netrc_key(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from loom.config import ConfigError
+    from loom.tracking.checks import tracking_checks
+
+    cfg = OmegaConf.create({"tracking": {"name": "wandb", "wandb": True, "csv": True, "mode": "online",
+                                         "project": "loom", "entity": None}})
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    with pytest.raises(ConfigError, match="WANDB_API_KEY"):
+        tracking_checks(cfg)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    tracking_checks(cfg)  # `wandb login` wrote a key: fine
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    tracking_checks(cfg)
+    cfg.tracking.mode = "offline"
+    monkeypatch.delenv("WANDB_API_KEY")
+    tracking_checks(cfg)  # offline needs no key
+    cfg.tracking.mode = "sometimes"
+    with pytest.raises(ConfigError, match="tracking.mode='sometimes'"):
+        tracking_checks(cfg)
+
+
+def test_checks_import_neither_torch_nor_wandb():
+    code = ("import sys, loom.tracking.checks, loom.secrets, loom.report, loom.tracking.plots; "
+            "bad = [m for m in ('torch', 'wandb', 'pytorch_lightning', 'matplotlib') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_unwritable_run_root_is_refused(tmp_path):
+    """Running as root, chmod cannot make a dir unwritable: a run.root under a regular FILE
+    can never be created, whoever runs it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a dir")
+    r = run_loom("train", *BASE, "tracking=csv", "strategy=single", "trainer.max_steps=2",
+                 f"run.root={blocker / 'runs'}", root=tmp_path)
+    assert r.rc == 2, r.out + r.err
+    assert "run.root" in r.err and "Traceback" not in r.err
+
+
+class _FullDiskRun:
+    """Stands in for a wandb Run whose files sit on a full disk."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.finished = None
+        self.config = SimpleNamespace(update=self._fail)
+
+    def _fail(self, *a, **k):
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    log = _fail
+
+    def finish(self, exit_code=0):
+        self.finished = exit_code
+
+
+def test_wandb_failure_degrades_to_one_warning(caplog):
+    from loom.tracking.loggers import SafeWandbLogger
+
+    fake = _FullDiskRun()
+    logger = SafeWandbLogger(experiment=fake, save_dir=".", id="abc")
+    with caplog.at_level("WARNING", logger="loom"):
+        logger.log_metrics({"train/loss": 1.0}, step=1)
+        logger.log_metrics({"train/loss": 0.9}, step=2)
+        logger.log_hyperparams({"a": 1})
+        logger.finalize("success")
+    assert logger.disabled and fake.calls == 1  # disabled after the first failure
+    warnings = [r for r in caplog.records if "wandb" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert fake.finished is None
+
+    ok = _FullDiskRun()
+    ok.log = lambda *a, **k: None
+    logger = SafeWandbLogger(experiment=ok, save_dir=".", id="abc")
+    logger.log_metrics({"train/loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert not logger.disabled and ok.finished == 0
+    assert "anonymous" not in logger._wandb_init
+
+
+def test_wandb_settings_record_no_metadata():
+    from loom.tracking.loggers import wandb_settings
+
+    s = wandb_settings()
+    assert s.x_disable_meta and s.disable_git and not s.save_code and s.x_disable_machine_info
+
+
+# ----------------------------------------------------------------------------- secrets
+
+
+def test_secret_keys():
+    from loom.secrets import is_secret_key
+
+    for name in ("WANDB_API_KEY", "hf_token", "HF_TOKEN", "api_key", "token", "password", "DB_PASSWORD",
+                 "client_secret", "SECRET_KEY", "tracking.api_key", "passwordFile"):
+        assert is_secret_key(name), name
+    for name in ("flops_per_token", "tokens", "max_tokens", "seq_len", "tokenizer", "project", "name", 3):
+        assert not is_secret_key(name), name
+
+
+def test_redact_is_a_deep_copy_without_secrets():
+    from loom.secrets import REDACTED, redact
+
+    env = {"MY_SERVICE_TOKEN": "s3cr3t-value-123", "SHORT_TOKEN": "abc", "HOME": "/root"}
+    cfg = {"tracking": {"api_key": "k-123", "project": "loom"},
+           "run": {"id": "s3cr3t-value-123", "root": "/root"},
+           "extra": ["--opt=s3cr3t-value-123", {"password": None, "token": 7}],
+           "n": 3, "flops_per_token": 6.0}
+    out = redact(cfg, env)
+    assert out["tracking"] == {"api_key": REDACTED, "project": "loom"}
+    assert out["run"] == {"id": REDACTED, "root": "/root"}
+    assert out["extra"] == [f"--opt={REDACTED}", {"password": None, "token": REDACTED}]
+    assert out["n"] == 3 and out["flops_per_token"] == 6.0
+    assert cfg["tracking"]["api_key"] == "k-123"  # the input is untouched
+    assert redact({"x": "abc"}, env) == {"x": "abc"}  # values under 8 characters are not matched
+
+
+# ----------------------------------------------------------------------------- plots and reports
+
+
+def test_worker_writes_plots_at_the_end_of_a_run(ddp_run):
+    assert ddp_run.plots_after_train == ["loss.png", "throughput.png", "utilization.png"]
+
+
+def test_write_plots_makes_valid_pngs(ddp_run, tmp_path):
+    from loom.tracking.plots import write_plots
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ddp_run.run_dir / "metrics.csv", run / "metrics.csv")
+    paths = write_plots(run)
+    assert [p.name for p in paths] == ["loss.png", "throughput.png", "utilization.png"]
+    for p in paths:
+        _assert_png(p)
+    assert write_plots(tmp_path / "no-metrics") == []
+
+
+def test_report_for_one_run(ddp_run, root):
+    r = run_loom("report", str(ddp_run.run_dir), root=root)
+    assert r.rc == 0, r.out + r.err
+    md = (ddp_run.run_dir / "report.md").read_text()
+    assert f"report: {ddp_run.run_dir / 'report.md'}" in r.out
+    s = ddp_run.result.summary()
+    assert f"| tokens/s | {s['throughput']['tokens_per_sec']:,.0f} |" in md
+    assert "| MFU | n/a (device peak unknown) |" in md
+    for name in ("loss", "throughput", "utilization"):
+        assert f"![{name}](plots/{name}.png)" in md
+        _assert_png(ddp_run.run_dir / "plots" / f"{name}.png")
+
+
+def test_report_for_a_sweep_dir(ddp_run, single_run, root):
+    sweep = ddp_run.run_dir.parent
+    r = run_loom("report", str(sweep), root=root)
+    assert r.rc == 0, r.out + r.err
+    md = (sweep / "report.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table) == 3, md  # header + one row per run
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table[1:]}
+    ddp, single = ddp_run.result.summary(), single_run.summary()
+    d, s1 = rows[ddp_run.run_dir.name], rows[single_run.run_dir.name]
+    assert d[2:5] == ["ddp", "cpu", "2"] and s1[2:5] == ["single", "cpu", "1"]
+    per_dev = ddp["throughput"]["tokens_per_sec"] / 2
+    assert d[6] == f"{per_dev:,.0f}"
+    assert d[7] == f"{per_dev / single['throughput']['tokens_per_sec']:.2f}" and s1[7] == "1.00"
+    assert d[8] == "n/a" and d[9].endswith("GB RSS")
+    assert "![scaling](scaling.png)" in md
+    _assert_png(sweep / "scaling.png")
+    assert "runs" in r.out and ddp_run.run_dir.name in r.out  # the rich table was printed
+
+
+def test_report_of_loose_runs_goes_to_out(ddp_run, single_run, tmp_path):
+    out = tmp_path / "cmp"
+    r = run_loom("report", str(single_run.run_dir), str(ddp_run.run_dir), "--out", str(out), root=tmp_path)
+    assert r.rc == 0, r.out + r.err
+    assert (out / "report.md").is_file()
+    _assert_png(out / "scaling.png")
+
+
+def test_report_of_a_path_that_is_not_a_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        r = run_loom("report", str(path), root=tmp_path)
+        assert r.rc == 2, r.out + r.err
+        assert str(path) in r.err and "Traceback" not in r.err
