@@ -31,7 +31,10 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 B = 4  # micro batch per rank; `single` uses 2B
 COMMON = [*FAST, f"trainer.max_steps={STEPS}", f"dataset.batch_size={B}", "dataset.seq_len=64"]
-PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"]}
+# DDP runs with a gradient-compression hook (fp16 all-reduce): it must register on CPU/gloo
+# and its rounding (~1e-3 relative per gradient element) stays within the curve tolerance.
+PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
+         "ddp": ["strategy.comm_hook=fp16_compress"]}
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
 STEP1_TOL = 1e-4
 RESUME_TOL = 1e-6  # fp32, same world size, exact state restore: identical up to printing
@@ -124,11 +127,9 @@ def test_bytes_per_rank(runs):
     assert all(x < total / 2 for x in mem["fsdp_tp"]["param_bytes_per_rank"]), mem["fsdp_tp"]
 
 
-def test_ddp_comm_hook_registers_on_cpu(loom):
-    r = loom("train", "strategy=ddp", "strategy.comm_hook=powersgd", *COMMON, "trainer.max_steps=3")
-    assert r.rc == 0, r.out + r.err
-    log = (r.run_dir / "logs" / "rank-0.log").read_text()
-    assert "ddp comm hook powerSGD_hook registered on cpu" in log
+def test_ddp_comm_hook_registers_on_cpu(runs):
+    log = (runs["ddp"].run_dir / "logs" / "rank-0.log").read_text()
+    assert "ddp comm hook fp16_compress_hook registered on cpu" in log
 
 
 # ----------------------------------------------------------------------------- resume
@@ -143,7 +144,7 @@ def _start(root: Path, args: list[str]) -> subprocess.Popen:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_kill_and_resume_continues_the_same_curve(runs, tmp_path, strategy):
     """Kill the whole job after the step-2 checkpoint exists; the same command resumes it."""
-    args = [f"strategy={strategy}", *COMMON, "checkpoint.every_n_steps=2", "run.id=k"]
+    args = [f"strategy={strategy}", *COMMON, *PROCS.get(strategy, []), "checkpoint.every_n_steps=2", "run.id=k"]
     ckpt = tmp_path / "gpt" / "k" / "checkpoints" / "step-0000002.ckpt"
     proc = _start(tmp_path, args)
     deadline = time.monotonic() + 180

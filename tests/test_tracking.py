@@ -21,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import FAST, LOOM, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -30,9 +29,9 @@ STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last st
 MICRO_BATCH, SEQ_LEN = 16, 128
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
 DDP_ARGS = ("train", *BASE, "tracking=offline", f"trainer.max_steps={STEPS}",
-            f"checkpoint.every_n_steps={CKPT_EVERY}")
+            f"checkpoint.every_n_steps={CKPT_EVERY}", "trainer.limit_val_batches=2")
 SINGLE_ARGS = ("train", *BASE, "tracking=csv", "strategy=single", "hardware.devices=1",
-               f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=0")
+               "trainer.max_steps=3", "checkpoint.every_n_steps=0", "trainer.limit_val_batches=1")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -290,10 +289,12 @@ def test_unwritable_run_root_is_refused(tmp_path):
     can never be created, whoever runs it."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a dir")
-    r = run_loom("train", *BASE, "tracking=csv", "strategy=single", "trainer.max_steps=2",
-                 f"run.root={blocker / 'runs'}", root=tmp_path)
-    assert r.rc == 2, r.out + r.err
-    assert "run.root" in r.err and "Traceback" not in r.err
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    p = subprocess.run([*LOOM, "train", *BASE, "tracking=csv", "strategy=single", "trainer.max_steps=1",
+                        f"run.root={blocker / 'runs'}"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "run.root" in p.stderr and "Traceback" not in p.stderr
 
 
 class _FullDiskRun:

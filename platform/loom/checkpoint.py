@@ -26,7 +26,7 @@ SAFE_GLOBAL_PREFIXES = (
     "builtins.slice", "builtins.complex", "builtins.bytearray", "_codecs.encode", "numpy.core.multiarray._reconstruct",
     "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "numpy.dtypes.", "numpy.core.multiarray.scalar",
     "numpy._core.multiarray.scalar", "deepspeed.", "pytorch_lightning.", "lightning_fabric.", "lightning.",
-    "argparse.Namespace", "loom.",
+    "argparse.Namespace", "loom.", "pathlib.PosixPath", "pathlib.WindowsPath",  # DCP .metadata: storage paths
 )
 
 

@@ -21,6 +21,12 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INFEASIBLE, EXIT_PREEMPTED = 0, 1, 2, 3
 
 def resolve(overrides: list[str]) -> DictConfig:
     """Compose and validate the config of one run, `hardware=auto` made concrete."""
+    from loom import recipes
+
+    overrides, recipe_dirs = recipes.split_searchpath(list(overrides))
+    found = recipes.discover(recipe_dirs)
+    if recipes.chosen(overrides, found):
+        recipes.register(found)
     chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hardware=")]
     if not chosen or chosen[-1] == "auto":
         overrides = auto_overrides(overrides)
@@ -97,14 +103,26 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = resolve(args.overrides)
+    from loom.sweep import split_sweep, translate
+
+    overrides = translate(args.overrides)
+    cfg = resolve(split_sweep(overrides)[0] if args.multirun else overrides)
     if args.cfg:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return EXIT_OK
+    if args.multirun or cfg.sweep.params:
+        return _sweep(overrides, cfg)
+    rc, _, _ = _train_one(overrides, cfg)
+    return rc
+
+
+def _train_one(overrides: list[str], cfg: DictConfig | None = None) -> tuple[int, Path | None, str | None]:
+    """validate -> plan -> freeze -> launch -> finish for one run: (exit code, run dir, error)."""
+    cfg = cfg if cfg is not None else resolve(overrides)
     check_machine(cfg)
     plan = _plan(cfg, show=False)
     if not plan["fits"]:
-        return _infeasible(plan)
+        return _infeasible(plan), None, "plan infeasible"
 
     from loom.rundir import freeze
 
@@ -112,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if frozen.state == "completed":
         print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\n"
               "Nothing to do. Change an override or set run.id=<new id> to train a new run.")
-        return EXIT_OK
+        return EXIT_OK, frozen.run_dir, None
     from loom.checkpoint import UnsafeCheckpoint, newest_checkpoint
 
     try:
@@ -127,7 +145,58 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.run.id = frozen.run_id
     started = time.time()
     rc = launch(cfg, frozen.run_dir)
-    return _finish(cfg, frozen.run_dir, rc, started)
+    return _finish(cfg, frozen.run_dir, rc, started), frozen.run_dir, None
+
+
+def _sweep(overrides: list[str], base: DictConfig) -> int:
+    """Every trial is a full `_train_one`; a failed trial is recorded and the sweep goes on."""
+    from loom.sweep import run_sweep
+
+    def run_trial(trial_overrides: list[str]) -> tuple[int, Path | None, str | None]:
+        try:
+            return _train_one(trial_overrides)
+        except ConfigError as e:
+            print(str(e), file=sys.stderr)
+            return EXIT_INVALID, None, str(e)
+
+    sweep_dir, manifest = run_sweep(overrides, base, resolve, run_trial)
+    done = [t for t in manifest.trials if t.state == "completed"]
+    print(f"sweep dir: {sweep_dir} ({len(done)}/{len(manifest.trials)} trials completed)")
+    if done:
+        from loom.report import report
+
+        report([str(sweep_dir)], out=None)
+    return EXIT_OK if len(done) == len(manifest.trials) else EXIT_FAILED
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from loom import recipes
+
+    _, dirs = recipes.split_searchpath([f"hydra.searchpath={args.searchpath}"] if args.searchpath else [])
+    found = recipes.discover(dirs)
+    if args.action == "list":
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table("recipe", "what it is for", "file")
+        for r in found.values():
+            t.add_row(r.name, r.description, str(r.path))
+        Console().print(t)
+        return EXIT_OK
+    if not args.name:
+        raise ConfigError(f"Usage: loom recipes {args.action} NAME{' DEST' if args.action == 'copy' else ''}")
+    recipes.chosen([f"recipe={args.name}"], found)
+    recipe = found[args.name]
+    if args.action == "show":
+        print(f"# {recipe.path}\n{recipe.path.read_text()}")
+        cfg = resolve([f"recipe={args.name}", *([f"hydra.searchpath={args.searchpath}"] if args.searchpath else [])])
+        print("# resolved config\n" + OmegaConf.to_yaml(cfg, resolve=True), end="")
+        return EXIT_OK
+    if not args.dest:
+        raise ConfigError("Usage: loom recipes copy NAME DEST [--force]")
+    dest = recipes.copy(recipe, Path(args.dest), args.force)
+    print(f"wrote {dest}\nrun it with: loom train recipe={dest.stem} hydra.searchpath='[file://{dest.parent}]'")
+    return EXIT_OK
 
 
 def _finish(cfg: DictConfig, run_dir: Path, rc: int, started: float) -> int:
@@ -157,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
     t = sub.add_parser("train", help="compose, validate, plan, freeze and launch a run")
     t.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
+    t.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep: every combination (or optuna trial) is a full distributed run")
     t.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan", help="world size, batch math, memory per device, fits or not")
@@ -179,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where a comparison's report.md and scaling.png go "
                          "(default: the sweep dir, else the first run's parent)")
     rp.set_defaults(func=cmd_report)
+    rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
+    rc.add_argument("action", choices=["list", "show", "copy"])
+    rc.add_argument("name", nargs="?")
+    rc.add_argument("dest", nargs="?")
+    rc.add_argument("--force", action="store_true", help="copy: overwrite DEST")
+    rc.add_argument("--searchpath", help="also read recipes from these dirs: '[file://./my-recipes]'")
+    rc.set_defaults(func=cmd_recipes)
     return p
 
 

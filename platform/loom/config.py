@@ -36,6 +36,17 @@ def conf_dir() -> Path:
 class RunConfig:
     id: str | None = None
     root: str = "runs"
+    sweep_dir: str | None = None  # set by a sweep: its trials' run dirs live there
+
+
+@dataclass
+class SweepConfig:
+    params: dict[str, str] = field(default_factory=dict)  # key -> Hydra sweep syntax, e.g. "ddp,zero2"
+    sampler: str = "grid"         # grid | optuna
+    n_trials: int = 8             # optuna
+    objective: str = "final_loss"  # a summary.json metric (optuna)
+    direction: str = "minimize"
+    seed: int = 0
 
 
 @dataclass
@@ -221,6 +232,7 @@ SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "checkpoint": CheckpointConfig,
     "security": SecurityConfig,
+    "sweep": SweepConfig,
 }
 TOP_LEVEL = {"experiment": str, "seed": int}
 

@@ -15,7 +15,7 @@ from loom.config import ConfigError
 from loom.tracking.summary import read_summary
 
 # Keys that do not change what a run computes: changing them resumes the same run.
-VOLATILE = ("run", "tracking", "hardware.max_restarts", "hardware.rdzv_endpoint",
+VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_endpoint",
             "trainer.log_every_n_steps")
 
 
@@ -67,6 +67,8 @@ class Frozen:
 
 
 def run_dir_of(cfg: DictConfig, rid: str) -> Path:
+    if cfg.run.get("sweep_dir"):
+        return (Path(cfg.run.sweep_dir) / rid).resolve()
     return (Path(cfg.run.root) / cfg.experiment / rid).resolve()
 
 

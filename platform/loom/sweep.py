@@ -1,0 +1,214 @@
+"""Multirun sweeps whose trials are full distributed jobs, resumable through a manifest.
+
+Hydra's multirun launches jobs in-process (and Lightning's DDP launcher then re-runs the
+script per rank); here the sweeper's override grammar enumerates trials (BasicSweeper for a
+grid, hydra-optuna-sweeper's distributions + an Optuna study for search) and each trial goes
+through Loom's own path: validate -> plan -> freeze -> torchrun. The manifest records every
+trial's overrides and state, so re-running the sweep command skips what completed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.config import ConfigError
+
+# Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
+ALIASES = {
+    "hydra/sweeper=optuna": "sweep.sampler=optuna",
+    "hydra/sweeper=basic": "sweep.sampler=grid",
+    "hydra.sweeper.n_trials": "sweep.n_trials",
+    "hydra.sweeper.direction": "sweep.direction",
+    "hydra.sweeper.sampler.seed": "sweep.seed",
+}
+SUMMARY_METRICS = ("final_loss", "throughput.tokens_per_sec", "throughput.samples_per_sec",
+                   "throughput.mfu", "throughput.tflops_per_device", "train_time_s", "wall_time_s")
+
+
+def translate(overrides: list[str]) -> list[str]:
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if o in ALIASES:
+            out.append(ALIASES[o])
+        elif key in ALIASES:
+            out.append(f"{ALIASES[key]}={value}")
+        else:
+            out.append(o)
+    return out
+
+
+def split_sweep(overrides: list[str]) -> tuple[list[str], list[Any]]:
+    """(fixed overrides, parsed sweep overrides) using Hydra's override grammar."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    fixed, sweeps = [], []
+    for text in overrides:
+        parsed = parser.parse_overrides([text])[0]
+        if parsed.is_sweep_override():
+            sweeps.append(parsed)
+        else:
+            fixed.append(text)
+    return fixed, sweeps
+
+
+def grid(sweeps: list[Any]) -> list[list[str]]:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    for s in sweeps:
+        if s.value_type is not None and "INTERVAL" in str(s.value_type):
+            raise ConfigError(
+                f"Invalid sweep: {s.input_line} is a search interval; a grid needs a list. "
+                "Use hydra/sweeper=optuna (sweep.sampler=optuna) to search an interval."
+            )
+    return BasicSweeper.split_arguments(sweeps, None)[0] if sweeps else [[]]
+
+
+@dataclass
+class Trial:
+    index: int
+    overrides: list[str]
+    state: str = "pending"      # pending | running | completed | failed
+    run_id: str | None = None
+    run_dir: str | None = None
+    exit_code: int | None = None
+    objective: float | None = None
+    error: str | None = None
+    params: dict[str, Any] | None = None
+
+
+class Manifest:
+    def __init__(self, path: Path, sweep_id: str, command: list[str]) -> None:
+        self.path = path
+        self.sweep_id = sweep_id
+        self.command = command
+        self.trials: list[Trial] = []
+        if path.exists():
+            data = json.loads(path.read_text())
+            self.trials = [Trial(**t) for t in data["trials"]]
+
+    def save(self) -> None:
+        data = {"sweep_id": self.sweep_id, "command": self.command, "trials": [t.__dict__ for t in self.trials]}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+    def trial(self, index: int, overrides: list[str], params: dict | None = None) -> Trial:
+        for t in self.trials:
+            if t.index == index:
+                return t
+        t = Trial(index, overrides, params=params)
+        self.trials.append(t)
+        self.save()
+        return t
+
+
+def objective_of(summary: dict[str, Any], name: str) -> float | None:
+    node: Any = summary
+    for part in name.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return float(node) if isinstance(node, (int, float)) else None
+
+
+RunTrial = Callable[[list[str]], tuple[int, Path | None, str | None]]
+
+
+def run_sweep(
+    overrides: list[str],
+    base: DictConfig,
+    resolve: Callable[[list[str]], DictConfig],
+    run_trial: RunTrial,
+) -> tuple[Path, Manifest]:
+    """Enumerate, validate and run every trial; returns the sweep dir and its manifest."""
+    fixed, sweeps = split_sweep(overrides)
+    for key, value in (base.sweep.params or {}).items():
+        if not any(s.key_or_group == key for s in sweeps):
+            _, extra = split_sweep([f"{key}={value}"])
+            sweeps += extra
+    sampler = base.sweep.sampler
+    if sampler not in ("grid", "optuna"):
+        raise ConfigError(f"Invalid config: sweep.sampler={sampler!r}: valid choices: grid, optuna.")
+    if sampler == "optuna" and base.sweep.objective not in SUMMARY_METRICS:
+        raise ConfigError(
+            f"Invalid config: sweep.objective={base.sweep.objective!r} is not a summary.json metric. "
+            f"Valid choices: {', '.join(SUMMARY_METRICS)}."
+        )
+    if base.sweep.direction not in ("minimize", "maximize"):
+        raise ConfigError(f"Invalid config: sweep.direction={base.sweep.direction!r}: valid choices: minimize, maximize.")
+    key = json.dumps({"fixed": sorted(fixed), "sweep": sorted(s.input_line for s in sweeps),
+                      "sampler": sampler, "n": base.sweep.n_trials if sampler == "optuna" else None,
+                      "seed": base.sweep.seed})
+    sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
+    sweep_dir = (Path(base.run.root) / base.experiment / "sweeps" / sweep_id).resolve()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides)
+    pin = [f"run.sweep_dir={sweep_dir}"]
+
+    if sampler == "grid":
+        trials = grid(sweeps)
+        for trial_overrides in trials:  # validate all before running any
+            resolve([*fixed, *trial_overrides, *pin])
+        for i, trial_overrides in enumerate(trials):
+            t = manifest.trial(i, [*fixed, *trial_overrides])
+            _run(t, manifest, pin, run_trial, base.sweep.objective)
+    else:
+        _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)
+    return sweep_dir, manifest
+
+
+def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, objective: str) -> None:
+    if t.state == "completed":
+        print(f"[sweep] trial {t.index} already completed: {t.run_dir}", flush=True)
+        return
+    print(f"[sweep] trial {t.index}: {' '.join(t.overrides)}", flush=True)
+    t.state, t.error = "running", None
+    manifest.save()
+    rc, run_dir, error = run_trial([*t.overrides, *pin])
+    t.exit_code, t.error = rc, error
+    t.run_dir = str(run_dir) if run_dir else None
+    t.run_id = run_dir.name if run_dir else None
+    t.state = "completed" if rc == 0 else "failed"
+    if run_dir and (run_dir / "summary.json").exists():
+        t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
+    manifest.save()
+
+
+def _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial) -> None:
+    import optuna
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_optuna_distribution_from_override
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dists = {s.get_key_element(): create_optuna_distribution_from_override(s) for s in sweeps}
+    study = optuna.create_study(direction=base.sweep.direction,
+                                sampler=optuna.samplers.TPESampler(seed=base.sweep.seed))
+    for t in manifest.trials:  # replay what an earlier, interrupted sweep already learned
+        if t.state == "completed" and t.objective is not None and t.params:
+            study.add_trial(optuna.trial.create_trial(params=t.params, distributions=dists, value=t.objective))
+    for i in range(base.sweep.n_trials):
+        existing = next((t for t in manifest.trials if t.index == i), None)
+        if existing and existing.state == "completed":
+            print(f"[sweep] trial {i} already completed: {existing.run_dir}", flush=True)
+            continue
+        if existing and existing.params:
+            params = existing.params
+            trial = study.ask({k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()})
+        else:
+            trial = study.ask(dists)
+            params = dict(trial.params)
+        trial_overrides = [*fixed, *(f"{k}={v}" for k, v in params.items())]
+        resolve([*trial_overrides, *pin])
+        t = manifest.trial(i, trial_overrides, params)
+        _run(t, manifest, pin, run_trial, base.sweep.objective)
+        if t.state == "completed" and t.objective is not None:
+            study.tell(trial, t.objective)
+        else:  # a failed trial is a failure for the study, not a number
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)

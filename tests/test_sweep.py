@@ -1,0 +1,117 @@
+"""Multirun sweeps (each trial a real 2-process job) and recipe templates."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, LOOM, run_loom
+
+SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]
+
+
+def _manifest(root: Path) -> dict:
+    (path,) = root.glob("gpt/sweeps/*/manifest.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_sweep_of_two_ddp_trials_resumes_after_a_kill_and_reruns_nothing(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([*LOOM, "train", *SWEEP, f"run.root={tmp_path}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while True:  # kill the sweep once trial 0 is done (trial 1 is then starting or running)
+        manifests = list(tmp_path.glob("gpt/sweeps/*/manifest.json"))
+        if manifests and json.loads(manifests[0].read_text())["trials"][0]["state"] == "completed":
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "trial 0 never completed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    first = _manifest(tmp_path)
+    assert first["trials"][0]["state"] == "completed"
+    assert [t["state"] for t in first["trials"][1:]] in ([], ["pending"], ["running"])
+
+    again = run_loom("train", *SWEEP, root=tmp_path, timeout=300)
+    assert again.rc == 0, again.out + again.err
+    assert "trial 0 already completed" in again.out
+    m = _manifest(tmp_path)
+    assert [t["state"] for t in m["trials"]] == ["completed", "completed"]
+    assert [t["overrides"][-1] for t in m["trials"]] == ["optim.lr=0.001", "optim.lr=0.002"]
+    run_dirs = sorted(p for p in Path(m["trials"][0]["run_dir"]).parent.iterdir() if (p / "config.yaml").exists())
+    assert len(run_dirs) == 2  # exactly one run dir per trial
+    for t in m["trials"]:
+        s = json.loads((Path(t["run_dir"]) / "summary.json").read_text())
+        assert s["status"] == "completed" and s["world_size"] == 2 and s["strategy"] == "ddp"
+    assert "tokens/s" in again.out  # the report table
+    assert (run_dirs[0].parent / "report.md").exists()
+
+    third = run_loom("train", *SWEEP, root=tmp_path, timeout=120)
+    assert third.rc == 0 and third.out.count("already completed") == 2
+    assert "Starting run" not in third.out and "Resuming run" not in third.out
+
+
+@pytest.mark.slow
+def test_optuna_sweep_reports_three_trials_to_the_study(loom, tmp_path):
+    r = loom("train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
+             "strategy=single", *FAST, "trainer.max_steps=3", timeout=300)
+    assert r.rc == 0, r.out + r.err
+    m = _manifest(tmp_path)
+    assert len(m["trials"]) == 3 and all(t["state"] == "completed" for t in m["trials"])
+    for t in m["trials"]:
+        assert 1e-4 <= t["params"]["optim.lr"] <= 1e-2
+        s = json.loads((Path(t["run_dir"]) / "summary.json").read_text())
+        assert t["objective"] == pytest.approx(s["final_loss"])
+
+
+def test_bad_sweep_inputs_are_refused(loom, tmp_path):
+    r = loom("train", "-m", "hydra/sweeper=optuna", "sweep.objective=accuracy", "optim.lr=interval(1e-4,1e-2)")
+    assert r.rc == 2 and "sweep.objective" in r.err and "final_loss" in r.err
+    r = loom("train", "-m", "optim.lr=interval(1e-4,1e-2)")
+    assert r.rc == 2 and "interval" in r.err and "optuna" in r.err
+    r = loom("train", "-m", "optim.lr=1e-3,abc")
+    assert r.rc == 2 and "optim.lr" in r.err
+    assert not list(tmp_path.glob("gpt/sweeps/*/*/config.yaml")), "no trial may start"
+
+
+def test_recipes_list_show_copy(loom, tmp_path):
+    r = loom("recipes", "list")
+    assert r.rc == 0
+    names = [n for n in ("gpt-pretrain", "scaling-study", "lr-search", "zero3-big-model") if n in r.out]
+    assert len(names) == 4
+    r = loom("recipes", "show", "gpt-pretrain")
+    assert r.rc == 0 and "@package _global_" in r.out and "name: gpt_small" in r.out
+    r = loom("train", "recipe=nope")
+    assert r.rc == 2 and "gpt-pretrain" in r.err
+    dest = tmp_path / "mine" / "my-pretrain.yaml"
+    r = loom("recipes", "copy", "gpt-pretrain", str(dest))
+    assert r.rc == 0 and dest.exists()
+    dest.write_text(dest.read_text().replace("max_steps: 300", "max_steps: 7"))
+    r = loom("recipes", "copy", "gpt-pretrain", str(dest))
+    assert r.rc == 2 and "--force" in r.err and "max_steps: 7" in dest.read_text()
+    r = loom("train", "recipe=my-pretrain", f"hydra.searchpath=[file://{dest.parent}]", "--cfg", "job")
+    assert r.rc == 0 and "max_steps: 7" in r.out and "experiment: gpt-pretrain" in r.out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, smoke",
+    [
+        ("gpt-pretrain", ["model=gpt_tiny", "trainer.max_steps=3"]),
+        ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=2"]),
+    ],
+)
+def test_recipe_smoke_run(loom, tmp_path, recipe, smoke):
+    """Every recipe at smoke size: only steps and model shrink."""
+    r = loom("train", f"recipe={recipe}", *smoke, "dataset.max_bytes=2000000", "tracking=csv", timeout=400)
+    assert r.rc == 0, r.out + r.err
+    summaries = [json.loads(p.read_text()) for p in tmp_path.rglob("summary.json")]
+    assert summaries and all(s["status"] == "completed" for s in summaries)
