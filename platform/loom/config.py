@@ -304,6 +304,11 @@ def _valid_keys(parent: str) -> list[str]:
         return sorted([*TOP_LEVEL, *SECTIONS, *GROUPS])
     if parent in SECTIONS:
         return [f.name for f in dataclasses.fields(SECTIONS[parent])]
+    if parent in SCHEMAS:  # a group: the keys of any of its options' schemas
+        names: dict[str, None] = {}
+        for schema in SCHEMAS[parent].values():
+            names.update((f.name, None) for f in dataclasses.fields(schema))
+        return list(names)
     return []
 
 

@@ -298,6 +298,7 @@ def make_plan(cfg: DictConfig) -> dict[str, Any]:
     plan: dict[str, Any] = {
         "strategy": s.name,
         "strategy_config": OmegaConf.to_container(s, resolve=True),
+        "deepspeed_config": _deepspeed_config(cfg),
         "hardware": hw.name,
         "resolved_from": hw.get("resolved_from"),
         "accelerator": hw.accelerator,
@@ -352,6 +353,13 @@ def _cheapest_fit(cfg: DictConfig, params: float, dp: int, tp: int, capacity: fl
         if _fits(cfg, _memory(cfg, name, dp, 1, params), capacity):
             return name
     return None
+
+
+def _deepspeed_config(cfg: DictConfig) -> dict[str, Any] | None:
+    """The DeepSpeed JSON the run will use (Loom's values merged with the user's file)."""
+    from loom.strategies import ZERO, resolved_deepspeed_config
+
+    return resolved_deepspeed_config(cfg) if cfg.strategy.name in ZERO else None
 
 
 def render(plan: dict[str, Any]) -> None:
