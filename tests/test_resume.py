@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import FAST, LOOM, LoomResult, run_loom
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -90,14 +89,19 @@ def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, refe
     _assert_same_run(reference, r)
 
 
-def test_sigterm_to_launcher_preempts_then_relaunch_completes_identically(tmp_path, reference):
+def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:
+    """Start the run, SIGTERM its launcher once step-<step> is checkpointed; (run dir, summary)."""
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path)
-    _wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
+    _wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
-    s = LoomResult(143, out, "", run_dir).summary()
+    return run_dir, LoomResult(143, out, "", run_dir).summary()
+
+
+def test_sigterm_to_launcher_preempts_then_relaunch_completes_identically(tmp_path, reference):
+    run_dir, s = _preempt_after(tmp_path, 4)
     assert s["status"] == "preempted" and 4 <= s["global_step"] < STEPS
     # the preemption checkpoint is the step the ranks stopped at, complete and pointed to by `last`
     assert (run_dir / "checkpoints" / f"step-{s['global_step']:07d}.ckpt").is_file()
@@ -111,12 +115,7 @@ def test_sigterm_to_launcher_preempts_then_relaunch_completes_identically(tmp_pa
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
-    run_dir = tmp_path / "gpt" / "r"
-    proc = _start(tmp_path)
-    _wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out
+    run_dir, _ = _preempt_after(tmp_path, 8)
     ckpts = sorted((run_dir / "checkpoints").glob("step-*.ckpt"))
     newest, previous = ckpts[-1], ckpts[-2]
     # a kill during a write leaves a half-written file: truncate the newest, leave a .partial
