@@ -118,7 +118,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_one(overrides: list[str], cfg: DictConfig | None = None) -> tuple[int, Path | None, str | None]:
     """validate -> plan -> freeze -> launch -> finish for one run: (exit code, run dir, error)."""
+    from loom.tracking.checks import tracking_checks
+
     cfg = cfg if cfg is not None else resolve(overrides)
+    tracking_checks(cfg)
     check_machine(cfg)
     plan = _plan(cfg, show=False)
     if not plan["fits"]:

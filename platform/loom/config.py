@@ -82,7 +82,10 @@ class SlurmConfig:
     cpus_per_task: int | None = None
     mem_gb: float | None = None       # per node; null: the partition's default
     constraint: str | None = None
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. ["--exclusive"]
+    signal_before_s: int = 90         # SIGUSR1 this long before the time limit: checkpoint + requeue
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (module load ...)
+    rdzv_port: int = 29500            # c10d rendezvous port on the first node (+ job id % 1000)
 
 
 @dataclass
@@ -108,6 +111,7 @@ class HardwareConfig:
     accelerator: str = "cpu"          # cpu | gpu
     devices: int = 2                  # processes (cpu) or GPUs per node
     num_nodes: int = 1
+    min_nodes: int | None = None      # elastic: torchrun --nnodes=min_nodes:num_nodes (null: num_nodes)
     max_restarts: int = 0
     precision: str = "32-true"
     backend: str = "gloo"             # gloo | nccl (nccl needs accelerator=gpu)
@@ -180,7 +184,56 @@ class TinycodeDatasetConfig:
     seq_len: int = 128
     max_bytes: int = 16_000_000
     val_every: int = 20
+    tokenizer: str | None = None      # null: byte-level (vocab 256); else a local HF tokenizer
     cache_dir: str | None = None
+
+
+@dataclass
+class TextFilesDatasetConfig:
+    name: str = "text_files"
+    batch_size: int = 16
+    seq_len: int = 128
+    paths: list[str] = field(default_factory=list)  # files or glob patterns (`**` recursive)
+    max_bytes: int | None = None      # cap on the corpus size (first files in sorted order)
+    val_every: int = 20               # every Nth file goes to validation (0: none)
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class HFDatasetConfig:
+    name: str = "hf"
+    batch_size: int = 16
+    seq_len: int = 128
+    hub: str | None = None            # a hub dataset id (offline: from the local HF cache)
+    config: str | None = None         # the hub dataset's config name
+    split: str = "train"
+    path: str | None = None           # a save_to_disk dir or local json/csv/txt/parquet files
+    text_column: str = "text"
+    online: bool = False              # false: HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1
+    val_every: int = 20               # every Nth document goes to validation (0: none)
+    max_docs: int | None = None
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class DigitsDatasetConfig:
+    name: str = "digits"
+    batch_size: int = 32
+    val_every: int = 5                # every Nth sample goes to validation (0: none)
+
+
+@dataclass
+class SyntheticDatasetConfig:
+    name: str = "synthetic"
+    batch_size: int = 16
+    kind: str = "tokens"              # tokens | tensors
+    seq_len: int = 128                # tokens
+    vocab_size: int = 256             # tokens
+    shape: list[int] = field(default_factory=lambda: [64])  # tensors: one sample's shape
+    num_classes: int = 10             # tensors
+    num_samples: int = 8192
 
 
 @dataclass
@@ -192,6 +245,32 @@ class GPTModelConfig:
     vocab_size: int = 256
     block_size: int = 256
     dropout: float = 0.0
+
+
+@dataclass
+class MLPModelConfig:
+    name: str = "mlp"
+    in_features: int | None = None    # null: from the dataset (digits: 64)
+    hidden: list[int] = field(default_factory=lambda: [128, 128])
+    num_classes: int | None = None    # null: from the dataset (digits: 10)
+    dropout: float = 0.0
+
+
+@dataclass
+class HFCausalLMModelConfig:
+    name: str = "hf_causal_lm"
+    config: str | None = None         # a local dir with config.json, or a name in the HF cache
+    overrides: dict[str, Any] = field(default_factory=dict)  # set on the AutoConfig, e.g. {n_layer: 2}
+    vocab_size: int | None = None     # null: the config's
+    random_init: bool = False         # false: load the weights when they are local, else random
+
+
+@dataclass
+class CustomModelConfig:
+    name: str = "custom"
+    # `_target_` (+ its keyword arguments): a LightningModule, or an nn.Module trained with `loss`
+    module: dict[str, Any] = field(default_factory=dict)
+    loss: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
 
 
 @dataclass
@@ -222,8 +301,10 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "strategy": {"single": SingleStrategyConfig, "ddp": DDPStrategyConfig,
                  "fsdp": FSDPStrategyConfig, "fsdp_tp": FSDPTPStrategyConfig,
                  **{z: DeepSpeedStrategyConfig for z in ("zero1", "zero2", "zero3", "zero3_offload")}},
-    "dataset": {"tinycode": TinycodeDatasetConfig},
-    "model": {name: GPTModelConfig for name in ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")},
+    "dataset": {"tinycode": TinycodeDatasetConfig, "text_files": TextFilesDatasetConfig, "hf": HFDatasetConfig,
+                "digits": DigitsDatasetConfig, "synthetic": SyntheticDatasetConfig},
+    "model": {**{name: GPTModelConfig for name in ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")},
+              "mlp": MLPModelConfig, "hf_causal_lm": HFCausalLMModelConfig, "custom": CustomModelConfig},
     "optim": {"adamw": AdamWConfig},
     "tracking": {"*": TrackingConfig},
 }
@@ -404,7 +485,6 @@ def _check(cfg: DictConfig) -> None:
         "trainer.accumulate_grad_batches",
         "trainer.log_every_n_steps",
         "dataset.batch_size",
-        "dataset.seq_len",
         "hardware.devices",
         "hardware.num_nodes",
         "checkpoint.keep_last",
@@ -433,8 +513,9 @@ def _check(cfg: DictConfig) -> None:
              "experiment", cfg.experiment, "must be a plain directory name")
 
     _check_hardware(cfg)
-    _check_strategy(cfg)
+    _check_dataset(cfg)
     _check_model(cfg)
+    _check_strategy(cfg)
 
 
 PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32")
@@ -479,6 +560,10 @@ def _check_hardware(cfg: DictConfig) -> None:
                  f"hardware.num_nodes={hw.num_nodes} needs a rendezvous endpoint that every node "
                  "reaches; set hardware.rdzv_endpoint=<host of node 0>:29500 and run the same "
                  "`loom train` command on every node")
+    if hw.min_nodes is not None:
+        _require(1 <= hw.min_nodes <= hw.num_nodes, "hardware.min_nodes", hw.min_nodes,
+                 f"must be between 1 and hardware.num_nodes={hw.num_nodes} (torchrun --nnodes=min:max), "
+                 "or null for a fixed number of nodes")
     if hw.launcher == "slurm":
         _require(hw.slurm is not None, "hardware.slurm", hw.slurm,
                  "hardware.launcher=slurm needs a hardware.slurm block (partition, account, "
@@ -493,6 +578,9 @@ def _check_hardware(cfg: DictConfig) -> None:
         for key in ("cpus_per_task", "mem_gb"):
             val = sl[key]
             _require(val is None or val > 0, f"hardware.slurm.{key}", val, "must be > 0 or null")
+        from loom.slurm import check_allocation
+
+        check_allocation(cfg)
 
 
 def _slurm_time(text: str) -> bool:
@@ -591,14 +679,20 @@ def _check_zero(cfg: DictConfig) -> None:
                  f"or a profile with more host memory")
 
 
+def _check_dataset(cfg: DictConfig) -> None:
+    """loom.data.check: paths, columns, caches, tokenizer (torch-free; see there)."""
+    from loom.data.check import check_dataset
+
+    check_dataset(cfg)
+
+
 def _check_model(cfg: DictConfig) -> None:
-    model = cfg.model
-    if "n_head" in model:
-        _require(model.d_model % model.n_head == 0, "model.n_head", model.n_head,
-                 f"must divide model.d_model={model.d_model}")
-        _require(cfg.dataset.seq_len <= model.block_size, "dataset.seq_len", cfg.dataset.seq_len,
-                 f"exceeds the model's context model.block_size={model.block_size}; "
-                 "lower dataset.seq_len or raise model.block_size")
+    """loom.models.check: sizes vs context and vocabulary, model x dataset fit, and a custom
+    `_target_` that must import as a LightningModule / nn.Module. Importing the user's module
+    is the only way torch can load here (only if that module imports it)."""
+    from loom.models.check import check_model
+
+    check_model(cfg)
 
 
 def load_frozen(path: Path) -> DictConfig:

@@ -29,8 +29,12 @@ def init_from_torchrun(backend: str, timeout_s: float = 600) -> bool:
     )
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Multi-node runs (loom.launch) turn the agent's store sharing off: rank 0 then hosts a fresh
+    # store every rendezvous round, and the restart count, which differs between nodes (a node
+    # restarted because another failed keeps its count), must not be part of the keys.
+    prefix = f"/loom/attempt_{attempt}" if agent_store else "/loom"
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"/loom/attempt_{attempt}", store), rank=rank, world_size=world,
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
     return True

@@ -89,19 +89,28 @@ def user_set(overrides: list[str], key: str) -> bool:
     return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
 
 
-def check_machine(cfg: DictConfig) -> None:
+def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
     """Refuse a profile this machine cannot run (exit 2 before any process starts).
 
     `loom train` only: every node of a multi-node run starts the same command, so this node
-    must have `hardware.devices` GPUs itself.
+    must have `hardware.devices` GPUs itself. `launcher: slurm` is submitted from a login node
+    without GPUs: there, `sbatch` must exist (unless `--dry-run`), and the nodes of the
+    allocation are SLURM's to provide.
     """
     hw = cfg.hardware
     if hw.launcher == "slurm":
+        from loom.slurm import check_submit
+
+        check_submit(cfg, dry_run)
+        return
+    if hw.num_nodes > 1 and not cfg.run.id:
         raise ConfigError(
-            f"Invalid config: hardware.launcher=slurm (hardware={hw.name}): SLURM launch is not "
-            "available yet. `loom plan` works with this profile; to train now, start "
-            "`loom train hardware=multinode hardware.rdzv_endpoint=<node0>:29500` on every node "
-            "of your allocation (e.g. from an sbatch script with srun --ntasks-per-node=1)."
+            f"Invalid config: run.id=null with hardware.num_nodes={hw.num_nodes}: every node starts "
+            "its own launcher, and all of them must train in one run dir on shared storage. Set "
+            "run.id=<name> (e.g. run.id=exp42) in the command you run on every node. Without it each "
+            "node derives the id from its own resolved config, which matches only if the configs "
+            "are byte-identical: one differing override (a typo, another run.root) splits the run "
+            "into separate run dirs whose ranks wait for each other."
         )
     if hw.accelerator == "gpu":
         have = visible_gpus()

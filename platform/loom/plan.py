@@ -272,12 +272,13 @@ def make_plan(cfg: DictConfig) -> dict[str, Any]:
     accum = cfg.trainer.accumulate_grad_batches
     micro = cfg.dataset.batch_size
     global_batch = micro * accum * dp
-    tokens = global_batch * cfg.dataset.seq_len
     spec = model_spec(cfg)
-    mem = _memory(cfg, s.name, dp, tp, spec.params)
+    tokens = global_batch * spec.items_per_sample  # classification: one item per sample
+    params = spec.params or 0  # None: unknown before the model is built (custom)
+    mem = _memory(cfg, s.name, dp, tp, params)
     capacity, where = _capacity(hw)
     fits = _fits(cfg, mem, capacity)
-    comm = comm_bytes(cfg, s.name, spec.params, dp, tp) if world > 1 else {}
+    comm = comm_bytes(cfg, s.name, params, dp, tp) if world > 1 else {}
     comm_total = sum(comm.values())
     peak = peak_flops(hw)
     warnings: list[str] = []
@@ -287,6 +288,9 @@ def make_plan(cfg: DictConfig) -> dict[str, Any]:
             f"hardware={hw.name} ({hw.device_name}) has no hardware.peak_tflops.{key}: MFU will be "
             f"null. Set it from the device's datasheet or select a profile written by `loom probe`."
         )
+    if spec.params is None:
+        warnings.append(f"model={cfg.model.name}: parameter count unknown before the model is built: "
+                        "memory and communication are not estimated.")
     if capacity is None:
         warnings.append(f"hardware={hw.name}: device memory unknown, the fit is not checked "
                         "(set hardware.device_memory_gb).")
@@ -313,12 +317,13 @@ def make_plan(cfg: DictConfig) -> dict[str, Any]:
         "micro_batch": micro,
         "accumulate_grad_batches": accum,
         "global_batch": global_batch,
-        "seq_len": cfg.dataset.seq_len,
+        "seq_len": cfg.dataset.get("seq_len"),
+        "items_per_sample": spec.items_per_sample,
         "tokens_per_step": tokens,
         "params": spec.params,
         "non_embedding_params": spec.non_embedding_params,
         "flops_per_token": spec.flops_per_token,
-        "flops_per_step": spec.flops_per_token * tokens,
+        "flops_per_step": spec.flops_per_token * tokens if spec.flops_per_token is not None else None,
         "peak_flops_per_device": peak,
         "precision": hw.precision,
         "bytes_per_param": dict(zip(("params", "grads", "optimizer"), per_param_bytes(s.name, hw.precision), strict=True)),
@@ -336,7 +341,7 @@ def make_plan(cfg: DictConfig) -> dict[str, Any]:
         "warnings": warnings,
     }
     if not fits:
-        plan["suggestion"] = _cheapest_fit(cfg, spec.params, dp, tp, capacity)
+        plan["suggestion"] = _cheapest_fit(cfg, params, dp, tp, capacity)
     return plan
 
 
@@ -382,8 +387,9 @@ def render(plan: dict[str, Any]) -> None:
         ("batch", f"micro {plan['micro_batch']} x accum {plan['accumulate_grad_batches']} x dp "
                   f"{plan['data_parallel']} = global {plan['global_batch']} "
                   f"({plan['tokens_per_step']:,} tokens/step)"),
-        ("model", f"{plan['params'] / 1e6:,.1f}M params, {plan['flops_per_token'] / 1e9:,.3f} GFLOP/token, "
-                  f"{plan['flops_per_step'] / 1e12:,.2f} TFLOP/step"),
+        ("model", (f"{plan['params'] / 1e6:,.1f}M params, " if plan["params"] is not None else "params unknown, ")
+                  + (f"{plan['flops_per_token'] / 1e9:,.3f} GFLOP/token, {plan['flops_per_step'] / 1e12:,.2f} "
+                     "TFLOP/step" if plan["flops_per_token"] is not None else "FLOPs unknown")),
         ("precision", f"{plan['precision']} ({bpp['params']:g}/{bpp['grads']:g}/{bpp['optimizer']:g} "
                       "bytes per param: params/grads/optimizer)"),
         ("params / grads / optim", f"{mem['params'] / GB:,.2f} / {mem['grads'] / GB:,.2f} / "

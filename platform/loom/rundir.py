@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from loom.config import ConfigError
+from loom.secrets import redact
 from loom.tracking.summary import read_summary
 
 # Keys that do not change what a run computes: changing them resumes the same run.
@@ -82,7 +84,7 @@ def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
     frozen_path = run_dir / "config.yaml"
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
-        diff = config_diff(identity(old), identity(cfg))
+        diff = config_diff(identity(old), redact(identity(cfg)))  # the frozen copy is redacted
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -95,10 +97,16 @@ def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
         return Frozen(run_dir, rid, state)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.yaml.tmp"
-        tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        # Every node of a multi-node run freezes the same run dir at about the same time: each
+        # writes its own temporary files and renames them (same content; the last rename wins).
+        # config.yaml goes last: once it exists, the run dir is complete.
+        tag = uuid.uuid4().hex[:12]
+        tmp = run_dir / f"plan.json.{tag}.tmp"
+        tmp.write_text(json.dumps(plan, indent=2) + "\n")
+        tmp.replace(run_dir / "plan.json")
+        tmp = run_dir / f"config.yaml.{tag}.tmp"
+        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True)))))
         tmp.replace(frozen_path)
-        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     except OSError as e:
         raise ConfigError(
             f"Invalid config: run.root={cfg.run.root!r}: cannot create the run dir {run_dir} ({e.strerror}). "

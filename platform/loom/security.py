@@ -17,7 +17,8 @@ def targets(node: Any, path: str = "") -> list[tuple[str, str]]:
         for k, v in node.items():
             key = f"{path}.{k}" if path else str(k)
             if k == "_target_":
-                found.append((key, str(v)))
+                if v is not None:  # a null `_target_` (not filled in yet) names no code
+                    found.append((key, str(v)))
             else:
                 found += targets(v, key)
     elif isinstance(node, list):

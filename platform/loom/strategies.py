@@ -393,7 +393,8 @@ def full_model_state(trainer, module) -> dict:
             elif trainer.global_rank == 0:
                 out[key] = value.detach().to("cpu").clone()
         return out
-    return module.model.state_dict()
+    # A user's own LightningModule (model=custom) may hold no `.model`: its own state then.
+    return getattr(module, "model", module).state_dict()
 
 
 def local_state_bytes(trainer, module) -> tuple[int, int]:

@@ -100,8 +100,9 @@ def run(run_dir: Path) -> int:
     setup_logging(run_dir, rank)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // local_world)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # The user's OMP_NUM_THREADS wins (the launcher sets cores // processes when it is unset).
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, cores // local_world))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
     import torch
 
@@ -123,9 +124,9 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     quiet_library_consoles()
     from loom import checkpoint, strategies
     from loom.checkpointing import Checkpointing
-    from loom.data.module import TokenDataModule
+    from loom.data import build_datamodule
     from loom.data.position import DataPosition
-    from loom.models.lit import CausalLMModule
+    from loom.models import build_module
     from loom.models.spec import model_spec
     from loom.tracking.loggers import build_loggers, truncate_metrics
     from loom.tracking.recorder import Recorder
@@ -144,13 +145,13 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         log.info(f"resuming from {resume.relative_to(run_dir)} (step {resumed_step})")
 
     dp_rank, dp_size = strategies.data_parallel(cfg, rank, world)
-    datamodule = TokenDataModule(cfg, dp_rank, dp_size)
-    module = CausalLMModule(cfg.model, cfg.optim, cfg.trainer.max_steps)
+    datamodule = build_datamodule(cfg, dp_rank, dp_size)
+    module = build_module(cfg)
     spec = model_spec(cfg)
     recorder = Recorder(
         log_every=cfg.trainer.log_every_n_steps,
         samples_per_step=plan["global_batch"],
-        seq_len=cfg.dataset.seq_len,
+        seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
         flops_per_token=spec.flops_per_token,
         peak_flops_per_device=plan.get("peak_flops_per_device"),
         world_size=world,
@@ -223,7 +224,7 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
                 status=status,
                 global_step=step,
                 samples=step * plan["global_batch"],
-                tokens=step * plan["global_batch"] * cfg.dataset.seq_len,
+                tokens=step * plan["global_batch"] * spec.items_per_sample,
                 wall_time_s=round(time.time() - launch_time, 3),
                 train_time_s=round(recorder.loop_time, 3),
                 final_loss=recorder.final_loss,
@@ -234,6 +235,12 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
                              "gpu_util_mean": attempt["gpu_util_mean"]},
             )
             write_summary(run_dir, summary)
+            try:
+                from loom.tracking.plots import write_plots
+
+                write_plots(run_dir)
+            except Exception as e:  # plots are a convenience: never fail (or mask a failure of) a run
+                log.warning(f"plots not written: {type(e).__name__}: {e}")
     return 0
 
 

@@ -1,40 +1,98 @@
-"""The LightningDataModule for packed token corpora, sharded by data-parallel rank."""
+"""One LightningDataModule for every dataset option, sharded by data-parallel rank.
+
+The dataset options differ only in how they produce a (train, val) pair of map-style
+datasets; sampling is the same for all: `ResumableDistributedSampler` (a seeded shuffle per
+epoch, disjoint shards per data-parallel rank, skips what a resumed epoch already consumed;
+`loom.data.position.DataPosition` keeps the position in every checkpoint).
+
+Token corpora are tokenized in `prepare_data` (Lightning calls it on local rank 0 of each
+node, then every rank waits at a barrier) into the memory-mapped cache of loom.data.tokens;
+`setup` only opens the files.
+
+`LOOM_RECORD_SAMPLE_IDS=<dir>` (a test hook, off the hot path when unset): every rank appends
+`<global step> <epoch> <sample ids...>` for each micro batch it trained on to
+`<dir>/rank-<global rank>.txt`. The ids are those the loader actually fetched (the train set
+is wrapped to note each index it serves, in order), matched to trained batches by
+`DataPosition`; exact with hardware.dataloader_workers=0 (workers fetch in other processes).
+"""
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from pathlib import Path
+
 import pytorch_lightning as pl
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from loom.data import tinycode
 from loom.data.sampler import ResumableDistributedSampler
-from loom.data.tokens import PackedTokens, build_token_file, cache_root, fingerprint
+
+RECORD_ENV = "LOOM_RECORD_SAMPLE_IDS"
 
 
-class TokenDataModule(pl.LightningDataModule):
+class _Noting(Dataset):
+    """Wraps a dataset and notes every index served (LOOM_RECORD_SAMPLE_IDS only)."""
+
+    def __init__(self, inner: Dataset, served: deque) -> None:
+        self.inner, self.served = inner, served
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        self.served.append(int(i))
+        return self.inner[i]
+
+
+class LoomDataModule(pl.LightningDataModule):
     def __init__(self, cfg: DictConfig, dp_rank: int, dp_size: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.train_set: PackedTokens | None = None
-        self.val_set: PackedTokens | None = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
         self.train_sampler: ResumableDistributedSampler | None = None
+        record = os.environ.get(RECORD_ENV)
+        self.record_dir = Path(record) if record else None
+        self._served: deque = deque()
+
+    # ------------------------------------------------------------------ building the sets
+    def _build(self) -> tuple[Dataset, Dataset | None]:
+        ds, name = self.cfg.dataset, self.cfg.dataset.name
+        if name in ("tinycode", "text_files", "hf"):
+            return _token_sets(self.cfg)
+        if name == "digits":
+            from loom.data import digits
+
+            return digits.datasets(ds.val_every)
+        if name == "synthetic":
+            from loom.data import synthetic
+
+            return synthetic.datasets(ds, self.cfg.seed)
+        raise ValueError(f"unknown dataset {name}")
+
+    def prepare_data(self) -> None:
+        """Local rank 0: tokenize into the cache (a no-op when it is there)."""
+        if self.cfg.dataset.name in ("tinycode", "text_files", "hf"):
+            _token_sets(self.cfg)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        ds = self.cfg.dataset
-        files = tinycode.corpus_files(ds.max_bytes)
-        train, val = tinycode.split(files, ds.val_every)
-        key = fingerprint(files, ds.max_bytes, ds.val_every)
-        root = cache_root(ds.cache_dir)
-        self.train_set = PackedTokens(build_token_file(train, root / f"tinycode-{key}.train.u8"), ds.seq_len)
-        if val:
-            self.val_set = PackedTokens(build_token_file(val, root / f"tinycode-{key}.val.u8"), ds.seq_len)
+        self.train_set, self.val_set = self._build()
+        need = self.cfg.dataset.batch_size * self.dp_size
+        if len(self.train_set) < need:
+            raise ValueError(
+                f"dataset={self.cfg.dataset.name}: the training split has {len(self.train_set)} samples, "
+                f"fewer than one global batch (dataset.batch_size={self.cfg.dataset.batch_size} x "
+                f"{self.dp_size} data-parallel ranks); use more data or a smaller batch")
 
+    # ------------------------------------------------------------------ loaders
     def _loader(self, dataset, sampler) -> DataLoader:
         hw = self.cfg.hardware
         workers = hw.dataloader_workers
+        kw = {"prefetch_factor": hw.get("prefetch_factor") or 2} if workers > 0 else {}
         return DataLoader(
             dataset,
             batch_size=self.cfg.dataset.batch_size,
@@ -43,6 +101,7 @@ class TokenDataModule(pl.LightningDataModule):
             pin_memory=hw.pin_memory,
             persistent_workers=workers > 0,
             drop_last=True,
+            **kw,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -50,10 +109,63 @@ class TokenDataModule(pl.LightningDataModule):
             self.train_set, num_replicas=self.dp_size, rank=self.dp_rank,
             shuffle=True, seed=self.cfg.seed, drop_last=True,
         )
-        return self._loader(self.train_set, self.train_sampler)
+        dataset = _Noting(self.train_set, self._served) if self.record_dir else self.train_set
+        return self._loader(dataset, self.train_sampler)
 
     def val_dataloader(self) -> DataLoader:
+        if self.val_set is None:
+            return []
         sampler = ResumableDistributedSampler(
             self.val_set, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=True
         )
         return self._loader(self.val_set, sampler)
+
+    # ------------------------------------------------------------------ recording (tests)
+    def record_trained_batch(self, global_rank: int, step: int, epoch: int) -> None:
+        """Called by DataPosition after each trained micro batch when recording is on."""
+        n = self.cfg.dataset.batch_size
+        ids = [self._served.popleft() for _ in range(min(n, len(self._served)))]
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.record_dir / f"rank-{global_rank}.txt", "a") as f:
+            f.write(f"{step} {epoch} {' '.join(map(str, ids))}\n")
+
+
+# Kept for callers of the walking skeleton's name.
+TokenDataModule = LoomDataModule
+
+
+def _token_sets(cfg: DictConfig):
+    """(train, val) PackedTokens of tinycode / text_files / hf, tokenizing if not cached."""
+    from loom.data import tinycode
+    from loom.data.tokens import Encoder, fingerprint, token_datasets
+
+    ds = cfg.dataset
+    enc = Encoder(ds.get("tokenizer"))
+    if ds.name in ("tinycode", "text_files"):
+        if ds.name == "tinycode":
+            files = tinycode.corpus_files(ds.max_bytes)
+            key = fingerprint(files, ds.max_bytes, ds.val_every)
+        else:
+            from loom.data.text_files import corpus_files
+
+            files = corpus_files(list(ds.paths), ds.max_bytes)
+            key = fingerprint(files, ds.max_bytes, ds.val_every)
+        train, val = tinycode.split(files, ds.val_every)
+        return token_datasets(ds.name, key, ds.cache_dir, ds.seq_len, enc,
+                              lambda: (f.read_bytes() for f in train), lambda: (f.read_bytes() for f in val))
+    from loom.data import hf
+
+    hf.set_offline(ds)
+    loaded: dict = {}
+
+    def dataset():
+        if "ds" not in loaded:
+            loaded["ds"] = hf.load(ds)
+        return loaded["ds"]
+
+    key = hf.source_key(ds, None if ds.path else dataset())
+    return token_datasets(
+        "hf", key, ds.cache_dir, ds.seq_len, enc,
+        lambda: hf.docs(dataset(), ds.text_column, ds.val_every, False, ds.get("max_docs")),
+        lambda: hf.docs(dataset(), ds.text_column, ds.val_every, True, ds.get("max_docs")),
+    )

@@ -27,6 +27,9 @@ class DataPosition(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.batches += 1
+        dm = trainer.datamodule
+        if getattr(dm, "record_dir", None) is not None:  # LOOM_RECORD_SAMPLE_IDS (tests)
+            dm.record_trained_batch(trainer.global_rank, trainer.global_step, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batches": self.batches}

@@ -1,14 +1,25 @@
-"""Byte-level token files on disk and the packed fixed-length dataset over them."""
+"""Token files on disk (one per split, memory-mapped) and the packed fixed-length dataset.
+
+A corpus is a sequence of documents; tokenizing writes their tokens back to back (byte
+level: each document's bytes and a newline; a tokenizer: its ids and, when it has one, its
+EOS id) into `<cache>/<name>-<key>.<split>.<u8|u16|u32>`. The file is written to a temporary
+name and renamed, so a concurrent reader never sees half a file, and a later run with the
+same corpus and tokenizer reuses it without tokenizing again (the key fingerprints both).
+Packing is by windowing at read time: the file does not depend on `dataset.seq_len`.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+DTYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32}
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -25,22 +36,76 @@ def fingerprint(files: list[Path], *extra: object) -> str:
     return h.hexdigest()[:16]
 
 
-def build_token_file(files: list[Path], dest: Path) -> Path:
-    """Concatenate the files' bytes (one token per byte) into `dest`, once.
+def suffix_for(vocab_size: int | None) -> str:
+    """u8 for bytes, u16 while the vocabulary fits in 16 bits, else u32."""
+    if vocab_size is None:
+        return "u8"
+    return "u16" if vocab_size <= 2**16 else "u32"
 
-    Written to a temporary name and renamed, so concurrent ranks never see half a file and
-    a second run reuses the cache instead of re-tokenizing.
-    """
+
+class Encoder:
+    """Byte-level (no vocabulary file, vocab 256) or a Hugging Face tokenizer available locally."""
+
+    def __init__(self, tokenizer: str | None) -> None:
+        self.name = tokenizer
+        self.tok = None
+        self.calls = 0  # documents tokenized by this process (tests count re-tokenization)
+        if tokenizer:
+            from loom.data.tokenizer import load_tokenizer
+
+            self.tok = load_tokenizer(tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.tok is None else len(self.tok)
+
+    @property
+    def suffix(self) -> str:
+        return suffix_for(None if self.tok is None else self.vocab_size)
+
+    def key(self) -> str:
+        """What the token file depends on: the tokenizer's identity and vocabulary."""
+        if self.tok is None:
+            return "bytes"
+        vocab = sorted(self.tok.get_vocab().items())
+        return hashlib.sha1(repr((self.name, vocab)).encode()).hexdigest()[:12]
+
+    def encode_batch(self, docs: list[str | bytes]) -> list[np.ndarray]:
+        self.calls += len(docs)
+        if self.tok is None:
+            return [np.frombuffer((d if isinstance(d, bytes) else d.encode()) + b"\n", dtype=np.uint8)
+                    for d in docs]
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        eos = self.tok.eos_token_id
+        dtype = DTYPES[self.suffix]
+        return [np.asarray(list(x) + ([eos] if eos is not None else []), dtype=dtype) for x in ids]
+
+
+def write_token_file(docs: Callable[[], Iterable[str | bytes]], dest: Path, encoder: Encoder,
+                     batch: int = 256) -> Path:
+    """Tokenize `docs()` into `dest` once (an existing `dest` is reused as is, `docs` not called)."""
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    buf: list[str | bytes] = []
     with open(tmp, "wb") as out:
-        for f in files:
-            out.write(f.read_bytes())
-            out.write(b"\n")
+        for doc in docs():
+            buf.append(doc)
+            if len(buf) >= batch:
+                for arr in encoder.encode_batch(buf):
+                    out.write(arr.tobytes())
+                buf = []
+        for arr in encoder.encode_batch(buf) if buf else []:
+            out.write(arr.tobytes())
     os.replace(tmp, dest)
     return dest
+
+
+def build_token_file(files: list[Path], dest: Path, encoder: Encoder | None = None) -> Path:
+    """Concatenate files (one document each) into a token file at `dest`, once."""
+    return write_token_file(lambda: (f.read_bytes() for f in files), dest, encoder or Encoder(None), batch=64)
 
 
 class PackedTokens(Dataset):
@@ -49,7 +114,7 @@ class PackedTokens(Dataset):
     def __init__(self, path: Path, seq_len: int) -> None:
         self.path = Path(path)
         self.seq_len = seq_len
-        self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tokens = np.memmap(self.path, dtype=DTYPES[self.path.suffix.lstrip(".")], mode="r")
         self.n = max(0, (len(self.tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -59,3 +124,21 @@ class PackedTokens(Dataset):
         start = i * self.seq_len
         chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+
+def token_datasets(
+    name: str, key: str, cache_dir: str | None, seq_len: int, encoder: Encoder,
+    train_docs: Callable[[], Iterable[str | bytes]], val_docs: Callable[[], Iterable[str | bytes]],
+) -> tuple[PackedTokens, PackedTokens | None]:
+    """The packed train and val sets (val None when empty), tokenizing only when the cache
+    lacks them: `*_docs` are called only then."""
+    root = cache_root(cache_dir)
+    tkey = "" if encoder.tok is None else f"-{encoder.key()}"
+    out: list[PackedTokens | None] = []
+    for split, docs in (("train", train_docs), ("val", val_docs)):
+        path = write_token_file(docs, root / f"{name}-{key}{tkey}.{split}.{encoder.suffix}", encoder)
+        ds = PackedTokens(path, seq_len) if path.stat().st_size > seq_len else None
+        out.append(ds if ds is not None and len(ds) > 0 else None)
+    if out[0] is None:
+        raise ValueError(f"dataset {name}: the training split has fewer than seq_len+1={seq_len + 1} tokens")
+    return out[0], out[1]

@@ -1,7 +1,13 @@
-"""Model arithmetic from config alone (no torch): parameter counts and FLOPs per token.
+"""Model arithmetic from config: parameter counts and training FLOPs per item.
 
-`loom plan` answers before torch is imported, so the counts are written out here; a test
-checks them against the real modules' `numel()`.
+`loom plan` answers before torch is imported, so for Loom's own models (GPT, MLP) the
+counts are written out here; a test checks them against the real modules' `numel()`.
+`hf_causal_lm` and `custom` models are counted by building them on the meta device (this
+imports torch and the model's library, after validation); FLOPs of a custom model are
+unknown (None: no TFLOP/s or MFU for it).
+
+An "item" is what the run counts as tokens: a token for token data, a sample otherwise
+(`items_per_sample`: dataset.seq_len, or 1 for a classified sample).
 """
 
 from __future__ import annotations
@@ -10,14 +16,17 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from loom.data import items_per_sample
+
 
 @dataclass(frozen=True)
 class ModelSpec:
-    params: int              # all parameters
-    non_embedding_params: int
-    flops_per_token: float   # training (forward + backward)
+    params: int | None           # all parameters (None: unknown)
+    non_embedding_params: int | None
+    flops_per_token: float | None  # training (forward + backward) per item; None: unknown
     n_layer: int
     d_model: int
+    items_per_sample: int = 1    # tokens per sample (seq_len), 1 for classification
 
 
 def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
@@ -41,11 +50,53 @@ def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
     total = embeddings + L * per_block + final_ln + head
     non_embedding = total - embeddings
     flops = 6 * non_embedding + 12 * L * d * seq_len
-    return ModelSpec(total, non_embedding, float(flops), L, d)
+    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len)
+
+
+def mlp_spec(m: DictConfig) -> ModelSpec:
+    """loom.models.mlp: Linear layers in_features -> hidden... -> num_classes. FLOPs per sample:
+    6 per weight (2 forward, 4 backward), the biases' adds neglected."""
+    widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
+    weights = sum(a * b for a, b in zip(widths, widths[1:], strict=False))
+    params = weights + sum(widths[1:])
+    return ModelSpec(params, params, float(6 * weights), len(widths) - 1, max(widths[1:-1] or widths[-1:]), 1)
+
+
+def hf_spec(cfg: DictConfig) -> ModelSpec:
+    from loom.models import hf
+
+    T = items_per_sample(cfg)
+    params, embedding, L, d, tied = hf.count(cfg.model)
+    non_embedding = params - embedding
+    head = hf.config_dict(cfg.model).get("vocab_size", 0) * d if tied else 0  # tied: a matmul, no params
+    flops = 6 * (non_embedding + head) + 12 * L * d * T if L and d else None
+    return ModelSpec(params, non_embedding, float(flops) if flops else None, L, d, T)
+
+
+def custom_spec(cfg: DictConfig) -> ModelSpec:
+    """Parameters of the user's module built on the meta device; None if that fails."""
+    params = None
+    try:
+        import torch
+
+        from loom.models.custom import instantiate
+
+        with torch.device("meta"):
+            module = instantiate(cfg.model.module)
+        params = sum(p.numel() for p in module.parameters())
+    except Exception:
+        params = None
+    return ModelSpec(params, params, None, 0, 0, items_per_sample(cfg))
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
     name = cfg.model.name
-    if name.startswith("gpt"):
+    if "n_head" in cfg.model:
         return gpt_spec(cfg.model, cfg.dataset.seq_len)
+    if name == "mlp":
+        return mlp_spec(cfg.model)
+    if name == "hf_causal_lm":
+        return hf_spec(cfg)
+    if name == "custom":
+        return custom_spec(cfg)
     raise ValueError(f"no spec for model {name}")

@@ -26,6 +26,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import Throughput
 
+from loom.plan import mfu
 from loom.tracking.system import GpuStats
 
 log = logging.getLogger("loom")
@@ -176,7 +177,7 @@ class Recorder(pl.Callback):
         }
         if "device/flops_per_sec" in rates:
             row["perf/tflops_per_device"] = rates["device/flops_per_sec"] / 1e12
-        if "device/mfu" in rates:
+        if "device/mfu" in rates and 0.0 <= rates["device/mfu"] <= 1.0:  # > 1: the peak is wrong
             row["perf/mfu"] = rates["device/mfu"]
         if self.gpu.available:
             row["sys/gpu_util"] = float(mean[col["gpu_util"]])
@@ -233,7 +234,7 @@ class Recorder(pl.Callback):
         if self.flops_per_token and t > 0:
             per_device = tokens * self.flops_per_token / self.world_size / t
             out["tflops_per_device"] = per_device / 1e12
-            out["mfu"] = per_device / peak_flops if peak_flops else None
+            out["mfu"] = mfu(tokens / t, self.flops_per_token, peak_flops, self.world_size)
         return out
 
     def attempt(self) -> dict[str, Any]:

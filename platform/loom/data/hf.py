@@ -1,0 +1,158 @@
+"""`dataset=hf`: text from the Hugging Face `datasets` library, offline unless asked.
+
+Sources, one of:
+- `dataset.hub=<id>` (+ `dataset.config`, `dataset.split`): a hub dataset. Offline by
+  default (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1 are set for the run), so only the local
+  HF cache is used; `dataset.online=true` lets the library download it.
+- `dataset.path=<dir>`: a dataset saved with `save_to_disk` (a Dataset or a DatasetDict,
+  whose `dataset.split` is used).
+- `dataset.path=<file or glob>`: local .json/.jsonl/.csv/.txt/.parquet files.
+
+No torch here (the `datasets` library does not import it): validation reads a local
+source's columns from its metadata or first record, and opens a hub dataset from the cache.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+
+
+def set_offline(ds: DictConfig) -> None:
+    """Offline unless `dataset.online=true` (then the user's environment decides)."""
+    if not ds.get("online", False):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        # The libraries read these at import: if this process imported them before, tell them.
+        import sys
+
+        if "huggingface_hub" in sys.modules:
+            sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+            sys.modules["datasets"].config.HF_DATASETS_OFFLINE = True
+
+
+def is_saved_dataset(p: Path) -> bool:
+    return p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file())
+
+
+def data_files(path: str) -> list[Path]:
+    from loom.data.text_files import expand
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    return expand(path)
+
+
+def _saved_split_dir(p: Path, split: str) -> tuple[Path | None, list[str]]:
+    """(the Dataset directory for `split`, the splits there are) of a save_to_disk dir."""
+    if (p / "dataset_dict.json").is_file():
+        splits = list(json.loads((p / "dataset_dict.json").read_text()).get("splits", []))
+        return (p / split if split in splits else None), splits
+    return p, []
+
+
+def local_columns(path: str, split: str) -> tuple[list[str], int | None]:
+    """(column names, rows if known) of a local source, from metadata or its first record.
+
+    Raises ValueError with the reason when the source is unusable."""
+    p = Path(path).expanduser()
+    if is_saved_dataset(p):
+        d, splits = _saved_split_dir(p, split)
+        if d is None:
+            raise ValueError(f"has no split {split!r}; its splits: {', '.join(splits)} (set dataset.split)")
+        info = json.loads((d / "dataset_info.json").read_text()) if (d / "dataset_info.json").is_file() else {}
+        cols = list((info.get("features") or {}).keys())
+        state = json.loads((d / "state.json").read_text()) if (d / "state.json").is_file() else {}
+        rows = None
+        try:
+            import pyarrow as pa
+
+            rows = 0
+            for f in state.get("_data_files", []):
+                with pa.memory_map(str(d / f["filename"])) as src:
+                    rows += pa.ipc.open_stream(src).read_all().num_rows
+        except Exception:
+            rows = None
+        return cols, rows
+    files = data_files(path)
+    if not files:
+        raise ValueError("matches no .json/.jsonl/.csv/.txt/.parquet file")
+    kinds = {BUILDERS[f.suffix] for f in files}
+    if len(kinds) > 1:
+        raise ValueError(f"mixes file types ({', '.join(sorted(kinds))}); point it at one type")
+    kind, first = kinds.pop(), files[0]
+    if all(f.stat().st_size == 0 for f in files):
+        return ([], 0) if kind != "text" else (["text"], 0)
+    if kind == "text":
+        return ["text"], None
+    if kind == "csv":
+        with open(first, newline="") as fh:
+            return next(csv.reader(fh), []), None
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(first).names), sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    with open(first) as fh:  # json: JSON lines, or one array of records
+        line = fh.readline().strip()
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        rec = json.loads(first.read_text())
+    if isinstance(rec, list):
+        rec = rec[0] if rec else {}
+    return (list(rec) if isinstance(rec, dict) else []), None
+
+
+def load(ds: DictConfig) -> Any:
+    """The `datasets.Dataset` of the configured split."""
+    set_offline(ds)
+    import datasets
+
+    if ds.path:
+        p = Path(ds.path).expanduser()
+        if is_saved_dataset(p):
+            loaded = datasets.load_from_disk(str(p))
+            return loaded[ds.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        files = data_files(ds.path)
+        # Local files' arrow conversion goes next to Loom's token cache when one is set.
+        from loom.data.tokens import cache_root
+
+        cache = str(cache_root(ds.cache_dir) / "hf") if ds.cache_dir else None
+        return datasets.load_dataset(BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train",
+                                     cache_dir=cache)
+    return datasets.load_dataset(ds.hub, ds.config, split=ds.split)
+
+
+def source_key(ds: DictConfig, dataset: Any | None) -> str:
+    """What the token cache depends on: the local files, or the hub dataset's fingerprint."""
+    from loom.data.tokens import fingerprint
+
+    spec = (ds.hub, ds.config, ds.split, ds.text_column, ds.val_every, ds.get("max_docs"))
+    if ds.path:
+        p = Path(ds.path).expanduser()
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(ds.path)
+        return fingerprint(files, *spec)
+    return fingerprint([], *spec, getattr(dataset, "_fingerprint", None))
+
+
+def docs(dataset: Any, column: str, val_every: int, want_val: bool, max_docs: int | None):
+    """The texts of one split: document i is validation when i % val_every == val_every - 1."""
+    i = 0
+    for batch in dataset.select_columns([column]).iter(batch_size=1000):
+        for text in batch[column]:
+            if max_docs is not None and i >= max_docs:
+                return
+            is_val = val_every > 1 and i % val_every == val_every - 1
+            i += 1
+            if text is not None and is_val == want_val:
+                yield text if isinstance(text, str | bytes) else str(text)

@@ -1,0 +1,52 @@
+"""`dataset=synthetic`: random tokens or tensors of a configured shape, for throughput runs.
+
+No I/O and O(1) memory: item i is drawn from its own generator seeded by (seed, split, i),
+so every rank, every run and every resume sees the same item i. Tensor items get a label
+that depends on the input (the argmax of its first `num_classes` values), so a classifier
+can learn it; token items are uniform (the loss stays near ln(vocab)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+
+class SyntheticTokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int, split: int = 0) -> None:
+        self.n, self.seq_len, self.vocab, self.seed, self.split = n, seq_len, vocab_size, seed, split
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.split, i])
+        chunk = torch.from_numpy(rng.integers(0, self.vocab, self.seq_len + 1, dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+class SyntheticTensors(Dataset):
+    def __init__(self, n: int, shape: list[int], num_classes: int, seed: int, split: int = 0) -> None:
+        self.n, self.shape, self.classes, self.seed, self.split = n, tuple(shape), num_classes, seed, split
+        self.numel = math.prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.split, i])
+        x = rng.standard_normal(self.numel, dtype=np.float32)
+        y = int(np.argmax(x[: min(self.classes, self.numel)]))
+        return torch.from_numpy(x.reshape(self.shape)), torch.tensor(y, dtype=torch.int64)
+
+
+def datasets(ds, seed: int) -> tuple[Dataset, Dataset | None]:
+    n_val = max(1, ds.num_samples // 16)
+    if ds.kind == "tokens":
+        return (SyntheticTokens(ds.num_samples, ds.seq_len, ds.vocab_size, seed, 0),
+                SyntheticTokens(n_val, ds.seq_len, ds.vocab_size, seed, 1))
+    return (SyntheticTensors(ds.num_samples, list(ds.shape), ds.num_classes, seed, 0),
+            SyntheticTensors(n_val, list(ds.shape), ds.num_classes, seed, 1))

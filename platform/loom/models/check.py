@@ -1,0 +1,137 @@
+"""Model validation in the launcher (no torch of Loom's own): sizes against the data's
+context and vocabulary, the model x dataset fit, and a custom `_target_`."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from loom.config import ConfigError
+from loom.data import is_token_data
+
+TOKEN_HINT = "token datasets: tinycode, text_files, hf, synthetic (dataset.kind=tokens)"
+TENSOR_HINT = "feature datasets: digits, synthetic (dataset.kind=tensors)"
+
+
+def _fail(key: str, value, rule: str) -> None:
+    raise ConfigError(f"Invalid config: {key}={value!r}: {rule}.")
+
+
+def _require(ok: bool, key: str, value, rule: str) -> None:
+    if not ok:
+        _fail(key, value, rule)
+
+
+def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size") -> None:
+    from loom.data.check import data_vocab_size
+
+    need = data_vocab_size(cfg)
+    if need is not None and have < need:
+        src = (f"dataset.tokenizer={cfg.dataset.tokenizer} has {need} tokens" if cfg.dataset.get("tokenizer")
+               else f"dataset={cfg.dataset.name} has token ids up to {need - 1}")
+        _fail(key, have, f"is smaller than the data's vocabulary ({src}); set model.vocab_size={need}")
+
+
+def _needs_tokens(cfg: DictConfig) -> None:
+    _require(is_token_data(cfg.dataset), "model.name", cfg.model.name,
+             f"model={cfg.model.name} is a causal language model over token sequences but "
+             f"dataset={cfg.dataset.name} yields (features, label) samples; use one of the {TOKEN_HINT}")
+
+
+def check_model(cfg: DictConfig) -> None:
+    m = cfg.model
+    if "n_head" in m:  # the GPT family
+        _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
+        _needs_tokens(cfg)
+        _require(cfg.dataset.seq_len <= m.block_size, "dataset.seq_len", cfg.dataset.seq_len,
+                 f"exceeds the model's context model.block_size={m.block_size}; "
+                 "lower dataset.seq_len or raise model.block_size")
+        _vocab(cfg, m.vocab_size)
+    elif m.name == "mlp":
+        _check_mlp(cfg)
+    elif m.name == "hf_causal_lm":
+        _check_hf(cfg)
+    elif m.name == "custom":
+        _check_custom(cfg)
+
+
+def _check_mlp(cfg: DictConfig) -> None:
+    from loom.data.check import data_features
+
+    m = cfg.model
+    feats = data_features(cfg)
+    _require(feats is not None, "model.name", m.name,
+             f"model=mlp classifies feature vectors but dataset={cfg.dataset.name} yields token "
+             f"sequences; use one of the {TENSOR_HINT}, or a GPT / hf_causal_lm model")
+    n_in, n_cls = feats
+    if m.in_features is None:
+        m.in_features = n_in
+    if m.num_classes is None:
+        m.num_classes = n_cls
+    _require(m.in_features == n_in, "model.in_features", m.in_features,
+             f"dataset={cfg.dataset.name} has {n_in} features per sample; set it to {n_in} or null")
+    _require(m.num_classes >= n_cls, "model.num_classes", m.num_classes,
+             f"dataset={cfg.dataset.name} has {n_cls} classes; set it to {n_cls} or null")
+    _require(all(h >= 1 for h in m.hidden), "model.hidden", list(m.hidden), "layer widths must be >= 1")
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
+
+
+def _check_hf(cfg: DictConfig) -> None:
+    from pathlib import Path
+
+    from loom.models import hf
+
+    m = cfg.model
+    _require(bool(m.config), "model.config", m.config,
+             "name a directory holding a transformers config.json (save_pretrained), or a model "
+             "name already in the Hugging Face cache, e.g. model.config=/models/my-gpt2")
+    p = Path(str(m.config)).expanduser()
+    if p.exists():
+        m.config = str(p.resolve())  # frozen absolute: ranks and resumes may start elsewhere
+    try:
+        data = hf.config_dict(m)
+    except (FileNotFoundError, ValueError, OSError):
+        _fail("model.config", m.config,
+              "has no config.json locally (not a directory with one, nor a name in the Hugging Face "
+              "cache); Loom does not download models: save one with "
+              "transformers.AutoConfig...save_pretrained(dir) and pass the directory")
+    _needs_tokens(cfg)
+    ctx = hf.context_length(data)
+    if ctx is not None:
+        _require(cfg.dataset.seq_len <= ctx, "dataset.seq_len", cfg.dataset.seq_len,
+                 f"exceeds the model's context ({ctx}, from model.config={m.config}); lower "
+                 "dataset.seq_len or raise it with model.overrides")
+    vocab = data.get("vocab_size")
+    if isinstance(vocab, int):
+        _vocab(cfg, vocab, "model.vocab_size" if m.vocab_size is not None else "model.config.vocab_size")
+
+
+def _check_custom(cfg: DictConfig) -> None:
+    from loom.models import custom
+
+    m = cfg.model
+    target = (m.module or {}).get("_target_")
+    _require(bool(target), "model.module._target_", target,
+             "name your LightningModule or nn.Module class, e.g. model.module._target_=my_pkg.MyModule "
+             "security.allow_targets='[my_pkg.]'")
+    for key, tgt in (("model.module._target_", target),
+                     ("model.loss._target_", (m.loss or {}).get("_target_"))):
+        if tgt is None:
+            continue
+        try:
+            obj = custom.locate(str(tgt))
+        except Exception as e:
+            reason = " ".join(str(e).split())[:300]
+            _fail(key, tgt, f"cannot be imported ({type(e).__name__}: {reason}); make sure its package is "
+                  "installed or on PYTHONPATH, and the name is spelled module.path.ClassName")
+        kind = custom.kind_of(obj)
+        if key == "model.loss._target_":
+            _require(callable(obj), key, tgt, "is not callable; name a loss class such as torch.nn.CrossEntropyLoss")
+            continue
+        _require(kind != "lightning_unified", key, tgt,
+                 "subclasses lightning.pytorch.LightningModule, but Loom's trainer is pytorch_lightning: "
+                 "import LightningModule from pytorch_lightning")
+        _require(kind is not None, key, tgt,
+                 "is not a LightningModule or a torch.nn.Module subclass (nor a function returning one); "
+                 f"its bases: {', '.join(c.__name__ for c in getattr(obj, '__mro__', [type(obj)]))}")
+    if m.loss is None or not m.loss:
+        m.loss = None

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""The plain-PyTorch side of the benchmarks: a hand-written training loop over Loom's GPT.
+
+Imports `loom.models.gpt.GPT` and nothing else of Loom, so it measures what PyTorch alone
+costs for the same work as `loom train`: the same token file (non-overlapping windows of
+seq_len + 1 bytes, as loom.data.tokens.PackedTokens), the same DistributedSampler order
+(shuffle, seed, drop_last), the same AdamW groups (decay on matrices only) with linear
+warmup and cosine decay stepped per step, the same gradient clipping and the same seed
+(seeded right before the model is built, as Loom's worker does).
+
+One process: `python plain_gpt.py --config JSON --steps N`. Several: run it under
+`torchrun --nproc-per-node=2` and it trains with torch DDP over gloo (GPU: NCCL).
+`--device cuda --dtype bf16 --compile` is the GPU path of gpu_mfu.py (autocast bf16).
+
+Prints one JSON line (rank 0) with the loop time, the per-step losses and the final loss
+computed as Loom's summary does (mean of the last logging window, averaged over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True, help="JSON: model, optim, dataset, trainer, seed, tokens")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="GPU timing: steps run before the timed window (--steps is the whole run)")
+    args = ap.parse_args(argv)
+    c = json.loads(args.config)
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # Threads as Loom's worker sets them: this machine's cores / processes on it.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local_world)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+    from loom.models.gpt import GPT
+
+    torch.set_num_threads(threads)
+    device = torch.device(args.device)
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    class Windows(Dataset):
+        def __init__(self, path: str, seq_len: int) -> None:
+            self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
+            self.seq_len = seq_len
+            self.n = max(0, (len(self.tokens) - 1) // seq_len)
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int):
+            s = i * self.seq_len
+            chunk = torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))
+            return chunk[:-1], chunk[1:]
+
+    seed = int(c["seed"])
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    m = dict(c["model"])
+    m.pop("name", None)
+    model = GPT(**m).to(device)
+
+    o, steps_total = c["optim"], args.steps  # Loom runs with trainer.max_steps=N
+    named = list(model.named_parameters())
+    decay = [p for _, p in named if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for _, p in named if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+    )
+    warmup, floor = o["warmup_steps"], o["min_lr_ratio"]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps_total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    if args.compile:
+        model = torch.compile(model)
+    train_model = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                          bucket_cap_mb=c.get("bucket_cap_mb", 25))
+
+    ds = c["dataset"]
+    data = Windows(c["tokens"], ds["seq_len"])
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    loader = DataLoader(data, batch_size=ds["batch_size"], sampler=sampler, drop_last=True,
+                        pin_memory=device.type == "cuda")
+    clip = float(c["trainer"].get("gradient_clip_val") or 0.0)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else torch.autocast(device.type, enabled=False))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    losses: list[torch.Tensor] = []
+    step, epoch = 0, 0
+    sync()
+    t0 = time.perf_counter()
+    t_warm = t0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            with autocast:
+                logits = train_model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            sched.step()
+            losses.append(loss.detach())
+            step += 1
+            if step == args.warmup_steps:
+                sync()
+                t_warm = time.perf_counter()
+            if step >= args.steps:
+                break
+        epoch += 1
+    sync()
+    loop = time.perf_counter() - t0
+    timed = time.perf_counter() - t_warm
+
+    # Loom's summary final_loss: mean of the losses since the last logged step, over ranks.
+    log_every = int(c["trainer"]["log_every_n_steps"])
+    last_log = ((step - 1) // log_every) * log_every
+    window = losses[last_log:]
+    acc = None
+    for t in window:
+        acc = t if acc is None else acc + t
+    local_final = float((acc / len(window)).float().item())
+    final = local_final
+    if world > 1:
+        import torch.distributed as dist
+
+        v = torch.tensor([local_final], dtype=torch.float64, device=device)
+        out = [torch.zeros_like(v) for _ in range(world)]
+        dist.all_gather(out, v)
+        final = float(torch.cat(out).cpu().mean())
+    if rank == 0:
+        print(json.dumps({
+            "steps": step, "loop_time_s": loop, "timed_steps": step - args.warmup_steps, "timed_time_s": timed,
+            "final_loss": final, "losses": [float(t) for t in losses], "threads": threads, "world_size": world,
+            "peak_gpu_mem_gb": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None),
+        }), flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Datasets as config groups: sampling, caches, validation, and real 2-rank runs.
+
+Real runs use the digits dataset with a user LightningModule from tests_helpers (each step
+slowed a little so a worker can be killed mid-epoch), the text_files corpus with GPT models,
+and record the sample ids every rank trained on (LOOM_RECORD_SAMPLE_IDS).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, LOOM, LoomResult, run_loom
+from tests_helpers import CORPUS, helpers_env, write_json_corpus
+
+from loom.cli import resolve
+from loom.config import ConfigError
+from loom.data.sampler import ResumableDistributedSampler
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def _datamodules(cfg, dp_size=2):
+    from loom.data import build_datamodule
+
+    dms = [build_datamodule(cfg, r, dp_size) for r in range(dp_size)]
+    dms[0].prepare_data()
+    for dm in dms:
+        dm.setup("fit")
+        dm.train_dataloader()
+    return dms
+
+
+def _epoch(dms, epoch):
+    out = []
+    for dm in dms:
+        dm.train_sampler.set_epoch(epoch)
+        out.append(list(dm.train_sampler))
+    return out
+
+
+def test_sampler_shards_are_disjoint_cover_the_epoch_and_resume_mid_epoch():
+    n = 103
+    samplers = [ResumableDistributedSampler(range(n), num_replicas=2, rank=r, shuffle=True, seed=7, drop_last=True)
+                for r in range(2)]
+    for epoch in (0, 1):
+        parts = []
+        for s in samplers:
+            s.set_epoch(epoch)
+            parts.append(list(s))
+        assert not set(parts[0]) & set(parts[1])
+        assert len(set(parts[0]) | set(parts[1])) == n - n % 2  # DistributedSampler's drop_last
+        if epoch == 0:
+            first = parts
+    assert first != parts  # reshuffled per epoch
+    s = samplers[1]
+    s.set_epoch(1)
+    full = list(s)
+    s.resume_at(1, 10)
+    assert list(s) == full[10:]  # resumed: skips what the epoch already consumed
+    assert list(s) == full       # once: the next pass is whole again
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(30):
+        (d / f"doc{i:02d}.txt").write_text(CORPUS[i % len(CORPUS)] * 8)
+    (d / "sub").mkdir()
+    (d / "sub" / "deep.txt").write_text("nested " * 100)
+    return d
+
+
+@pytest.mark.parametrize("case", ["tinycode", "text_files", "hf_saved", "hf_json", "digits",
+                                  "synthetic_tokens", "synthetic_tensors"])
+def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
+    cache = f"dataset.cache_dir={tmp_path / 'cache'}"
+    overrides = {
+        "tinycode": ["dataset.max_bytes=300000", cache],
+        "text_files": ["dataset=text_files", f"dataset.paths=[{corpus}/*.txt,{corpus}/**/*.txt]", cache,
+                       "dataset.seq_len=64", "dataset.batch_size=4"],
+        "hf_json": ["dataset=hf", f"dataset.path={write_json_corpus(tmp_path / 'd.jsonl')}",
+                    "dataset.text_column=content", "dataset.seq_len=32", "dataset.batch_size=4", cache],
+        "digits": ["dataset=digits", "model=mlp"],
+        "synthetic_tokens": ["dataset=synthetic", "dataset.num_samples=100", "dataset.seq_len=16"],
+        "synthetic_tensors": ["dataset=synthetic", "dataset.kind=tensors", "dataset.shape=[2,3]",
+                              "dataset.num_samples=100", "model=mlp"],
+    }
+    if case == "hf_saved":
+        import datasets
+
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": CORPUS * 40}),
+                              "test": datasets.Dataset.from_dict({"text": CORPUS})}).save_to_disk(tmp_path / "saved")
+        overrides[case] = ["dataset=hf", f"dataset.path={tmp_path / 'saved'}", "dataset.seq_len=32",
+                           "dataset.batch_size=4", cache]
+    cfg = resolve(overrides[case])
+    dms = _datamodules(cfg)
+    n = len(dms[0].train_set)
+    parts = _epoch(dms, 0)
+    assert not set(parts[0]) & set(parts[1])
+    union = set(parts[0]) | set(parts[1])
+    assert union <= set(range(n)) and len(union) == n - n % 2  # the epoch (drop_last: one odd sample out)
+    x, y = dms[0].train_set[parts[0][0]]
+    if case.startswith("digits") or case.endswith("tensors"):
+        assert x.dtype.is_floating_point and y.dim() == 0
+        assert tuple(x.shape) == ((64,) if case == "digits" else (2, 3))
+    else:
+        assert x.shape == y.shape == (cfg.dataset.seq_len,) and (x[1:] == y[:-1]).all()
+    if case == "synthetic_tokens":  # deterministic from the seed, no I/O
+        again = _datamodules(cfg)[1].train_set[5][0]
+        assert (again == dms[1].train_set[5][0]).all()
+        other = _datamodules(resolve([*overrides[case], "seed=1"]))[1].train_set[5][0]
+        assert not (other == again).all()
+
+
+def test_token_cache_is_reused_and_tokenizer_sized(tmp_path, corpus):
+    from tests_helpers import make_tokenizer
+
+    from loom.data.module import _token_sets
+
+    tok = make_tokenizer(tmp_path / "tok")
+    cfg = resolve(["dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={tmp_path / 'c'}",
+                   f"dataset.tokenizer={tok}", "dataset.seq_len=16", "dataset.batch_size=2",
+                   "model.vocab_size=300"])
+    train, _ = _token_sets(cfg)
+    assert train.path.suffix == ".u16" and train.tokens.dtype.name == "uint16"
+    assert int(train.tokens.max()) < 300
+    mtime = train.path.stat().st_mtime_ns
+    import loom.data.tokens as tokens
+
+    calls = []
+    orig = tokens.Encoder.encode_batch
+    tokens.Encoder.encode_batch = lambda self, docs: calls.append(len(docs)) or orig(self, docs)
+    try:
+        again, _ = _token_sets(cfg)
+    finally:
+        tokens.Encoder.encode_batch = orig
+    assert calls == [] and again.path == train.path and again.path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["dataset=text_files", "dataset.paths=[/nonexistent/*.txt]"], ["dataset.paths", "/nonexistent/*.txt", "matches no files"]),
+        (["dataset=text_files", "dataset.paths=[EMPTY]"], ["dataset.paths", "empty"]),
+        (["dataset=text_files"], ["dataset.paths", "at least one"]),
+        (["dataset=hf", "dataset.path=JSON", "dataset.text_column=body"], ["dataset.text_column", "'body'", "content", "id"]),
+        (["dataset=hf", "dataset.hub=loom-tests/never-cached"], ["dataset.hub", "not cached", "dataset.online=true"]),
+        (["dataset=hf"], ["dataset.hub", "exactly one"]),
+        (["dataset.tokenizer=/nonexistent/tokenizer"], ["dataset.tokenizer", "not available locally"]),
+        (["dataset=synthetic", "dataset.kind=images"], ["dataset.kind", "tokens, tensors"]),
+        (["dataset=digits"], ["model.name", "gpt_tiny", "digits"]),
+        (["model=mlp"], ["model.name", "mlp", "tinycode"]),
+        (["dataset=synthetic", "dataset.vocab_size=1000"], ["model.vocab_size", "256", "1000"]),
+    ],
+)
+def test_bad_dataset_input_names_the_key_and_the_fix(overrides, needles, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    (tmp_path / "empty.txt").write_text("")
+    json_path = write_json_corpus(tmp_path / "d.jsonl", 5)
+    overrides = [o.replace("EMPTY", str(tmp_path / "empty.txt")).replace("JSON", str(json_path)) for o in overrides]
+    with pytest.raises(ConfigError) as e:
+        resolve(overrides)
+    msg = str(e.value)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert len(msg.splitlines()) <= 2
+
+
+def test_cli_refuses_a_path_matching_nothing_before_any_process_starts(tmp_path):
+    p = subprocess.run([*LOOM, "train", "dataset=text_files", "dataset.paths=[nope/**/*.md]", f"run.root={tmp_path}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "dataset.paths" in p.stderr and "matches no files" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "gpt").exists()
+
+
+# ----------------------------------------------------------------------------- real runs
+
+BASE = [a for a in FAST if not a.startswith("dataset.")]  # FAST minus tinycode's size cap
+DIGITS = [*BASE, "dataset=digits", "model=custom", "model.module._target_=tests_helpers.DigitsLit",
+          "+model.module.delay=0.03", "security.allow_targets=[tests_helpers.]", "trainer.max_steps=30",
+          "checkpoint.every_n_steps=10", "run.id=digits"]
+PER_EPOCH = (1438 // 2) // 32  # digits train split per rank / micro batch: 22 batches
+
+
+def _ids(record: Path) -> dict[int, dict[int, tuple[int, list[int]]]]:
+    """rank -> step -> (epoch, ids); a later line for a step (a resumed attempt) wins."""
+    out: dict[int, dict[int, tuple[int, list[int]]]] = {}
+    for f in sorted(record.glob("rank-*.txt")):
+        rank = int(f.stem.split("-")[1])
+        for line in f.read_text().splitlines():
+            step, epoch, *ids = map(int, line.split())
+            out.setdefault(rank, {})[step] = (epoch, ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def digits_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits_ref")
+    r = run_loom("train", *DIGITS, root=root, env={**helpers_env(root), "LOOM_RECORD_SAMPLE_IDS": str(root / "ids")})
+    assert r.rc == 0, r.out + r.err
+    return r, _ids(root / "ids")
+
+
+def test_digits_two_ranks_see_disjoint_samples_covering_the_epoch(digits_reference):
+    r, ids = digits_reference
+    s = r.summary()
+    assert s["status"] == "completed" and s["global_step"] == 30
+    assert s["samples"] == s["tokens"] == 30 * 2 * 32  # classification: one item per sample
+    assert s["final_weights"] and (r.run_dir / "final" / "model.safetensors").is_file()
+    assert sorted(ids) == [0, 1] and sorted(ids[0]) == sorted(ids[1]) == list(range(1, 31))
+    epoch0 = [[i for step in sorted(ids[rank]) if ids[rank][step][0] == 0 for i in ids[rank][step][1]]
+              for rank in (0, 1)]
+    assert len(epoch0[0]) == len(epoch0[1]) == PER_EPOCH * 32
+    assert not set(epoch0[0]) & set(epoch0[1])
+    assert len(set(epoch0[0])) == len(epoch0[0])
+    seen = set(epoch0[0]) | set(epoch0[1])
+    # the union is the epoch: every train sample, less each rank's last partial batch (drop_last)
+    assert seen <= set(range(1438)) and len(seen) == 1438 - 2 * ((1438 // 2) % 32)
+    assert {ids[0][s][0] for s in ids[0]} == {0, 1}  # crossed into the second epoch
+    assert r.losses()[30] < r.losses()[1]
+
+
+def _workers(run_dir: Path) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in out.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" not in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, digits_reference):
+    ref, ref_ids = digits_reference
+    env = {**os.environ, **helpers_env(tmp_path), "WANDB_MODE": "offline",
+           "LOOM_RECORD_SAMPLE_IDS": str(tmp_path / "ids")}
+    run_dir = tmp_path / "gpt" / "digits"
+    proc = subprocess.Popen([*LOOM, "train", *DIGITS, "hardware.max_restarts=1", f"run.root={tmp_path}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = run_dir / "checkpoints" / "step-0000010.ckpt"
+    deadline = time.monotonic() + 120
+    while not ckpt.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    victims = _workers(run_dir)
+    assert len(victims) == 2
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    s = LoomResult(0, out, "", run_dir).summary()
+    assert s["restarts"] == 1 and s["resumed_from_step"] in (10, 20) and s["global_step"] == 30
+    ids = _ids(tmp_path / "ids")
+    # mid-epoch (10 of 22 batches): the resumed attempt trained exactly the samples the
+    # uninterrupted run did at every step, in the same order
+    assert ids == ref_ids
+    assert LoomResult(0, out, "", run_dir).losses() == ref.losses()
+
+
+def test_text_files_trains_and_the_packed_cache_is_reused(tmp_path, corpus):
+    cache = tmp_path / "cache"
+    args = [*BASE, "dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={cache}",
+            "dataset.seq_len=64", "dataset.batch_size=4", "trainer.max_steps=4"]
+    r = run_loom("train", *args, root=tmp_path)
+    assert r.rc == 0, r.out + r.err
+    assert r.summary()["tokens"] == 4 * 2 * 4 * 64
+    files = sorted(cache.glob("text_files-*.u8"))
+    assert [f.name.split(".")[-2] for f in files] == ["train", "val"]
+    before = {f: f.stat().st_mtime_ns for f in files}
+    again = run_loom("train", *args, "model=gpt_small", root=tmp_path)  # another run, same data
+    assert again.rc == 0, again.out + again.err
+    assert again.run_dir != r.run_dir and again.summary()["status"] == "completed"
+    assert {f: f.stat().st_mtime_ns for f in sorted(cache.glob("text_files-*"))} == before

@@ -1,0 +1,101 @@
+"""Models and fixtures-on-disk for tests/test_data.py and tests/test_models.py.
+
+Importable by the `loom` subprocesses through PYTHONPATH=tests/ (see `helpers_env`), and
+allowed as `_target_`s with security.allow_targets='[tests_helpers.]'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+def helpers_env(tmp: Path) -> dict[str, str]:
+    """Env for a `loom` subprocess: this directory importable, HF caches under tmp."""
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "HF_HOME": str(tmp / "hf_home")}
+
+
+class DigitsLit(pl.LightningModule):
+    """A user's own LightningModule: no `.model` attribute, no configure_optimizers (Loom's
+    optimizer is used). `delay` slows each step so a test can kill a run part-way."""
+
+    def __init__(self, hidden: int = 32, delay: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, 10))
+        self.delay = delay
+
+    def training_step(self, batch, batch_idx):
+        if self.delay:
+            time.sleep(self.delay)
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
+
+class TinyTokenNet(nn.Module):
+    """A user's plain nn.Module over tokens: (B, T) ids -> (B, T, V) logits."""
+
+    def __init__(self, vocab_size: int = 256, width: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, width)
+        self.out = nn.Linear(width, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.emb(x)))
+
+
+class NotAModule:
+    """Neither a LightningModule nor an nn.Module."""
+
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n" * 2,
+    "lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 2,
+    "pack my box with five dozen liquor jugs! " * 3,
+]
+
+
+def write_json_corpus(path: Path, n_docs: int = 200, column: str = "content") -> Path:
+    """JSON lines with a `column` text column and an `id` column."""
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            f.write(json.dumps({"id": i, column: f"{i}: " + CORPUS[i % len(CORPUS)]}) + "\n")
+    return path
+
+
+def make_tokenizer(dest: Path, vocab_size: int = 300) -> Path:
+    """A small BPE tokenizer trained on CORPUS, saved with save_pretrained (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(str(dest))
+    return dest
+
+
+def make_hf_config(dest: Path, vocab_size: int, n_positions: int = 64) -> Path:
+    """A tiny GPT-2 config.json (no weights: the model is randomly initialized)."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+               bos_token_id=1, eos_token_id=1).save_pretrained(str(dest))
+    return dest
