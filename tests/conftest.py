@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,30 @@ def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = No
         if line.startswith("run dir: "):
             run_dir = Path(line[len("run dir: "):].strip())
     return LoomResult(p.returncode, p.stdout, p.stderr, run_dir)
+
+
+# One short run of every strategy, shared by tests/test_strategies.py and tests/test_plan.py.
+STEPS = 6
+B = 4  # micro batch per rank; `single` uses 2B
+COMMON = [*FAST, f"trainer.max_steps={STEPS}", f"dataset.batch_size={B}", "dataset.seq_len=64"]
+# DDP runs with a gradient-compression hook (fp16 all-reduce): it must register on CPU/gloo
+# and its rounding (~1e-3 relative per gradient element) stays within the curve tolerance.
+PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
+         "ddp": ["strategy.comm_hook=fp16_compress"]}
+STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory) -> dict:
+    """One launch per strategy (+ the single-process reference), shared by the checks below."""
+    out = {}
+    root = tmp_path_factory.mktemp("strategies")
+    t0 = time.time()
+    out["single"] = run_loom("train", "strategy=single", *COMMON, f"dataset.batch_size={2 * B}", root=root)
+    for s in STRATEGIES:
+        out[s] = run_loom("train", f"strategy={s}", *COMMON, *PROCS.get(s, []), root=root)
+    print(f"{len(out)} launches in {time.time() - t0:.0f} s")
+    return out
 
 
 @pytest.fixture

@@ -24,18 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, run_loom
+from conftest import COMMON, LOOM, PROCS, STEPS, STRATEGIES, B, run_loom
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
-B = 4  # micro batch per rank; `single` uses 2B
-COMMON = [*FAST, f"trainer.max_steps={STEPS}", f"dataset.batch_size={B}", "dataset.seq_len=64"]
-# DDP runs with a gradient-compression hook (fp16 all-reduce): it must register on CPU/gloo
-# and its rounding (~1e-3 relative per gradient element) stays within the curve tolerance.
-PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
-         "ddp": ["strategy.comm_hook=fp16_compress"]}
-STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
 STEP1_TOL = 1e-4
 RESUME_TOL = 1e-6  # fp32, same world size, exact state restore: identical up to printing
 
@@ -50,16 +42,8 @@ def _params() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """One launch per strategy (+ the single-process reference), shared by the checks below."""
-    out = {}
-    root = tmp_path_factory.mktemp("strategies")
-    t0 = time.time()
-    out["single"] = run_loom("train", "strategy=single", *COMMON, f"dataset.batch_size={2 * B}", root=root)
-    for s in STRATEGIES:
-        out[s] = run_loom("train", f"strategy={s}", *COMMON, *PROCS.get(s, []), root=root)
-    print(f"{len(out)} launches in {time.time() - t0:.0f} s")
-    return out
+def runs(strategy_runs) -> dict:
+    return strategy_runs
 
 
 def test_distributed_sampler_matches_single_batch():

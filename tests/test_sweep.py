@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import FAST, LOOM, run_loom
 
 SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]

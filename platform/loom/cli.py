@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -111,18 +110,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return EXIT_OK
     if args.multirun or cfg.sweep.params:
-        return _sweep(overrides, cfg)
-    rc, _, _ = _train_one(overrides, cfg)
+        return _sweep(overrides, cfg, dry_run=args.dry_run)
+    rc, _, _ = _train_one(overrides, cfg, dry_run=args.dry_run)
     return rc
 
 
-def _train_one(overrides: list[str], cfg: DictConfig | None = None) -> tuple[int, Path | None, str | None]:
+def _train_one(overrides: list[str], cfg: DictConfig | None = None,
+               dry_run: bool = False) -> tuple[int, Path | None, str | None]:
     """validate -> plan -> freeze -> launch -> finish for one run: (exit code, run dir, error)."""
     from loom.tracking.checks import tracking_checks
 
     cfg = cfg if cfg is not None else resolve(overrides)
     tracking_checks(cfg)
-    check_machine(cfg)
+    check_machine(cfg, dry_run=dry_run)
     plan = _plan(cfg, show=False)
     if not plan["fits"]:
         return _infeasible(plan), None, "plan infeasible"
@@ -140,24 +140,29 @@ def _train_one(overrides: list[str], cfg: DictConfig | None = None) -> tuple[int
         newest_checkpoint(frozen.run_dir)
     except UnsafeCheckpoint as e:
         raise ConfigError(str(e)) from None
+    if cfg.hardware.launcher == "slurm":  # submitted (exit 0): the job trains later, in the allocation
+        from loom.slurm import submit
+
+        cfg.run.id = frozen.run_id
+        return submit(cfg, frozen.run_dir, dry_run), frozen.run_dir, None
     verb = "Resuming" if frozen.state == "resume" else "Starting"
     print(f"{verb} run {frozen.run_id} in {frozen.run_dir}", flush=True)
 
-    from loom.launch import launch
+    from loom.launch import launch, summary_mark
 
     cfg.run.id = frozen.run_id
-    started = time.time()
+    mark = summary_mark(frozen.run_dir)  # did rank 0 write summary.json during this launch?
     rc = launch(cfg, frozen.run_dir)
-    return _finish(cfg, frozen.run_dir, rc, started), frozen.run_dir, None
+    return _finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None
 
 
-def _sweep(overrides: list[str], base: DictConfig) -> int:
+def _sweep(overrides: list[str], base: DictConfig, dry_run: bool = False) -> int:
     """Every trial is a full `_train_one`; a failed trial is recorded and the sweep goes on."""
     from loom.sweep import run_sweep
 
     def run_trial(trial_overrides: list[str]) -> tuple[int, Path | None, str | None]:
         try:
-            return _train_one(trial_overrides)
+            return _train_one(trial_overrides, dry_run=dry_run)
         except ConfigError as e:
             print(str(e), file=sys.stderr)
             return EXIT_INVALID, None, str(e)
@@ -202,16 +207,12 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _finish(cfg: DictConfig, run_dir: Path, rc: int, started: float) -> int:
+def _finish(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None) -> int:
     from loom.console import print_summary
-    from loom.tracking.summary import empty_summary, read_summary, write_summary
+    from loom.launch import settle_summary
 
-    summary = read_summary(run_dir)
-    stale = summary is None or (run_dir / "summary.json").stat().st_mtime < started - 1
-    if rc != 0 and stale:
-        # The workers died before rank 0 could write it: record the failure here.
-        summary = empty_summary(cfg, str(cfg.run.id))
-        write_summary(run_dir, summary)
+    # rank 0's summary, or (the workers died before rank 0 could write one) a `failed` one
+    summary = settle_summary(cfg, run_dir, rc, mark)
     if summary is not None:
         print_summary(run_dir, summary)
     print(f"run dir: {run_dir}")
@@ -229,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
     t = sub.add_parser("train", help="compose, validate, plan, freeze and launch a run")
     t.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
+    t.add_argument("--dry-run", action="store_true",
+                   help="hardware.launcher=slurm: write <run>/slurm/job.sbatch and print the sbatch "
+                        "command instead of submitting")
     t.add_argument("-m", "--multirun", action="store_true",
                    help="sweep: every combination (or optuna trial) is a full distributed run")
     t.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")

@@ -114,18 +114,21 @@ def summary_mark(run_dir: Path) -> str | None:
         return None
 
 
-def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None) -> dict | None:
+def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
+                   wait_for_rank0: bool | None = None) -> dict | None:
     """The run's summary once this launch's ranks exited (`mark`: `summary_mark` before launch).
 
     Rank 0's, when it wrote one during the launch (summary.json changed since `mark`); else, if
     the ranks failed, a `failed` one written here. Multi-node, global rank 0 may run on another
     node and still be in its `finally`: wait up to SUMMARY_GRACE_S for it before writing, so a
     node without rank 0 does not replace a good (e.g. `preempted`) summary with `failed`.
+    (`wait_for_rank0=False`: every rank has exited already, as after srun.)
     """
     from loom.tracking.summary import empty_summary, read_summary, write_summary
 
     if rc != 0:
-        deadline = time.monotonic() + (SUMMARY_GRACE_S if multi_node(cfg) else 0.0)
+        wait = multi_node(cfg) if wait_for_rank0 is None else wait_for_rank0
+        deadline = time.monotonic() + (SUMMARY_GRACE_S if wait else 0.0)
         while summary_mark(run_dir) == mark and time.monotonic() < deadline:
             time.sleep(0.2)
         if summary_mark(run_dir) == mark:

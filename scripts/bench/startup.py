@@ -25,8 +25,20 @@ import subprocess
 import sys
 import time
 
-from _bench import LOOM_COMMON, PLAIN, PY, REPO, bench_env, cleanup, fresh_root, load, loom_config, median, \
-    plain_config, write_json
+from _bench import (
+    LOOM_COMMON,
+    PLAIN,
+    PY,
+    REPO,
+    bench_env,
+    cleanup,
+    fresh_root,
+    load,
+    loom_config,
+    median,
+    plain_config,
+    write_json,
+)
 
 FIRST_STEP = {
     "single": ["strategy=single", "hardware=cpu", "hardware.devices=1", "tracking=none"],

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Tokens/s and MFU on one GPU, bf16, seq 2048: `loom train` vs a plain PyTorch loop.
+
+For each model (default gpt_125m and gpt_1b) three runs, one after another:
+- loom:           `loom train strategy=single hardware.devices=1 tracking=csv` with
+                  hardware=auto (a known device gets its shipped profile: datasheet peak,
+                  bf16-mixed), dataset.seq_len=2048. Loom has no torch.compile option
+                  (nothing in conf/ or config.py), so this side runs eager.
+- plain eager:    plain_gpt.py --device cuda --dtype bf16 (autocast bf16, as Lightning's
+                  bf16-mixed), the same GPT, data, optimizer and seed.
+- plain compiled: the same with torch.compile(model).
+Steady-state rates only: Loom's last logged window (metrics.csv perf/tokens_per_sec, the
+steps after `--warmup`; trainer.log_every_n_steps is set to steps - warmup so the window is
+exactly those steps) and the plain loop timed over the same steps (CUDA-synchronized).
+MFU = tokens/s x FLOPs per token / peak, FLOPs per token = 6 N (non-embedding, lm_head
+included) + 12 L d T (PaLM appendix B, as loom.models.spec), peak = the profile's datasheet
+bf16 (H100 SXM / H200: 989.4 TFLOP/s) or --peak-tflops. Target: gpt_1b MFU >= 45% on H100.
+
+Without CUDA it prints why and exits 0 without running anything.
+
+    .venv/bin/python scripts/bench/gpu_mfu.py --model gpt_1b --seq 2048
+    .venv/bin/python scripts/bench/gpu_mfu.py                  # gpt_125m and gpt_1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+from _bench import (
+    LOOM_COMMON,
+    Failed,
+    cleanup,
+    fresh_root,
+    loom_config,
+    plain_config,
+    run_loom,
+    run_plain,
+    write_json,
+)
+
+# Dense bf16 datasheet peaks (TFLOP/s) by NVML/torch device name, used when Loom's profile
+# has none: exact families only (an H100 PCIe must not get the SXM number).
+PEAKS = {"H100 80GB HBM3": 989.4, "H100 SXM": 989.4, "H200": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+         "A100": 312.0}
+BATCH = {"gpt_125m": 16, "gpt_1b": 8, "gpt_7b": 1}
+
+
+def flops_per_token(m: dict, seq: int) -> float:
+    d, L, V = m["d_model"], m["n_layer"], m["vocab_size"]
+    per_block = 2 * d + 3 * d * d + 3 * d + d * d + d + 2 * d + 4 * d * d + 4 * d + 4 * d * d + d
+    non_embedding = L * per_block + 2 * d + V * d  # blocks, final LayerNorm, lm_head
+    return 6.0 * non_embedding + 12.0 * L * d * seq
+
+
+def last_row(metrics: Path) -> dict[str, str]:
+    with open(metrics, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("perf/tokens_per_sec")]
+    return rows[-1] if rows else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="one model (default: gpt_125m and gpt_1b)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, help="per-device micro batch (default: 16 for gpt_125m, 8 for gpt_1b)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=20, help="steps before the timed window (compile, allocator)")
+    ap.add_argument("--peak-tflops", type=float, help="bf16 dense peak of this GPU (default: the profile's)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the plain torch.compile run")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_mfu.py: skipped: no CUDA device visible to torch {torch.__version__} "
+              f"(CUDA build: {torch.version.cuda or 'none, a CPU-only build'}). It needs one NVIDIA GPU "
+              "(the MFU target is for an H100); nothing was run.")
+        return 0
+    if args.steps <= args.warmup:
+        ap.error("--steps must be larger than --warmup")
+    name = torch.cuda.get_device_name(0)
+    models = [args.model] if args.model else ["gpt_125m", "gpt_1b"]
+    window = args.steps - args.warmup
+    root = fresh_root("gpu-mfu")
+    out: dict[str, dict] = {}
+    print(f"[gpu_mfu] {name}, torch {torch.__version__}; seq {args.seq}, bf16, {args.steps} steps, "
+          f"timed over the last {window}", flush=True)
+    try:
+        for model in models:
+            batch = args.batch_size or BATCH.get(model, 8)
+            overrides = ["strategy=single", "hardware.devices=1", "tracking=csv", f"model={model}",
+                         f"dataset.seq_len={args.seq}", f"dataset.batch_size={batch}",
+                         "hardware.precision=bf16-mixed", f"trainer.log_every_n_steps={window}"]
+            if args.peak_tflops:
+                overrides.append(f"hardware.peak_tflops.bf16={args.peak_tflops}")
+            cfg = loom_config([*overrides, f"trainer.max_steps={args.steps}"])
+            peak_tflops = args.peak_tflops or (cfg["hardware"].get("peak_tflops") or {}).get("bf16") \
+                or next((v for k, v in PEAKS.items() if k in name), None)
+            fpt = flops_per_token(cfg["model"], args.seq)
+            tokens_per_step = batch * args.seq
+            res: dict[str, dict] = {}
+
+            def record(side: str, tok_s: float | None, extra: dict, res=res, model=model, fpt=fpt,
+                       peak=peak_tflops) -> None:
+                tflops = tok_s * fpt / 1e12 if tok_s else None
+                mfu = tflops / peak if tflops and peak else None
+                res[side] = {"tokens_per_sec": tok_s, "tflops": tflops, "mfu": mfu, **extra}
+                print(f"  {model:<9} {side:<15} {tok_s or 0:12,.0f} tok/s  {tflops or 0:7.1f} TFLOP/s  "
+                      f"MFU {'%.1f%%' % (100 * mfu) if mfu is not None else 'n/a'}", flush=True)
+
+            try:
+                s = run_loom([*overrides, *LOOM_COMMON, f"trainer.max_steps={args.steps}"], root, f"mfu-{model}",
+                             timeout=1800)
+                row = last_row(Path(s["run_dir"]) / "metrics.csv")
+                tok_s = float(row["perf/tokens_per_sec"]) if row else None
+                record("loom", tok_s, {"loom_mfu_reported": float(row["perf/mfu"]) if row.get("perf/mfu") else None,
+                                       "summary_tokens_per_sec_with_warmup": s["throughput"]["tokens_per_sec"],
+                                       "peak_gpu_mem_gb": (s["memory"].get("peak_gpu_mem_gb_per_rank") or [None])[0]})
+            except Failed as e:
+                print(f"  {model} loom: FAILED\n{e}", flush=True)
+            config_json = plain_config(cfg)
+            sides = [("plain eager", [])] + ([] if args.no_compile else [("plain compiled", ["--compile"])])
+            for side, flag in sides:
+                try:
+                    p = run_plain(config_json, args.steps, 1, ["--device", "cuda", "--dtype", "bf16",
+                                                               "--warmup-steps", str(args.warmup), *flag],
+                                  timeout=1800)
+                    record(side, p["timed_steps"] * tokens_per_step / p["timed_time_s"],
+                           {"peak_gpu_mem_gb": p["peak_gpu_mem_gb"], "final_loss": p["final_loss"]})
+                except Failed as e:
+                    print(f"  {model} {side}: FAILED\n{e}", flush=True)
+            base = res.get("plain eager", {}).get("tokens_per_sec")
+            if base and res.get("loom", {}).get("tokens_per_sec"):
+                print(f"  {model}: loom / plain eager tokens/s = {res['loom']['tokens_per_sec'] / base:.3f}", flush=True)
+            out[model] = {"batch_size": batch, "seq_len": args.seq, "flops_per_token": fpt,
+                          "peak_tflops": peak_tflops, "sides": res}
+    finally:
+        cleanup(root, args.keep)
+    if "gpt_1b" in out:
+        m = (out["gpt_1b"]["sides"].get("loom") or {}).get("mfu")
+        print(f"[gpu_mfu] gpt_1b loom MFU {'%.1f%%' % (100 * m) if m is not None else 'n/a'} (target >= 45% on H100)")
+    write_json(Path(args.json) if args.json else None,
+               {"device": name, "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup,
+                "models": out, "compile_option_in_loom": False})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
