@@ -134,13 +134,13 @@ def test_gpu_profile_refused_for_train_on_cpu_machine_but_plans(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
-def test_slurm_plans_but_train_refuses_clearly(tmp_path):
+def test_slurm_plans_and_train_without_sbatch_refuses_clearly(tmp_path):
     p, _ = _cli(tmp_path, "plan", "hardware=slurm", "strategy=zero2")
     assert p.returncode == 0, p.stderr
     assert "16 (2 node(s) x 8)" in p.stdout
-    p, _ = _cli(tmp_path, "train", "hardware=slurm", "strategy=zero2")
+    p, _ = _cli(tmp_path, "train", "hardware=slurm", "strategy=zero2")  # no sbatch here (tests/test_slurm.py)
     assert p.returncode == 2
-    assert "SLURM launch is not available yet" in p.stderr and "hardware.launcher=slurm" in p.stderr
+    assert "sbatch" in p.stderr and "--dry-run" in p.stderr and "hardware.launcher=slurm" in p.stderr
     assert not _runs(tmp_path)
 
 

@@ -127,6 +127,7 @@ class HardwareConfig:
     interconnect: str = "loopback"
     dataloader_workers: int = 0
     pin_memory: bool = False
+    prefetch_factor: int = 2          # batches each dataloader worker loads ahead (workers > 0)
     rdzv_endpoint: str | None = None  # host:port of the rendezvous (required for num_nodes > 1)
     slurm: SlurmConfig | None = None
     measured: MeasuredConfig | None = None

@@ -103,15 +103,6 @@ def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
 
         check_submit(cfg, dry_run)
         return
-    if hw.num_nodes > 1 and not cfg.run.id:
-        raise ConfigError(
-            f"Invalid config: run.id=null with hardware.num_nodes={hw.num_nodes}: every node starts "
-            "its own launcher, and all of them must train in one run dir on shared storage. Set "
-            "run.id=<name> (e.g. run.id=exp42) in the command you run on every node. Without it each "
-            "node derives the id from its own resolved config, which matches only if the configs "
-            "are byte-identical: one differing override (a typo, another run.root) splits the run "
-            "into separate run dirs whose ranks wait for each other."
-        )
     if hw.accelerator == "gpu":
         have = visible_gpus()
         if have == 0:
@@ -133,3 +124,12 @@ def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
                 f"Invalid config: hardware.devices={hw.devices} CPU processes on a machine with "
                 f"{cores} core(s) would thrash; set hardware.devices<={limit} (hardware={hw.name})."
             )
+    if hw.num_nodes > 1 and not cfg.run.id:
+        raise ConfigError(
+            f"Invalid config: run.id=null with hardware.num_nodes={hw.num_nodes}: every node starts "
+            "its own launcher, and all of them must train in one run dir on shared storage. Set "
+            "run.id=<name> (e.g. run.id=exp42) in the command you run on every node. Without it each "
+            "node derives the id from its own resolved config, which matches only if the configs "
+            "are byte-identical: one differing override (a typo, another run.root) splits the run "
+            "into separate run dirs whose ranks wait for each other."
+        )

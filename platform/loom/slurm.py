@@ -183,7 +183,8 @@ def render(cfg: DictConfig, run_dir: Path, python: str = sys.executable) -> str:
     srun = ['--nodes="$SLURM_JOB_NUM_NODES"', "--ntasks-per-node=1", f"--cpus-per-task={cpus_per_task(cfg)}"]
     if hw.accelerator == "gpu":
         srun.append(f"--gpus-per-node={sl.gpus_per_node or hw.devices}")
-    srun.append("--kill-on-bad-exit=1")
+    if (hw.get("min_nodes") or hw.num_nodes) >= hw.num_nodes:
+        srun.append("--kill-on-bad-exit=1")  # not elastic: one node's failure ends the step
     rdzv_env = ("# every rendezvous round gets a fresh worker store (see loom.launch.worker_env)\n"
                 "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") if multi_node(cfg) else ""
     values = {

@@ -92,7 +92,7 @@ class LoomDataModule(pl.LightningDataModule):
     def _loader(self, dataset, sampler) -> DataLoader:
         hw = self.cfg.hardware
         workers = hw.dataloader_workers
-        kw = {"prefetch_factor": hw.get("prefetch_factor") or 2} if workers > 0 else {}
+        kw = {"prefetch_factor": hw.get("prefetch_factor") or 2} if workers > 0 else {}  # hardware profile
         return DataLoader(
             dataset,
             batch_size=self.cfg.dataset.batch_size,

@@ -1,0 +1,162 @@
+"""Multi-node torchrun: two "nodes" on one machine, each its own `loom train` launcher.
+
+Both launchers run the same command, as on two machines: their torchrun agents meet at a c10d
+rendezvous on 127.0.0.1, train one run in one run dir (named by run.id), and global rank 0
+writes the run's files. The nodes are CPU nodes: `hardware=cpu hardware.num_nodes=2` is the
+multi-node profile for CPU machines (`hardware=multinode` is the same thing for H100 nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, LOOM
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_args(port: int, run_id: str, *extra: str) -> list[str]:
+    return ["hardware=cpu", "hardware.num_nodes=2", "hardware.devices=1",
+            f"hardware.rdzv_endpoint=127.0.0.1:{port}", f"run.id={run_id}", *FAST, *extra]
+
+
+def _start_nodes(root: Path, args: list[str]) -> list[subprocess.Popen]:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([*LOOM, "train", *args, f"run.root={root}"], cwd=root, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+
+
+def _finish(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
+    outs = []
+    for p in nodes:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in nodes:
+                q.kill()
+            raise
+        outs.append(out)
+    return outs
+
+
+def _rank_zero_worker(run_dir: Path) -> int | None:
+    """The worker process whose RANK is 0 (its node's agent then counts the restart)."""
+    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
+    for pid in out.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" not in cmdline and b"RANK=0" in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow
+def test_two_nodes_train_one_run(tmp_path):
+    steps = 6
+    nodes = _start_nodes(tmp_path, _node_args(_free_port(), "mn", f"trainer.max_steps={steps}"))
+    outs = _finish(nodes, timeout=240)
+    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(outs)
+    run_dir = tmp_path / "gpt" / "mn"
+    assert list((tmp_path / "gpt").iterdir()) == [run_dir]  # one run dir for both nodes
+    for out in outs:  # each launcher says which node it is, and ends with the run's summary
+        assert "one of 2 node(s) x 1 process(es)" in out and "rendezvous at 127.0.0.1:" in out
+        assert f"run dir: {run_dir}" in out and "completed" in out
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["global_step"] == steps
+    assert s["world_size"] == 2 and s["num_nodes"] == 2 and s["restarts"] == 0
+    for key in ("peak_rss_gb_per_rank", "param_bytes_per_rank", "optim_state_bytes_per_rank"):
+        assert len(s["memory"][key]) == 2, key
+    assert sorted(x.name for x in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert not list(run_dir.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_killed_worker_on_one_node_restarts_both_nodes_and_resumes(tmp_path):
+    steps = 12
+    run_dir = tmp_path / "gpt" / "mr"
+    nodes = _start_nodes(tmp_path, _node_args(_free_port(), "mr", f"trainer.max_steps={steps}",
+                                              "checkpoint.every_n_steps=4", "hardware.max_restarts=1"))
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "step-0000004.ckpt").exists():
+        assert all(p.poll() is None for p in nodes), "a node exited early"
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    victim = _rank_zero_worker(run_dir)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    outs = _finish(nodes, timeout=240)
+    assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(outs)
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["global_step"] == steps and s["restarts"] == 1
+    assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 4
+    assert s["world_size"] == 2 and s["num_nodes"] == 2
+
+
+def test_multinode_needs_a_run_id_and_an_endpoint(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    p = subprocess.run([*LOOM, "train", "hardware=cpu", "hardware.num_nodes=2",
+                        "hardware.rdzv_endpoint=127.0.0.1:29400", f"run.root={tmp_path}"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert p.returncode == 2 and "run.id" in p.stderr and "byte-identical" in p.stderr, p.stderr
+    p = subprocess.run([*LOOM, "train", "hardware=multinode", "run.id=x", f"run.root={tmp_path}"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert p.returncode == 2 and "hardware.rdzv_endpoint" in p.stderr, p.stderr
+    assert not (tmp_path / "gpt").exists()
+
+
+def test_elastic_min_nodes_and_rendezvous_command():
+    from loom.cli import resolve
+    from loom.config import ConfigError
+    from loom.launch import torchrun_command, worker_env
+
+    cfg = resolve(["hardware=multinode", "hardware.rdzv_endpoint=node0:29400", "hardware.min_nodes=1",
+                   "run.id=exp42"])
+    cmd = torchrun_command(cfg, Path("/runs/exp42"))
+    assert "--nnodes=1:2" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--rdzv-endpoint=node0:29400" in cmd and "--rdzv-id=exp42" in cmd
+    assert worker_env(cfg)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    cfg = resolve(["hardware=multinode", "hardware.rdzv_endpoint=node0:29400", "run.id=exp42"])
+    assert "--nnodes=2" in torchrun_command(cfg, Path("/r"))
+    with pytest.raises(ConfigError, match="hardware.min_nodes"):
+        resolve(["hardware=multinode", "hardware.rdzv_endpoint=node0:29400", "hardware.min_nodes=3"])
+
+
+def test_nodes_freezing_the_same_run_at_once_agree(tmp_path):
+    """Every node's launcher freezes the run dir at about the same time: none fails or refuses."""
+    from loom.cli import resolve
+    from loom.rundir import freeze
+
+    cfg = resolve(["hardware=cpu", "hardware.num_nodes=2", "hardware.rdzv_endpoint=n0:29400", "run.id=race",
+                   f"run.root={tmp_path}"])
+    results, errors = [], []
+
+    def node() -> None:
+        try:
+            results.append(freeze(cfg, {"global_batch": 32}))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=node) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {r.state for r in results} <= {"new", "resume"} and len({r.run_dir for r in results}) == 1
+    assert not list(results[0].run_dir.glob("*.tmp"))

@@ -1,0 +1,176 @@
+"""`hardware=slurm`: the rendered sbatch script, the submission, and the job end to end.
+
+The end-to-end test runs Loom's real job script on this machine with fake `sbatch`, `srun`
+and `scontrol` on PATH (tests/slurm_shims.py): sbatch starts the script, srun runs its
+torchrun command once per "node" with SLURM_* set, and scontrol requeue starts the script
+again. Training, the SIGUSR1 -> checkpoint -> requeue -> resume cycle and summary.json are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, LOOM
+from slurm_shims import install
+
+# The SLURM profile on CPU "nodes" (the profile itself is for H100 nodes).
+CPU = ["hardware=slurm", "hardware.accelerator=cpu", "hardware.backend=gloo", "hardware.precision=32-true",
+       "hardware.dataloader_workers=0", "hardware.pin_memory=false"]
+
+
+def _env(path_dirs: list[Path] | None = None, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", **extra}
+    bare = [d for d in env.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "sbatch").exists()]
+    env["PATH"] = os.pathsep.join([*(str(d) for d in path_dirs or []), *bare])
+    return env
+
+
+def _loom(tmp_path: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    verb, *rest = args
+    return subprocess.run([*LOOM, verb, *rest, f"run.root={tmp_path}"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env or _env(), timeout=timeout)
+
+
+def _sbatch_lines(script: str) -> list[str]:
+    return [line[len("#SBATCH "):] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_rendered_script_follows_the_profile(tmp_path):
+    p = _loom(tmp_path, "train", "--dry-run", "hardware=slurm", "strategy=fsdp_tp", "strategy.tensor_parallel=4",
+              "hardware.num_nodes=4", "hardware.slurm.partition=gpu-h100", "hardware.slurm.account=proj42",
+              "hardware.slurm.qos=high", "hardware.slurm.time_limit=1-12:00:00", "hardware.slurm.mem_gb=512",
+              "hardware.slurm.constraint=ib", "hardware.slurm.signal_before_s=300",
+              "hardware.slurm.extra_args=[--exclusive]", "hardware.slurm.setup=[module load cuda/12.4]",
+              "hardware.max_restarts=2", "run.id=big")
+    assert p.returncode == 0, p.stderr
+    run_dir = tmp_path / "gpt" / "big"
+    script_path = run_dir / "slurm" / "job.sbatch"
+    assert f"wrote {script_path}" in p.stdout and f"sbatch {script_path}" in p.stdout
+    script = script_path.read_text()
+    assert script.startswith("#!/bin/bash\n") and os.access(script_path, os.X_OK)
+    assert _sbatch_lines(script) == [
+        "--job-name=loom-gpt-big", "--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8",
+        "--cpus-per-task=72", "--mem=524288M", "--time=1-12:00:00", "--partition=gpu-h100",
+        "--account=proj42", "--qos=high", "--constraint=ib", "--signal=B:USR1@300", "--requeue",
+        "--open-mode=append", f"--output={run_dir}/slurm/slurm-%j.out", "--exclusive",
+    ]
+    # every #SBATCH line precedes the first command (sbatch stops reading them there)
+    first_cmd = next(i for i, line in enumerate(script.splitlines()) if line and not line.startswith("#"))
+    assert max(i for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH")) < first_cmd
+    assert "module load cuda/12.4" in script
+    # one torchrun per node through srun, rendezvous on the first node, the frozen run dir
+    assert ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=72 '
+            "--gpus-per-node=8 --kill-on-bad-exit=1") in script
+    torchrun = script[script.index('"$PYTHON" \\\n    -m torch.distributed.run'):script.index("srun_pid=$!")]
+    for part in ("--nproc-per-node=8", "--nnodes=4", "--max-restarts=2", "--rdzv-backend=c10d",
+                 '--rdzv-endpoint="$RDZV_ENDPOINT"', "--rdzv-id=big", "-m loom.worker", '"$RUN_DIR"'):
+        assert part in torchrun, part
+    assert f"RUN_DIR={run_dir}" in script and f"PYTHON={sys.executable}" in script
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+    # SIGUSR1 -> SIGTERM to the step -> ranks checkpoint -> finish says 143 -> requeue
+    assert "trap on_usr1 USR1" in script and 'kill -TERM "$srun_pid"' in script
+    assert 'loom.slurm finish "$RUN_DIR" --rc "$rc"' in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    bash = subprocess.run(["bash", "-n", str(script_path)], capture_output=True, text=True)
+    assert bash.returncode == 0, bash.stderr
+    # frozen like any run: the requeued job resumes this config
+    assert (run_dir / "config.yaml").exists() and (run_dir / "plan.json").exists()
+
+
+def test_sbatch_missing_is_a_clear_error_naming_dry_run(tmp_path):
+    p = _loom(tmp_path, "train", "hardware=slurm", "run.id=x", env=_env())
+    assert p.returncode == 2
+    assert "sbatch" in p.stderr and "--dry-run" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "gpt").exists()  # refused before anything was written
+
+
+def test_allocation_checks_run_for_plan_too():
+    from loom.cli import resolve
+    from loom.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"extra_args.*--nodes.*hardware.num_nodes"):
+        resolve(["hardware=slurm", "hardware.slurm.extra_args=['--nodes=8']"])
+    with pytest.raises(ConfigError, match=r"signal_before_s"):
+        resolve(["hardware=slurm", "hardware.slurm.time_limit=00:01:00", "hardware.slurm.signal_before_s=90"])
+    with pytest.raises(ConfigError, match=r"cpus_per_task=4.*hardware.devices=8"):
+        resolve(["hardware=slurm", "hardware.slurm.cpus_per_task=4"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel"):  # TP groups stay within a node
+        resolve(["hardware=slurm", "strategy=fsdp_tp", "strategy.tensor_parallel=16"])
+
+
+def test_submission_prints_the_job_and_records_it(tmp_path):
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    install(bin_dir, state)
+    # a submit-only sbatch: the job itself is the next test's business
+    (bin_dir / "sbatch").write_text(f"#!{sys.executable}\nprint('777;cluster1')\n")
+    p = _loom(tmp_path, "train", *CPU, "hardware.devices=1", "run.id=sub", env=_env([bin_dir]))
+    assert p.returncode == 0, p.stderr
+    assert "SLURM job 777" in p.stdout
+    run_dir = tmp_path / "gpt" / "sub"
+    assert (run_dir / "slurm" / "job_id").read_text().strip() == "777"
+    assert "777" in (run_dir / "slurm" / "jobs.log").read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait(cond, what: str, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s; job log:\n{log.read_text() if log.exists() else ''}")
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    install(bin_dir, state)
+    env = _env([bin_dir], LOOM_SHIM_STATE=str(state), LOOM_RDZV_PORT=str(_free_port()))
+    steps = 12
+    p = _loom(tmp_path, "train", *CPU, "hardware.num_nodes=2", "hardware.devices=1", "run.id=sl",
+              *FAST, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=4", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "SLURM job 4242" in p.stdout
+    run_dir = tmp_path / "gpt" / "sl"
+    log = run_dir / "slurm" / "slurm-4242.out"
+    pids = state / "pids"
+    first = int(pids.read_text().split()[0])
+
+    # the time limit nears: SLURM sends SIGUSR1 to the batch script (--signal=B:USR1@...)
+    _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 150, log)
+    os.kill(first, signal.SIGUSR1)
+    _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 90, log)
+    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 150, log)
+
+    calls = (state / "calls.log").read_text()
+    assert "scontrol requeue 4242" in calls and calls.count("srun --nodes") == 2
+    out = log.read_text()
+    assert "SIGUSR1" in out and "requeueing job 4242" in out and "(requeue 1)" in out
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "completed" and s["global_step"] == steps
+    assert s["world_size"] == 2 and s["num_nodes"] == 2
+    assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < steps
+    assert len(s["memory"]["peak_rss_gb_per_rank"]) == 2
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert sorted(x.name for x in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
+    assert list((tmp_path / "gpt").iterdir()) == [run_dir]  # one run dir, both attempts
