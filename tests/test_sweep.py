@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, LOOM, run_loom
 
+SMALL_CORPUS = "dataset.max_bytes=2000000"  # a 2 MB slice of tinycode: smaller, not different
 SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]
 
 
@@ -84,8 +85,9 @@ def test_bad_sweep_inputs_are_refused(loom, tmp_path):
 def test_recipes_list_show_copy(loom, tmp_path):
     r = loom("recipes", "list")
     assert r.rc == 0
-    names = [n for n in ("gpt-pretrain", "scaling-study", "lr-search", "zero3-big-model") if n in r.out]
-    assert len(names) == 4
+    names = [n for n in ("gpt-pretrain", "scaling-study", "lr-search", "zero3-big-model", "digits-classifier",
+                         "finetune-hf") if n in r.out]
+    assert len(names) == 6
     r = loom("recipes", "show", "gpt-pretrain")
     assert r.rc == 0 and "@package _global_" in r.out and "name: gpt_small" in r.out
     r = loom("train", "recipe=nope")
@@ -104,13 +106,37 @@ def test_recipes_list_show_copy(loom, tmp_path):
 @pytest.mark.parametrize(
     "recipe, smoke",
     [
-        ("gpt-pretrain", ["model=gpt_tiny", "trainer.max_steps=3"]),
-        ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=2"]),
+        ("gpt-pretrain", ["model=gpt_tiny", "trainer.max_steps=3", SMALL_CORPUS]),
+        ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=2", SMALL_CORPUS]),
+        ("digits-classifier", ["trainer.max_steps=3"]),
+        ("zero3-big-model", ["model=gpt_tiny", "trainer.max_steps=2", SMALL_CORPUS]),
+        ("scaling-study", ["trainer.max_steps=2", SMALL_CORPUS]),
     ],
 )
 def test_recipe_smoke_run(loom, tmp_path, recipe, smoke):
     """Every recipe at smoke size: only steps and model shrink."""
-    r = loom("train", f"recipe={recipe}", *smoke, "dataset.max_bytes=2000000", "tracking=csv", timeout=400)
+    r = loom("train", f"recipe={recipe}", *smoke, "tracking=csv", timeout=400)
     assert r.rc == 0, r.out + r.err
     summaries = [json.loads(p.read_text()) for p in tmp_path.rglob("summary.json")]
     assert summaries and all(s["status"] == "completed" for s in summaries)
+
+
+@pytest.mark.slow
+def test_finetune_hf_recipe_smoke_run_on_local_stand_ins(loom, tmp_path):
+    """The recipe names gpt2 + wikitext (hub artifacts); tests never reach the network, so the
+    smoke run points it at a tiny local GPT-2 config, tokenizer and corpus instead."""
+    from tests_helpers import make_hf_config, make_tokenizer, write_json_corpus
+
+    tok = make_tokenizer(tmp_path / "tok")
+    cfg = make_hf_config(tmp_path / "tiny-gpt2", vocab_size=300)
+    data = write_json_corpus(tmp_path / "docs.jsonl", 300, column="text")
+    r = loom("train", "recipe=finetune-hf", f"model.config={cfg}", f"dataset.tokenizer={tok}", "dataset.hub=null",
+             "dataset.config=null", f"dataset.path={data}", "dataset.seq_len=32", "trainer.max_steps=3",
+             "tracking=csv", timeout=400)
+    assert r.rc == 0, r.out + r.err
+    assert r.summary()["status"] == "completed"
+
+
+def test_finetune_hf_recipe_without_the_hub_cache_says_what_is_missing(loom):
+    r = loom("train", "recipe=finetune-hf", env={"HF_HOME": "/nonexistent-hf-home"})
+    assert r.rc == 2 and ("gpt2" in r.err or "wikitext" in r.err) and "Traceback" not in r.err

@@ -102,6 +102,8 @@ def table(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]]:
     if o:
         rows.append(("overhead: loom/plain per-step (train loop), 1 proc", f"{o['ratio']:.3f}", "<= 1.03",
                      fmt_ok(o["ratio"], 1.03)))
+        rows.append(("  same, fastest runs (min over repeats)", f"{o['ratio_min']:.3f}", "<= 1.03",
+                     fmt_ok(o["ratio_min"], 1.03)))
         rows.append(("  same, whole-command wall (cross-check)", f"{o['ratio_wall']:.3f}", "-", "info"))
         rows.append(("  per-step ms loom / plain",
                      f"{o['median_step_ms']['loom_step_s']:.1f} / {o['median_step_ms']['plain_step_s']:.1f}",
@@ -115,6 +117,8 @@ def table(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]]:
     if d:
         rows.append(("ddp_parity: loom/plain per-step (train loop), 2 ranks", f"{d['ratio']:.3f}", "<= 1.03",
                      fmt_ok(d["ratio"], 1.03)))
+        rows.append(("  same, fastest runs (min over repeats)", f"{d['ratio_min']:.3f}", "<= 1.03",
+                     fmt_ok(d["ratio_min"], 1.03)))
         rows.append(("  same, whole-command wall (cross-check)", f"{d['ratio_wall']:.3f}", "-", "info"))
         rows.append(("  per-step ms loom / plain",
                      f"{d['median_step_ms']['loom_step_s']:.1f} / {d['median_step_ms']['plain_step_s']:.1f}",
