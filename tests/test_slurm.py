@@ -174,3 +174,39 @@ def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
     assert (run_dir / "final" / "model.safetensors").exists()
     assert sorted(x.name for x in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
     assert list((tmp_path / "gpt").iterdir()) == [run_dir]  # one run dir, both attempts
+
+
+def test_a_sweep_of_slurm_trials_records_submitted_jobs_then_their_outcome(tmp_path):
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    install(bin_dir, state)
+    (bin_dir / "sbatch").write_text(f"#!{sys.executable}\nimport random\nprint(f'{{random.randrange(10**6)}};c1')\n")
+    (bin_dir / "squeue").write_text(f"#!{sys.executable}\nprint('RUNNING')\n")  # the jobs are still running
+    for f in ("sbatch", "squeue"):
+        (bin_dir / f).chmod(0o755)
+    env = _env([bin_dir])
+    args = ("train", "-m", *CPU, "hardware.devices=1", "optim.lr=1e-3,2e-3")
+    p = _loom(tmp_path, *args, env=env)
+    assert p.returncode == 0, p.stderr
+    (manifest_path,) = tmp_path.glob("gpt/sweeps/*/manifest.json")
+    trials = json.loads(manifest_path.read_text())["trials"]
+    assert [t["state"] for t in trials] == ["submitted", "submitted"] and all(t["job_id"] for t in trials)
+    assert "submitted to SLURM" in p.stdout
+
+    # again while the jobs run: nothing is submitted twice
+    jobs = {t["job_id"] for t in trials}
+    p = _loom(tmp_path, *args, env=env)
+    assert p.returncode == 0 and p.stdout.count("still queued or running") == 2
+    assert {t["job_id"] for t in json.loads(manifest_path.read_text())["trials"]} == jobs
+
+    # a finished job: its summary says completed, and the manifest follows it
+    run_dir = Path(trials[0]["run_dir"])
+    summary = {"status": "completed", "final_loss": 1.5}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    p = _loom(tmp_path, *args, env=env)
+    states = [t["state"] for t in json.loads(manifest_path.read_text())["trials"]]
+    assert states == ["completed", "submitted"], p.stdout + p.stderr
+
+
+def test_optuna_sweeps_are_refused_on_slurm(tmp_path):
+    p = _loom(tmp_path, "train", "-m", *CPU, "hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)")
+    assert p.returncode == 2 and "optuna" in p.stderr and "SLURM" in p.stderr

@@ -169,7 +169,12 @@ def _sweep(overrides: list[str], base: DictConfig, dry_run: bool = False) -> int
 
     sweep_dir, manifest = run_sweep(overrides, base, resolve, run_trial)
     done = [t for t in manifest.trials if t.state == "completed"]
+    submitted = [t for t in manifest.trials if t.state == "submitted"]
     print(f"sweep dir: {sweep_dir} ({len(done)}/{len(manifest.trials)} trials completed)")
+    if submitted:
+        print(f"{len(submitted)} trial(s) submitted to SLURM; run the same command again to update the "
+              f"manifest, and `loom report {sweep_dir}` once the jobs have finished.")
+        return EXIT_OK
     if done:
         from loom.report import report
 

@@ -77,13 +77,14 @@ def grid(sweeps: list[Any]) -> list[list[str]]:
 class Trial:
     index: int
     overrides: list[str]
-    state: str = "pending"      # pending | running | completed | failed
+    state: str = "pending"      # pending | running | submitted (SLURM) | completed | failed
     run_id: str | None = None
     run_dir: str | None = None
     exit_code: int | None = None
     objective: float | None = None
     error: str | None = None
     params: dict[str, Any] | None = None
+    job_id: str | None = None   # SLURM: the batch job that runs the trial
 
 
 class Manifest:
@@ -137,6 +138,11 @@ def run_sweep(
     sampler = base.sweep.sampler
     if sampler not in ("grid", "optuna"):
         raise ConfigError(f"Invalid config: sweep.sampler={sampler!r}: valid choices: grid, optuna.")
+    if sampler == "optuna" and base.hardware.get("launcher") == "slurm":
+        raise ConfigError(
+            "Invalid config: sweep.sampler=optuna with hardware=slurm: Optuna needs each trial's result "
+            "before it picks the next, and SLURM trials finish later. Use a grid sweep on SLURM."
+        )
     if sampler == "optuna" and base.sweep.objective not in SUMMARY_METRICS:
         raise ConfigError(
             f"Invalid config: sweep.objective={base.sweep.objective!r} is not a summary.json metric. "
@@ -153,12 +159,16 @@ def run_sweep(
     manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides)
     pin = [f"run.sweep_dir={sweep_dir}"]
 
+    def own_id(i: int) -> list[str]:
+        """A fixed run.id would give every trial the same run: each gets <id>-<index>."""
+        return [f"run.id={base.run.id}-{i}"] if base.run.id else []
+
     if sampler == "grid":
         trials = grid(sweeps)
-        for trial_overrides in trials:  # validate all before running any
-            resolve([*fixed, *trial_overrides, *pin])
+        for i, trial_overrides in enumerate(trials):  # validate all before running any
+            resolve([*fixed, *trial_overrides, *own_id(i), *pin])
         for i, trial_overrides in enumerate(trials):
-            t = manifest.trial(i, [*fixed, *trial_overrides])
+            t = manifest.trial(i, [*fixed, *trial_overrides, *own_id(i)])
             _run(t, manifest, pin, run_trial, base.sweep.objective)
     else:
         _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)
@@ -166,6 +176,12 @@ def run_sweep(
 
 
 def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, objective: str) -> None:
+    if t.state == "submitted" and t.run_dir:
+        _settle_submitted(t, objective)
+        manifest.save()
+        if t.state == "submitted":
+            print(f"[sweep] trial {t.index}: SLURM job {t.job_id} still queued or running", flush=True)
+            return
     if t.state == "completed":
         print(f"[sweep] trial {t.index} already completed: {t.run_dir}", flush=True)
         return
@@ -177,9 +193,30 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
     t.run_dir = str(run_dir) if run_dir else None
     t.run_id = run_dir.name if run_dir else None
     t.state = "completed" if rc == 0 else "failed"
+    job_file = run_dir / "slurm" / "job_id" if run_dir else None
+    if rc == 0 and job_file and job_file.exists() and not _completed(run_dir):
+        t.state, t.job_id = "submitted", job_file.read_text().strip()  # a batch job runs it later
     if run_dir and (run_dir / "summary.json").exists():
         t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
     manifest.save()
+
+
+def _completed(run_dir: Path) -> bool:
+    path = run_dir / "summary.json"
+    return path.exists() and json.loads(path.read_text()).get("status") == "completed"
+
+
+def _settle_submitted(t: Trial, objective: str) -> None:
+    """A submitted trial is completed once its summary says so, still submitted while its job
+    is queued or running, else (failed or preempted for good) pending, to be submitted again."""
+    from loom.slurm import active_job
+
+    run_dir = Path(t.run_dir)
+    if _completed(run_dir):
+        t.state = "completed"
+        t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
+    elif active_job(run_dir) is None:
+        t.state = "pending"
 
 
 def _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial) -> None:

@@ -135,7 +135,10 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     run_id = str(cfg.run.id)
     plan = json.loads((run_dir / "plan.json").read_text())
     hw = cfg.hardware
-    world = hw.devices * hw.num_nodes
+    # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
+    # smaller than the profile's devices x num_nodes.
+    world = int(os.environ.get("WORLD_SIZE", hw.devices * hw.num_nodes))
+    num_nodes = max(1, world // hw.devices)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     resume = checkpoint.newest_checkpoint(run_dir)
@@ -145,12 +148,13 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         log.info(f"resuming from {resume.relative_to(run_dir)} (step {resumed_step})")
 
     dp_rank, dp_size = strategies.data_parallel(cfg, rank, world)
+    global_batch = cfg.dataset.batch_size * cfg.trainer.accumulate_grad_batches * dp_size  # plan's, at this world
     datamodule = build_datamodule(cfg, dp_rank, dp_size)
     module = build_module(cfg)
     spec = model_spec(cfg)
     recorder = Recorder(
         log_every=cfg.trainer.log_every_n_steps,
-        samples_per_step=plan["global_batch"],
+        samples_per_step=global_batch,
         seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
         flops_per_token=spec.flops_per_token,
         peak_flops_per_device=plan.get("peak_flops_per_device"),
@@ -163,7 +167,7 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     trainer = pl.Trainer(
         accelerator=hw.accelerator,
         devices=hw.devices,
-        num_nodes=hw.num_nodes,
+        num_nodes=num_nodes,
         strategy=strategies.build_strategy(cfg),
         precision=hw.precision,
         max_steps=cfg.trainer.max_steps,
@@ -185,6 +189,7 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     )
 
     summary = empty_summary(cfg, run_id)
+    summary.update(world_size=world, num_nodes=num_nodes)
     summary["resumed_from_step"] = resumed_step
     launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
     status = "failed"
@@ -204,7 +209,8 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         local = recorder.rank_stats(module)
         held_params, held_optim = strategies.local_state_bytes(trainer, module)
         stats = torch.tensor(
-            [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim],
+            [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
+             recorder.attempt()["restarts"]],
             dtype=torch.float64,
         )
         per_rank = (trainer.strategy.all_gather(stats.to(module.device)).reshape(world, -1).cpu()
@@ -216,6 +222,8 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
             "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
         }
+        # A node restarted because another failed keeps its own count: the run's is the max.
+        summary["restarts"] = int(per_rank[:, 4].max())
     finally:
         if rank == 0:
             step = trainer.global_step
@@ -223,13 +231,13 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
             summary.update(
                 status=status,
                 global_step=step,
-                samples=step * plan["global_batch"],
-                tokens=step * plan["global_batch"] * spec.items_per_sample,
+                samples=step * global_batch,
+                tokens=step * global_batch * spec.items_per_sample,
                 wall_time_s=round(time.time() - launch_time, 3),
                 train_time_s=round(recorder.loop_time, 3),
                 final_loss=recorder.final_loss,
                 first_loss=recorder.first_loss,
-                restarts=attempt["restarts"],
+                restarts=max(summary["restarts"], attempt["restarts"]),
                 throughput=recorder.throughput_summary(trainer, plan.get("peak_flops_per_device")),
                 utilization={"cpu_percent_mean": attempt["cpu_percent_mean"],
                              "gpu_util_mean": attempt["gpu_util_mean"]},
