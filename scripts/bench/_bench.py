@@ -103,10 +103,13 @@ def run_plain(config_json: str, steps: int, nproc: int = 1, extra: list[str] | N
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(), cwd=REPO, timeout=timeout)
     wall = time.perf_counter() - t0
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    out = json.loads(lines[-1]) if lines else None
     if p.returncode != 0:
-        raise Failed(f"plain_gpt.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1]
-    out = json.loads(line)
+        if out is None or out.get("steps") != steps:
+            raise Failed(f"plain_gpt.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        # Trained and reported; only the process-group teardown failed (seen once with gloo).
+        print(f"  note: plain_gpt.py exited {p.returncode} after reporting its results (teardown)", flush=True)
     out["command_wall_s"] = wall
     return out
 

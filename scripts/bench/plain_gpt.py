@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         import torch.distributed as dist
 
+        dist.barrier()  # no rank tears gloo down while its peer is still in a collective
         dist.destroy_process_group()
     return 0
 
