@@ -164,22 +164,54 @@ def test_checkpoint_write_error_fails_the_run_loudly(tmp_path):
     assert r.summary()["status"] == "failed"
 
 
-@pytest.mark.parametrize("how", ["override", "config file"])
+@pytest.mark.parametrize("how", ["override", "config file", "recipe"])
 def test_hostile_target_is_refused_before_anything_runs(tmp_path, how):
     marker = tmp_path / "MARKER"
     env = {}
     if how == "override":
         args = ["+model._target_=os.system", f"+model.command=touch {marker}"]
-    else:
+    elif how == "config file":
         import shutil
 
         conf = tmp_path / "conf"
         shutil.copytree(Path(__file__).resolve().parents[1] / "conf", conf)
         (conf / "model" / "evil.yaml").write_text(f"name: gpt_tiny\n_target_: os.system\ncommand: touch {marker}\n")
         args, env = ["model=evil"], {"LOOM_CONF_DIR": str(conf)}
+    if how == "recipe":
+        mine = tmp_path / "my-recipes"
+        mine.mkdir()
+        (mine / "evil.yaml").write_text(
+            "# @package _global_\n# evil: runs a shell command\ndefaults:\n  - override /model: custom\n"
+            f"model:\n  module:\n    _target_: os.system\n    command: touch {marker}\n"
+        )
+        args = ["recipe=evil", f"hydra.searchpath=[file://{mine}]"]
     p = subprocess.run([*LOOM, "train", *args, f"run.root={tmp_path}"], capture_output=True, text=True,
                        env={**os.environ, **env}, cwd=tmp_path, timeout=60)
     assert p.returncode == 2, p.stderr
     assert "os.system" in p.stderr and "not allowed" in p.stderr
     assert not marker.exists() and not (tmp_path / "gpt").exists()
 
+
+
+def test_a_secret_in_env_and_config_reaches_the_model_but_no_file(tmp_path):
+    """The config names the secret by `${oc.env:...}`; the worker resolves it (the module checks
+    it got the real value), and no byte under the run dir holds it (wandb files included)."""
+    from tests_helpers import helpers_env
+
+    secret = "sentinel-api-token-5f3a9c"
+    env = {**helpers_env(tmp_path), "LOOM_TEST_API_TOKEN": secret, "WANDB_API_KEY": "sentinel-wandb-key-7e21b4"}
+    args = ["model=custom", "model.module._target_=tests_helpers.TinyTokenNet", "security.allow_targets=[tests_helpers.]",
+            "+model.module.api_token=${oc.env:LOOM_TEST_API_TOKEN}", "dataset=synthetic", "tracking=offline",
+            "trainer.max_steps=2", "checkpoint.every_n_steps=1", "trainer.log_every_n_steps=1"]
+    r = run_loom("train", *args, root=tmp_path, env=env)
+    assert r.rc == 0, r.out + r.err
+    files = [p for p in r.run_dir.rglob("*") if p.is_file()]
+    assert any("wandb" in p.parts for p in files) and any(p.suffix == ".ckpt" for p in files)
+    for p in files:
+        data = p.read_bytes()
+        assert secret.encode() not in data and b"sentinel-wandb-key-7e21b4" not in data, p
+    assert "${oc.env:LOOM_TEST_API_TOKEN}" in (r.run_dir / "config.yaml").read_text()
+
+    literal = run_loom("train", *args[:3], f"+model.module.api_token={secret}", root=tmp_path, env=env)
+    assert literal.rc == 2 and "model.module.api_token" in literal.err and "oc.env" in literal.err
+    assert secret not in literal.err

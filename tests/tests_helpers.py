@@ -48,8 +48,10 @@ class DigitsLit(pl.LightningModule):
 class TinyTokenNet(nn.Module):
     """A user's plain nn.Module over tokens: (B, T) ids -> (B, T, V) logits."""
 
-    def __init__(self, vocab_size: int = 256, width: int = 32) -> None:
+    def __init__(self, vocab_size: int = 256, width: int = 32, api_token: str | None = None) -> None:
         super().__init__()
+        if api_token is not None and api_token != os.environ.get("LOOM_TEST_API_TOKEN"):
+            raise ValueError("api_token did not arrive from the environment")  # the worker must resolve it
         self.emb = nn.Embedding(vocab_size, width)
         self.out = nn.Linear(width, vocab_size)
 

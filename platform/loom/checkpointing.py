@@ -141,6 +141,14 @@ class Checkpointing(pl.Callback):
         return final
 
     # ------------------------------------------------------------------ checkpointed state
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """A user module's save_hyperparameters() may hold a credential: never on disk."""
+        from loom.secrets import redact
+
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            if key in checkpoint:
+                checkpoint[key] = redact(checkpoint[key])
+
     def state_dict(self) -> dict[str, Any]:
         """Every rank's RNG state (gathered: only rank 0 writes the callback state)."""
         mine = rng_state()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from loom.config import ConfigError, compose, validate
+from loom.config import ConfigError, compose, frozen_container, validate
 from loom.hardware import auto_overrides, check_machine, user_set
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INFEASIBLE, EXIT_PREEMPTED = 0, 1, 2, 3, 143
@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = translate(args.overrides)
     cfg = resolve(split_sweep(overrides)[0] if args.multirun else overrides)
     if args.cfg:
-        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        print(OmegaConf.to_yaml(OmegaConf.create(frozen_container(cfg))), end="")
         return EXIT_OK
     if args.multirun or cfg.sweep.params:
         return _sweep(overrides, cfg, dry_run=args.dry_run)
@@ -203,7 +203,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     if args.action == "show":
         print(f"# {recipe.path}\n{recipe.path.read_text()}")
         cfg = resolve([f"recipe={args.name}", *([f"hydra.searchpath={args.searchpath}"] if args.searchpath else [])])
-        print("# resolved config\n" + OmegaConf.to_yaml(cfg, resolve=True), end="")
+        print("# resolved config\n" + OmegaConf.to_yaml(OmegaConf.create(frozen_container(cfg))), end="")
         return EXIT_OK
     if not args.dest:
         raise ConfigError("Usage: loom recipes copy NAME DEST [--force]")

@@ -403,6 +403,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     Returns a new, plain (non-struct) config with defaults filled in.
     """
     _check_targets(cfg)
+    _check_secrets(cfg)
     out: dict[str, Any] = {}
     known = {*TOP_LEVEL, *SECTIONS, *GROUPS}
     for key in cfg:
@@ -431,6 +432,20 @@ def validate(cfg: DictConfig) -> DictConfig:
     result = OmegaConf.create(out)
     _check(result)
     return result
+
+
+def _check_secrets(cfg: DictConfig) -> None:
+    """A secret may only reach a run through the environment: nothing Loom writes holds it."""
+    from loom.secrets import secret_literals
+
+    found = secret_literals(OmegaConf.to_container(cfg, resolve=False))
+    if found:
+        key = found[0]
+        raise ConfigError(
+            f"Invalid config: {key} looks like a secret and was given as a value; Loom never writes "
+            f"secrets into a run's files. Pass it from the environment instead: "
+            f"{key}='${{oc.env:MY_SECRET_VAR}}' (each process reads its own environment)."
+        )
 
 
 def _check_targets(cfg: DictConfig) -> None:
@@ -694,6 +709,17 @@ def _check_model(cfg: DictConfig) -> None:
     from loom.models.check import check_model
 
     check_model(cfg)
+
+
+def frozen_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as config.yaml holds it: secret-keyed `${oc.env:NAME}` references
+    stay unresolved (each process reads its own environment; no file holds the secret), and
+    any other secret-looking value is redacted."""
+    from loom.secrets import redact, restore_env_refs, split_env_refs
+
+    masked, refs = split_env_refs(OmegaConf.to_container(cfg, resolve=False))
+    resolved = OmegaConf.to_container(OmegaConf.create(masked), resolve=True)
+    return redact(restore_env_refs(resolved, refs))
 
 
 def load_frozen(path: Path) -> DictConfig:

@@ -12,8 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from loom.config import ConfigError
-from loom.secrets import redact
+from loom.config import ConfigError, frozen_container
 from loom.tracking.summary import read_summary
 
 # Keys that do not change what a run computes: changing them resumes the same run.
@@ -22,8 +21,7 @@ VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:
-    data = OmegaConf.to_container(cfg, resolve=True)
-    data = copy.deepcopy(data)
+    data = copy.deepcopy(frozen_container(cfg))
     for key in VOLATILE:
         parent, _, leaf = key.rpartition(".")
         node = data
@@ -84,7 +82,7 @@ def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
     frozen_path = run_dir / "config.yaml"
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
-        diff = config_diff(identity(old), redact(identity(cfg)))  # the frozen copy is redacted
+        diff = config_diff(identity(old), identity(cfg))
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -105,7 +103,7 @@ def freeze(cfg: DictConfig, plan: dict[str, Any]) -> Frozen:
         tmp.write_text(json.dumps(plan, indent=2) + "\n")
         tmp.replace(run_dir / "plan.json")
         tmp = run_dir / f"config.yaml.{tag}.tmp"
-        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True)))))
+        tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(frozen_container(cfg))))
         tmp.replace(frozen_path)
     except OSError as e:
         raise ConfigError(

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 REDACTED = "<redacted>"
+ENV_REF = re.compile(r"^\$\{oc\.env:[^}]+\}$")  # `${oc.env:NAME}`: resolved by each process, never stored
 MIN_ENV_SECRET_LEN = 8
 
 # Counts and rates *per token* are not credentials.
@@ -67,7 +68,7 @@ def redact(obj: Any, environ: Mapping[str, str] | None = None) -> Any:
 
     def walk(o: Any) -> Any:
         if isinstance(o, Mapping):
-            return {k: (REDACTED if is_secret_key(k) and v is not None else walk(v)) for k, v in o.items()}
+            return {k: (_keep_ref(v) if is_secret_key(k) and v is not None else walk(v)) for k, v in o.items()}
         if isinstance(o, list):
             return [walk(v) for v in o]
         if isinstance(o, tuple):
@@ -82,3 +83,57 @@ def redact(obj: Any, environ: Mapping[str, str] | None = None) -> Any:
 def redact_text(text: str, environ: Mapping[str, str] | None = None) -> str:
     """`text` with every secret environment value replaced (for free text: argv, logs)."""
     return _scrub(text, secret_env_values(environ))
+
+
+def _keep_ref(v: Any) -> Any:
+    """A secret-keyed value: an unresolved env reference may stay (it holds no secret)."""
+    return v if isinstance(v, str) and ENV_REF.match(v) else REDACTED
+
+
+def secret_literals(obj: Any, path: str = "") -> list[str]:
+    """Full keys of secret-looking keys holding a literal value (not `${oc.env:NAME}`)."""
+    found: list[str] = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            key = f"{path}.{k}" if path else str(k)
+            if is_secret_key(k) and v is not None and not (isinstance(v, str) and ENV_REF.match(v)):
+                found.append(key)
+            else:
+                found += secret_literals(v, key)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found += secret_literals(v, f"{path}[{i}]")
+    return found
+
+
+def split_env_refs(obj: Any) -> tuple[Any, dict[str, str]]:
+    """(a copy with every secret-keyed env reference replaced by a placeholder, the references):
+    the rest can then be resolved without reading (or needing) the secrets."""
+    refs: dict[str, str] = {}
+
+    def walk(o: Any, path: str) -> Any:
+        if isinstance(o, Mapping):
+            out = {}
+            for k, v in o.items():
+                key = f"{path}.{k}" if path else str(k)
+                if is_secret_key(k) and isinstance(v, str) and ENV_REF.match(v):
+                    refs[key] = v
+                    out[k] = f"<env ref {key}>"
+                else:
+                    out[k] = walk(v, key)
+            return out
+        if isinstance(o, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(o)]
+        return o
+
+    return walk(obj, ""), refs
+
+
+def restore_env_refs(obj: Any, refs: dict[str, str]) -> Any:
+    for key, ref in refs.items():
+        node = obj
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = ref
+    return obj

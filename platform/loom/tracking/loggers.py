@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-from loom.secrets import redact
+from loom.config import frozen_container
 
 log = logging.getLogger("loom")
 
@@ -174,6 +174,6 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_id: str) -> list:
             settings=wandb_settings() if rank_zero_only.rank == 0 else None,
         )
         # Only global rank 0 creates the wandb run (log_hyperparams is rank-zero-only).
-        logger.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
+        logger.log_hyperparams(frozen_container(cfg))  # secrets redacted, env refs unresolved
         loggers.append(logger)
     return loggers
