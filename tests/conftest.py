@@ -55,6 +55,20 @@ def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = No
     return LoomResult(p.returncode, p.stdout, p.stderr, run_dir)
 
 
+def worker_pids(run_dir: Path) -> list[int]:
+    """The rank processes of a run (not torchrun, whose command line also names loom.worker)."""
+    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in out.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" not in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
 # One short run of every strategy, shared by tests/test_strategies.py and tests/test_plan.py.
 STEPS = 6
 B = 4  # micro batch per rank; `single` uses 2B

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, LoomResult, run_loom
+from conftest import FAST, LOOM, LoomResult, run_loom, worker_pids
 from tests_helpers import CORPUS, helpers_env, write_json_corpus
 
 from loom.cli import resolve
@@ -226,19 +226,6 @@ def test_digits_two_ranks_see_disjoint_samples_covering_the_epoch(digits_referen
     assert r.losses()[30] < r.losses()[1]
 
 
-def _workers(run_dir: Path) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
-    pids = []
-    for pid in out.split():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline:
-            pids.append(int(pid))
-    return pids
-
-
 def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, digits_reference):
     ref, ref_ids = digits_reference
     env = {**os.environ, **helpers_env(tmp_path), "WANDB_MODE": "offline",
@@ -252,7 +239,7 @@ def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, d
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    victims = _workers(run_dir)
+    victims = worker_pids(run_dir)
     assert len(victims) == 2
     os.kill(victims[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)

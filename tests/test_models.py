@@ -8,6 +8,7 @@ device.)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,20 @@ def test_custom_nn_module_with_a_loss_trains_on_synthetic_tokens(tmp_path):
         "emb.weight", "out.weight", "out.bias"}
     plan = json.loads((r.run_dir / "plan.json").read_text())
     assert plan["params"] == 256 * 16 + 16 * 256 + 256  # counted on the meta device
+
+
+@pytest.mark.slow
+def test_gpt_125m_trains_for_real(loom):
+    """The largest GPT this 24 GiB machine can train (87M params; gpt_1b/gpt_7b states alone need
+    19 / 103 GB in fp32 Adam, so those two are checked on the meta device above)."""
+    from omegaconf import OmegaConf
+
+    from loom.models.spec import gpt_spec
+
+    r = loom("train", "model=gpt_125m", "strategy=single", *FAST, "dataset.batch_size=1", "dataset.seq_len=32",
+             "trainer.max_steps=2", "trainer.limit_val_batches=1", timeout=400)
+    assert r.rc == 0, r.out + r.err
+    s = r.summary()
+    m = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "gpt_125m.yaml")
+    assert s["status"] == "completed" and s["global_step"] == 2
+    assert s["memory"]["param_bytes_per_rank"] == [4 * gpt_spec(m, 32).params]

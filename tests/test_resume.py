@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, LOOM, LoomResult, run_loom
+from conftest import FAST, LOOM, LoomResult, run_loom, worker_pids
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -59,25 +59,11 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def _workers(run_dir: Path) -> list[int]:
-    """The rank processes (not torchrun, whose command line also names loom.worker)."""
-    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
-    pids = []
-    for pid in out.split():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline:
-            pids.append(int(pid))
-    return pids
-
-
 def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=1")
     _wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
-    victims = _workers(run_dir)
+    victims = worker_pids(run_dir)
     assert len(victims) == 2
     os.kill(victims[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=180)

@@ -191,9 +191,11 @@ class Recorder(pl.Callback):
         self.history.append({"step": step, **row})
         for logger in trainer.loggers:
             logger.log_metrics(row, step=step)
+        eta_s = max(0, trainer.max_steps - step) * row["perf/step_time_ms"] / 1000
         log.info(
             f"step {step}/{trainer.max_steps}  loss {row['train/loss']:.4f}  "
-            f"{row['perf/tokens_per_sec']:,.0f} tok/s  {row['perf/step_time_ms']:.1f} ms/step",
+            f"{row['perf/tokens_per_sec']:,.0f} tok/s  {row['perf/step_time_ms']:.1f} ms/step  "
+            f"ETA {int(eta_s // 60)}:{int(eta_s % 60):02d}",
         )
 
     def _gather(self, trainer: pl.Trainer, local: torch.Tensor, device: torch.device) -> torch.Tensor:
