@@ -38,3 +38,16 @@ def init_from_torchrun(backend: str, timeout_s: float = 600) -> bool:
         timeout=timedelta(seconds=timeout_s),
     )
     return True
+
+
+def shutdown() -> None:
+    """Wait for every rank, then tear the process group down. Without it a rank that finished
+    first exited while rank 0 still wrote the final weights, and gloo's teardown aborted it
+    ("terminate called without an active exception", exit -6) - a failed rank to torchrun."""
+    import torch.distributed as dist
+
+    # Only ranks torchrun started: an in-process run (one device) keeps its group, which the
+    # next in-process run of a sweep (and DeepSpeed's cached groups) go on using.
+    if "TORCHELASTIC_RUN_ID" in os.environ and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

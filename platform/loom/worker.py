@@ -21,7 +21,6 @@ from omegaconf import DictConfig
 from loom.config import load_frozen
 
 log = logging.getLogger("loom")
-EXIT_PREEMPTED = 143  # 128 + SIGTERM, what schedulers expect from a preempted job
 
 # Lightning advice that does not apply to Loom's setup (it chooses workers per profile and
 # its own sampler on purpose).
@@ -108,10 +107,12 @@ def run(run_dir: Path) -> int:
 
     torch.set_num_threads(threads)
     try:
-        from loom.distributed import init_from_torchrun
+        from loom.distributed import init_from_torchrun, shutdown
 
         init_from_torchrun(cfg.hardware.backend)
-        return _fit(cfg, run_dir, rank)
+        rc = _fit(cfg, run_dir, rank)
+        shutdown()
+        return rc
     except Exception:
         log.exception(f"rank {rank} failed")
         raise
@@ -197,8 +198,10 @@ def _fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
                     weights_only=True if resume and resume.is_file() else None)
         if saver.preempted:
+            # Exit 0: a non-zero exit would make torchrun restart the ranks (max_restarts), racing
+            # its own shutdown. summary.json says `preempted`; the launcher exits 143 from it.
             status = "preempted"
-            return EXIT_PREEMPTED
+            return 0
         status = "completed"
         state = strategies.full_model_state(trainer, module)
         if rank == 0:
