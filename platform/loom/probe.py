@@ -29,8 +29,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from loom.config import ConfigError, HardwareConfig, _typed, conf_dir
-from loom.hardware import KNOWN_GPUS
+from loom.compose import conf_dir
+from loom.errors import ConfigError
+from loom.hardware.schema import HardwareConfig
+from loom.schema import typed
+from loom.hardware.machine import KNOWN_GPUS
 
 CPU_SIZE, GPU_SIZE = 1024, 8192
 
@@ -259,7 +262,7 @@ def probe(out: str | None = None, size: int | None = None, repeats: int = 5,
     profile = measure(size, repeats, allreduce_mb, processes)
     text = render_yaml(profile, name)
     # The file must be a profile Loom accepts: type it with the schema before writing.
-    _typed("hardware", HardwareConfig, OmegaConf.create(text))
+    typed("hardware", HardwareConfig, OmegaConf.create(text))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     m = profile["measured"]

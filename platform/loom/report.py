@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
 ALIASES = {
@@ -209,7 +209,7 @@ def _completed(run_dir: Path) -> bool:
 def _settle_submitted(t: Trial, objective: str) -> None:
     """A submitted trial is completed once its summary says so, still submitted while its job
     is queued or running, else (failed or preempted for good) pending, to be submitted again."""
-    from loom.slurm import active_job
+    from loom.launch.slurm import active_job
 
     run_dir = Path(t.run_dir)
     if _completed(run_dir):

@@ -1,8 +1,9 @@
 """Datasets as config groups (conf/dataset/): every option yields (train, val) map-style
 datasets behind one LightningDataModule with resumable distributed sampling.
 
-This package's top level stays free of torch: `items_per_sample` and validation
-(`loom.data.check`) run in the launcher before torch is imported.
+This package's top level stays free of torch: the schemas, checks and the questions other
+groups ask (`is_token_data`, `items_per_sample`, `data_vocab_size`, `data_features`) run in
+the launcher before torch is imported.
 """
 
 from __future__ import annotations
@@ -11,13 +12,19 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-# Options that yield (input tokens, next tokens) of dataset.seq_len; the others yield
-# (feature tensor, class label).
-TOKEN_DATASETS = ("tinycode", "text_files", "hf")
+from loom.data.check import check_common, normalize_tokenizer, tokenizer_vocab
+from loom.data.registry import DATASETS, DatasetOption
+from loom.layout import ParallelLayout
+
+SCHEMAS: dict[str, type] = {name: option.schema for name, option in DATASETS.items()}
+
+
+def option(name: str) -> DatasetOption:
+    return DATASETS[name]
 
 
 def is_token_data(ds: DictConfig) -> bool:
-    return ds.name in TOKEN_DATASETS or (ds.name == "synthetic" and ds.kind == "tokens")
+    return DATASETS[ds.name].tokens(ds)
 
 
 def items_per_sample(cfg: DictConfig) -> int:
@@ -25,8 +32,36 @@ def items_per_sample(cfg: DictConfig) -> int:
     return int(cfg.dataset.seq_len) if is_token_data(cfg.dataset) else 1
 
 
-def build_datamodule(cfg: DictConfig, dp_rank: int, dp_size: int) -> Any:
-    """The run's LightningDataModule (imports torch and Lightning)."""
+def data_vocab_size(cfg: DictConfig) -> int | None:
+    """The token ids the data can hold (None: not token data)."""
+    ds = cfg.dataset
+    if not is_token_data(ds):
+        return None
+    if "vocab_size" in ds:
+        return int(ds.vocab_size)
+    return tokenizer_vocab(str(ds.tokenizer)) if ds.get("tokenizer") else 256
+
+
+def data_features(cfg: DictConfig) -> tuple[int, int] | None:
+    """(input features, classes) of feature data (None: token data)."""
+    return DATASETS[cfg.dataset.name].features(cfg.dataset)
+
+
+def normalize(cfg: DictConfig) -> None:
+    if DATASETS[cfg.dataset.name].tokenized:
+        normalize_tokenizer(cfg.dataset)
+    DATASETS[cfg.dataset.name].normalize(cfg)
+
+
+def check(cfg: DictConfig, layout: ParallelLayout) -> None:
+    check_common(cfg.dataset)
+    if DATASETS[cfg.dataset.name].tokenized and cfg.dataset.get("tokenizer"):
+        data_vocab_size(cfg)
+    DATASETS[cfg.dataset.name].check(cfg, layout)
+
+
+def build_datamodule(cfg: DictConfig, layout: ParallelLayout, global_rank: int) -> Any:
+    """The run's LightningDataModule, sharded by this rank's data-parallel index (imports torch)."""
     from loom.data.module import LoomDataModule
 
-    return LoomDataModule(cfg, dp_rank, dp_size)
+    return LoomDataModule(cfg, layout.dp_rank(global_rank), layout.dp)

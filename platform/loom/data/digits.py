@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-N_FEATURES, N_CLASSES, N_SAMPLES = 64, 10, 1797
+N_SAMPLES = 1797  # features and classes: loom.data.registry
 
 
 class ArrayDataset(Dataset):
@@ -33,9 +33,10 @@ def split_indices(n: int, val_every: int) -> tuple[np.ndarray, np.ndarray]:
     return idx[~is_val], idx[is_val]
 
 
-def datasets(val_every: int) -> tuple[ArrayDataset, ArrayDataset | None]:
+def datasets(cfg) -> tuple[ArrayDataset, ArrayDataset | None]:
     from sklearn.datasets import load_digits
 
+    val_every = cfg.dataset.val_every
     d = load_digits()
     x, y = d.data / 16.0, d.target
     train, val = split_indices(len(y), val_every)

@@ -156,3 +156,25 @@ def docs(dataset: Any, column: str, val_every: int, want_val: bool, max_docs: in
             i += 1
             if text is not None and is_val == want_val:
                 yield text if isinstance(text, str | bytes) else str(text)
+
+
+def datasets(cfg: DictConfig):
+    """(train, val) token windows of the documents, tokenized into the cache on first use (the
+    dataset itself is loaded only when the cache lacks them, or to fingerprint a hub dataset)."""
+    from loom.data.tokens import Encoder, token_datasets
+
+    ds = cfg.dataset
+    set_offline(ds)
+    loaded: dict = {}
+
+    def dataset():
+        if "ds" not in loaded:
+            loaded["ds"] = load(ds)
+        return loaded["ds"]
+
+    key = source_key(ds, None if ds.path else dataset())
+    return token_datasets(
+        "hf", key, ds.cache_dir, ds.seq_len, Encoder(ds.get("tokenizer")),
+        lambda: docs(dataset(), ds.text_column, ds.val_every, False, ds.get("max_docs")),
+        lambda: docs(dataset(), ds.text_column, ds.val_every, True, ds.get("max_docs")),
+    )

@@ -18,6 +18,7 @@ is wrapped to note each index it serves, in order), matched to trained batches b
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import deque
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
 
 RECORD_ENV = "LOOM_RECORD_SAMPLE_IDS"
@@ -59,23 +61,13 @@ class LoomDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ building the sets
     def _build(self) -> tuple[Dataset, Dataset | None]:
-        ds, name = self.cfg.dataset, self.cfg.dataset.name
-        if name in ("tinycode", "text_files", "hf"):
-            return _token_sets(self.cfg)
-        if name == "digits":
-            from loom.data import digits
-
-            return digits.datasets(ds.val_every)
-        if name == "synthetic":
-            from loom.data import synthetic
-
-            return synthetic.datasets(ds, self.cfg.seed)
-        raise ValueError(f"unknown dataset {name}")
+        module, _, function = DATASETS[self.cfg.dataset.name].datasets.partition(":")
+        return getattr(importlib.import_module(module), function)(self.cfg)
 
     def prepare_data(self) -> None:
         """Local rank 0: tokenize into the cache (a no-op when it is there)."""
-        if self.cfg.dataset.name in ("tinycode", "text_files", "hf"):
-            _token_sets(self.cfg)
+        if DATASETS[self.cfg.dataset.name].tokenized:
+            self._build()
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -128,44 +120,3 @@ class LoomDataModule(pl.LightningDataModule):
         self.record_dir.mkdir(parents=True, exist_ok=True)
         with open(self.record_dir / f"rank-{global_rank}.txt", "a") as f:
             f.write(f"{step} {epoch} {' '.join(map(str, ids))}\n")
-
-
-# Kept for callers of the walking skeleton's name.
-TokenDataModule = LoomDataModule
-
-
-def _token_sets(cfg: DictConfig):
-    """(train, val) PackedTokens of tinycode / text_files / hf, tokenizing if not cached."""
-    from loom.data import tinycode
-    from loom.data.tokens import Encoder, fingerprint, token_datasets
-
-    ds = cfg.dataset
-    enc = Encoder(ds.get("tokenizer"))
-    if ds.name in ("tinycode", "text_files"):
-        if ds.name == "tinycode":
-            files = tinycode.corpus_files(ds.max_bytes)
-            key = fingerprint(files, ds.max_bytes, ds.val_every)
-        else:
-            from loom.data.text_files import corpus_files
-
-            files = corpus_files(list(ds.paths), ds.max_bytes)
-            key = fingerprint(files, ds.max_bytes, ds.val_every)
-        train, val = tinycode.split(files, ds.val_every)
-        return token_datasets(ds.name, key, ds.cache_dir, ds.seq_len, enc,
-                              lambda: (f.read_bytes() for f in train), lambda: (f.read_bytes() for f in val))
-    from loom.data import hf
-
-    hf.set_offline(ds)
-    loaded: dict = {}
-
-    def dataset():
-        if "ds" not in loaded:
-            loaded["ds"] = hf.load(ds)
-        return loaded["ds"]
-
-    key = hf.source_key(ds, None if ds.path else dataset())
-    return token_datasets(
-        "hf", key, ds.cache_dir, ds.seq_len, enc,
-        lambda: hf.docs(dataset(), ds.text_column, ds.val_every, False, ds.get("max_docs")),
-        lambda: hf.docs(dataset(), ds.text_column, ds.val_every, True, ds.get("max_docs")),
-    )

@@ -43,7 +43,8 @@ class SyntheticTensors(Dataset):
         return torch.from_numpy(x.reshape(self.shape)), torch.tensor(y, dtype=torch.int64)
 
 
-def datasets(ds, seed: int) -> tuple[Dataset, Dataset | None]:
+def datasets(cfg) -> tuple[Dataset, Dataset | None]:
+    ds, seed = cfg.dataset, cfg.seed
     n_val = max(1, ds.num_samples // 16)
     if ds.kind == "tokens":
         return (SyntheticTokens(ds.num_samples, ds.seq_len, ds.vocab_size, seed, 0),

@@ -7,6 +7,10 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from loom.data.files import first_bytes
+
 
 def expand(pattern: str) -> list[Path]:
     """The regular files one pattern matches (`~` expanded, `**` recursive), sorted."""
@@ -17,13 +21,12 @@ def expand(pattern: str) -> list[Path]:
 def corpus_files(patterns: list[str], max_bytes: int | None = None) -> list[Path]:
     """Every file the patterns match, deduplicated, in sorted order, capped at `max_bytes`."""
     files = sorted({f.resolve() for pat in patterns for f in expand(pat)}, key=str)
-    if max_bytes is None:
-        return files
-    out, total = [], 0
-    for f in files:
-        size = f.stat().st_size
-        if total + size > max_bytes and out:
-            break
-        out.append(f)
-        total += size
-    return out
+    return first_bytes(files, max_bytes)
+
+
+def datasets(cfg: DictConfig):
+    """(train, val) token windows, tokenized into the cache on first use."""
+    from loom.data.tokens import file_token_datasets
+
+    ds = cfg.dataset
+    return file_token_datasets(ds, corpus_files(list(ds.paths), ds.max_bytes))

@@ -8,6 +8,10 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from loom.data.files import first_bytes
+
 
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
@@ -20,20 +24,11 @@ def corpus_files(max_bytes: int) -> list[Path]:
         (p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts),
         key=lambda p: p.relative_to(root).as_posix(),
     )
-    out, total = [], 0
-    for p in files:
-        size = p.stat().st_size
-        if total + size > max_bytes and out:
-            break
-        out.append(p)
-        total += size
-    return out
+    return first_bytes(files, max_bytes)
 
 
-def split(files: list[Path], val_every: int) -> tuple[list[Path], list[Path]]:
-    """Every `val_every`-th file is validation: deterministic and spread over the corpus."""
-    if val_every <= 1:
-        return files, []
-    train = [f for i, f in enumerate(files) if i % val_every != val_every - 1]
-    val = [f for i, f in enumerate(files) if i % val_every == val_every - 1]
-    return train, val
+def datasets(cfg: DictConfig):
+    """(train, val) token windows, tokenized into the cache on first use."""
+    from loom.data.tokens import file_token_datasets
+
+    return file_token_datasets(cfg.dataset, corpus_files(cfg.dataset.max_bytes))

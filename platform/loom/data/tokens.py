@@ -11,13 +11,16 @@ Packing is by windowing at read time: the file does not depend on `dataset.seq_l
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from torch.utils.data import Dataset
+
+from loom.atomic import atomic_path
+from loom.data.files import split
 
 DTYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32}
 
@@ -88,9 +91,8 @@ def write_token_file(docs: Callable[[], Iterable[str | bytes]], dest: Path, enco
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     buf: list[str | bytes] = []
-    with open(tmp, "wb") as out:
+    with atomic_path(dest) as tmp, open(tmp, "wb") as out:
         for doc in docs():
             buf.append(doc)
             if len(buf) >= batch:
@@ -99,7 +101,6 @@ def write_token_file(docs: Callable[[], Iterable[str | bytes]], dest: Path, enco
                 buf = []
         for arr in encoder.encode_batch(buf) if buf else []:
             out.write(arr.tobytes())
-    os.replace(tmp, dest)
     return dest
 
 
@@ -142,3 +143,11 @@ def token_datasets(
     if out[0] is None:
         raise ValueError(f"dataset {name}: the training split has fewer than seq_len+1={seq_len + 1} tokens")
     return out[0], out[1]
+
+
+def file_token_datasets(ds: DictConfig, files: list[Path]) -> tuple[PackedTokens, PackedTokens | None]:
+    """tinycode / text_files: one document per file, every `val_every`-th file to validation."""
+    train, val = split(files, ds.val_every)
+    return token_datasets(ds.name, fingerprint(files, ds.max_bytes, ds.val_every), ds.cache_dir, ds.seq_len,
+                          Encoder(ds.get("tokenizer")), lambda: (f.read_bytes() for f in train),
+                          lambda: (f.read_bytes() for f in val))

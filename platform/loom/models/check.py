@@ -1,29 +1,22 @@
 """Model validation in the launcher (no torch of Loom's own): sizes against the data's
-context and vocabulary, the model x dataset fit, and a custom `_target_`."""
+context and vocabulary, the model x dataset fit, and a custom `_target_`; and each option's
+normalization (sizes filled from the data, paths made absolute). The registry
+(`loom.models.registry`) names which of these each option runs."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from loom.config import ConfigError
-from loom.data import is_token_data
+from loom.data import data_features, data_vocab_size, is_token_data
+from loom.errors import fail as _fail
+from loom.errors import require as _require
+from loom.layout import ParallelLayout
 
 TOKEN_HINT = "token datasets: tinycode, text_files, hf, synthetic (dataset.kind=tokens)"
 TENSOR_HINT = "feature datasets: digits, synthetic (dataset.kind=tensors)"
 
 
-def _fail(key: str, value, rule: str) -> None:
-    raise ConfigError(f"Invalid config: {key}={value!r}: {rule}.")
-
-
-def _require(ok: bool, key: str, value, rule: str) -> None:
-    if not ok:
-        _fail(key, value, rule)
-
-
 def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size") -> None:
-    from loom.data.check import data_vocab_size
-
     need = data_vocab_size(cfg)
     if need is not None and have < need:
         src = (f"dataset.tokenizer={cfg.dataset.tokenizer} has {need} tokens" if cfg.dataset.get("tokenizer")
@@ -37,36 +30,31 @@ def _needs_tokens(cfg: DictConfig) -> None:
              f"dataset={cfg.dataset.name} yields (features, label) samples; use one of the {TOKEN_HINT}")
 
 
-def check_model(cfg: DictConfig) -> None:
+def check_gpt(cfg: DictConfig, layout: ParallelLayout) -> None:
     m = cfg.model
-    if "n_head" in m:  # the GPT family
-        _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
-        _needs_tokens(cfg)
-        _require(cfg.dataset.seq_len <= m.block_size, "dataset.seq_len", cfg.dataset.seq_len,
-                 f"exceeds the model's context model.block_size={m.block_size}; "
-                 "lower dataset.seq_len or raise model.block_size")
-        _vocab(cfg, m.vocab_size)
-    elif m.name == "mlp":
-        _check_mlp(cfg)
-    elif m.name == "hf_causal_lm":
-        _check_hf(cfg)
-    elif m.name == "custom":
-        _check_custom(cfg)
+    _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
+    _needs_tokens(cfg)
+    _require(cfg.dataset.seq_len <= m.block_size, "dataset.seq_len", cfg.dataset.seq_len,
+             f"exceeds the model's context model.block_size={m.block_size}; "
+             "lower dataset.seq_len or raise model.block_size")
+    _vocab(cfg, m.vocab_size)
 
 
-def _check_mlp(cfg: DictConfig) -> None:
-    from loom.data.check import data_features
+def normalize_mlp(cfg: DictConfig) -> None:
+    """in_features / num_classes left null are the dataset's."""
+    m, feats = cfg.model, data_features(cfg)
+    if feats is not None:
+        m.in_features = feats[0] if m.in_features is None else m.in_features
+        m.num_classes = feats[1] if m.num_classes is None else m.num_classes
 
+
+def check_mlp(cfg: DictConfig, layout: ParallelLayout) -> None:
     m = cfg.model
     feats = data_features(cfg)
     _require(feats is not None, "model.name", m.name,
              f"model=mlp classifies feature vectors but dataset={cfg.dataset.name} yields token "
              f"sequences; use one of the {TENSOR_HINT}, or a GPT / hf_causal_lm model")
     n_in, n_cls = feats
-    if m.in_features is None:
-        m.in_features = n_in
-    if m.num_classes is None:
-        m.num_classes = n_cls
     _require(m.in_features == n_in, "model.in_features", m.in_features,
              f"dataset={cfg.dataset.name} has {n_in} features per sample; set it to {n_in} or null")
     _require(m.num_classes >= n_cls, "model.num_classes", m.num_classes,
@@ -75,18 +63,24 @@ def _check_mlp(cfg: DictConfig) -> None:
     _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)")
 
 
-def _check_hf(cfg: DictConfig) -> None:
+def normalize_hf(cfg: DictConfig) -> None:
+    """A local config dir is frozen absolute: ranks and resumes may start elsewhere."""
     from pathlib import Path
 
+    m = cfg.model
+    if m.config:
+        p = Path(str(m.config)).expanduser()
+        if p.exists():
+            m.config = str(p.resolve())
+
+
+def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
     from loom.models import hf
 
     m = cfg.model
     _require(bool(m.config), "model.config", m.config,
              "name a directory holding a transformers config.json (save_pretrained), or a model "
              "name already in the Hugging Face cache, e.g. model.config=/models/my-gpt2")
-    p = Path(str(m.config)).expanduser()
-    if p.exists():
-        m.config = str(p.resolve())  # frozen absolute: ranks and resumes may start elsewhere
     try:
         data = hf.config_dict(m)
     except (FileNotFoundError, ValueError, OSError):
@@ -105,7 +99,13 @@ def _check_hf(cfg: DictConfig) -> None:
         _vocab(cfg, vocab, "model.vocab_size" if m.vocab_size is not None else "model.config.vocab_size")
 
 
-def _check_custom(cfg: DictConfig) -> None:
+def normalize_custom(cfg: DictConfig) -> None:
+    """An empty `model.loss` means none (a LightningModule computes its own)."""
+    if not cfg.model.loss:
+        cfg.model.loss = None
+
+
+def check_custom(cfg: DictConfig, layout: ParallelLayout) -> None:
     from loom.models import custom
 
     m = cfg.model
@@ -133,5 +133,3 @@ def _check_custom(cfg: DictConfig) -> None:
         _require(kind is not None, key, tgt,
                  "is not a LightningModule or a torch.nn.Module subclass (nor a function returning one); "
                  f"its bases: {', '.join(c.__name__ for c in getattr(obj, '__mro__', [type(obj)]))}")
-    if m.loss is None or not m.loss:
-        m.loss = None

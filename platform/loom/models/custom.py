@@ -4,7 +4,7 @@ Validation (`check_target`) imports the target's module — the user's code, whi
 torch; Loom itself does not — and looks at the class's MRO by name, so it needs no torch of
 its own: a class must be a pytorch_lightning LightningModule or a torch.nn.Module. A function
 (a factory) is accepted there and its result is checked when the worker builds it. The
-allow-list (loom.security, `security.allow_targets`) was checked before anything is imported.
+allow-list (loom.target_allowlist, `security.allow_targets`) was checked before anything is imported.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from loom.models.gpt import GPT, Block
-from loom.optim import build_optimizer
+from loom.optim.build import build_optimizer
 
 
 class LoomModule(pl.LightningModule):

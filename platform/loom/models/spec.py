@@ -53,9 +53,14 @@ def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
     return ModelSpec(total, non_embedding, float(flops), L, d, seq_len)
 
 
-def mlp_spec(m: DictConfig) -> ModelSpec:
+def gpt_spec_of(cfg: DictConfig) -> ModelSpec:
+    return gpt_spec(cfg.model, cfg.dataset.seq_len)
+
+
+def mlp_spec(cfg: DictConfig) -> ModelSpec:
     """loom.models.mlp: Linear layers in_features -> hidden... -> num_classes. FLOPs per sample:
     6 per weight (2 forward, 4 backward), the biases' adds neglected."""
+    m = cfg.model
     widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
     weights = sum(a * b for a, b in zip(widths, widths[1:], strict=False))
     params = weights + sum(widths[1:])
@@ -87,16 +92,3 @@ def custom_spec(cfg: DictConfig) -> ModelSpec:
     except Exception:
         params = None
     return ModelSpec(params, params, None, 0, 0, items_per_sample(cfg))
-
-
-def model_spec(cfg: DictConfig) -> ModelSpec:
-    name = cfg.model.name
-    if "n_head" in cfg.model:
-        return gpt_spec(cfg.model, cfg.dataset.seq_len)
-    if name == "mlp":
-        return mlp_spec(cfg.model)
-    if name == "hf_causal_lm":
-        return hf_spec(cfg)
-    if name == "custom":
-        return custom_spec(cfg)
-    raise ValueError(f"no spec for model {name}")

@@ -14,9 +14,10 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
-from loom.config import ConfigError
+from loom.errors import ConfigError
+from loom.tracking.schema import MODES
 
-MODES = ("offline", "online", "disabled")
+
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 

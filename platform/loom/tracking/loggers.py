@@ -14,7 +14,7 @@ from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
-from loom.config import frozen_container
+from loom.rundir.config_file import frozen_container
 
 log = logging.getLogger("loom")
 

@@ -26,7 +26,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import Throughput
 
-from loom.plan import mfu
+from loom.hardware.peaks import mfu
 from loom.tracking.system import GpuStats
 
 log = logging.getLogger("loom")

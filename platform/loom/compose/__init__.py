@@ -1,0 +1,106 @@
+"""Stage 1, compose: Hydra composes conf/train.yaml + a recipe + the user's overrides.
+
+Composition also makes the choices the overrides leave open concrete, as overrides that the
+frozen config then shows: `hardware=auto` becomes this machine's profile (with
+`hardware.resolved_from=auto`), and `strategy=single` gets one device unless the user said
+otherwise. Hydra's errors become one-paragraph ConfigErrors naming the key and the choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom import data, hardware, models, optim, strategies, tracking
+from loom.compose import recipes
+from loom.compose.paths import conf_dir, group_options
+from loom.errors import ConfigError
+from loom.hardware.machine import auto_overrides, user_set
+from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names, unknown_key_message
+
+__all__ = ["GROUP_PACKAGES", "compose", "conf_dir", "group_options", "valid_keys"]
+
+# The package of each config group (conf/<group>/ -> loom/<package>/): each has SCHEMAS (option
+# name -> schema; "*" when every option shares one), normalize(cfg) and check(cfg, layout).
+GROUP_PACKAGES: dict[str, ModuleType] = {
+    "hardware": hardware, "strategy": strategies, "dataset": data,
+    "model": models, "optim": optim, "tracking": tracking,
+}
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The composed (not yet validated) config of one run."""
+    overrides, recipe_dirs = recipes.split_searchpath(list(overrides))
+    found = recipes.discover(recipe_dirs)
+    if recipes.chosen(overrides, found):
+        recipes.register(found)
+    return hydra_compose(_concrete(overrides))
+
+
+def _concrete(overrides: list[str]) -> list[str]:
+    """`hardware=auto` -> this machine's profile; `strategy=single` -> one device by default."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hardware=")]
+    if not chosen or chosen[-1] == "auto":
+        overrides = [*auto_overrides(overrides), "++hardware.resolved_from=auto"]
+    strategy = [o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")]
+    if strategy and strategy[-1] == "single" and not user_set(overrides, "hardware.devices"):
+        overrides = [*overrides, "hardware.devices=1"]
+    return overrides
+
+
+def hydra_compose(overrides: list[str]) -> DictConfig:
+    """Hydra-compose conf/train.yaml with the overrides; Hydra errors -> ConfigError."""
+    from hydra import compose as compose_api
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3", job_name="loom"):
+            return compose_api("train", overrides=list(overrides))
+    except MissingConfigException as e:
+        missing = (e.missing_cfg_file or "").strip("/")
+        group, _, option = missing.rpartition("/")
+        if group and e.options:
+            raise ConfigError(
+                f"Invalid config: {group}={option} is not a known {group}. "
+                f"Valid choices for {group}: {', '.join(e.options)} (files in conf/{group}/)."
+            ) from None
+        raise ConfigError(f"Invalid config: {str(e).splitlines()[0]}") from None
+    except OverrideParseException as e:
+        raise ConfigError(
+            f"Invalid override syntax: {str(e).splitlines()[0]}. Overrides look like key=value, "
+            "group=option or key='[a,b]'."
+        ) from None
+    except HydraException as e:
+        key = getattr(e.__cause__, "full_key", None)
+        if key:
+            raise ConfigError(unknown_key_message(key, _override_value(overrides, key),
+                                                  valid_keys(key.rpartition(".")[0]))) from None
+        raise ConfigError(f"Invalid config: {' '.join(str(e).split())}") from None
+
+
+def _override_value(overrides: list[str], key: str) -> Any:
+    for ov in overrides:
+        k, _, v = ov.lstrip("+~").partition("=")
+        if k == key:
+            return v
+    return None
+
+
+def valid_keys(parent: str) -> list[str]:
+    """The keys a config node may hold: the top level, a section, or any option of a group."""
+    if not parent:
+        return sorted([*TOP_LEVEL, *SECTIONS, *GROUPS])
+    if parent in SECTIONS:
+        return field_names(SECTIONS[parent])
+    if parent in GROUP_PACKAGES:
+        names: dict[str, None] = {}
+        for schema in GROUP_PACKAGES[parent].SCHEMAS.values():
+            names.update((f.name, None) for f in dataclasses.fields(schema))
+        return list(names)
+    return []

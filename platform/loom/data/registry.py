@@ -1,0 +1,72 @@
+"""One registry of the dataset options: what each yields, how its sets are built, what it checks.
+
+Adding a dataset = a yaml in conf/dataset/, a schema in `schema.py`, a module with
+`datasets(cfg) -> (train, val)` (and, if it has fields to check, `check`/`normalize` in
+`check.py`), and one entry here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from loom.data import check as checks
+from loom.data.schema import (
+    DigitsDatasetConfig,
+    HFDatasetConfig,
+    SyntheticDatasetConfig,
+    TextFilesDatasetConfig,
+    TinycodeDatasetConfig,
+)
+from loom.layout import ParallelLayout
+
+DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8x8 digits
+
+
+def _no_check(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Nothing beyond the common dataset checks."""
+
+
+def _nothing_to_fill(cfg: DictConfig) -> None:
+    """The option's values are used as written."""
+
+
+def _always(value: bool) -> Callable[[DictConfig], bool]:
+    return lambda ds: value
+
+
+def _no_features(ds: DictConfig) -> None:
+    return None
+
+
+def _synthetic_features(ds: DictConfig) -> tuple[int, int] | None:
+    return (math.prod(ds.shape), int(ds.num_classes)) if ds.kind == "tensors" else None
+
+
+@dataclass(frozen=True)
+class DatasetOption:
+    schema: type
+    datasets: str                          # "module:function" (cfg) -> (train, val); imports torch
+    tokens: Callable[[DictConfig], bool]   # yields (tokens, next tokens) rather than (features, label)
+    features: Callable[[DictConfig], tuple[int, int] | None] = _no_features  # (inputs, classes)
+    tokenized: bool = False                # text tokenized into the cache by `prepare_data`
+    check: Callable[[DictConfig, ParallelLayout], None] = _no_check
+    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+
+
+DATASETS: dict[str, DatasetOption] = {
+    "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True), tokenized=True),
+    "text_files": DatasetOption(TextFilesDatasetConfig, "loom.data.text_files:datasets", _always(True),
+                                tokenized=True, check=checks.check_text_files,
+                                normalize=checks.normalize_text_files),
+    "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), tokenized=True,
+                        check=checks.check_hf, normalize=checks.normalize_hf),
+    "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False),
+                            features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),
+    "synthetic": DatasetOption(SyntheticDatasetConfig, "loom.data.synthetic:datasets",
+                               lambda ds: ds.kind == "tokens", features=_synthetic_features,
+                               check=checks.check_synthetic),
+}

@@ -1,0 +1,67 @@
+"""The schemas of the dataset options (conf/dataset/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TinycodeDatasetConfig:
+    name: str = "tinycode"
+    batch_size: int = 16
+    seq_len: int = 128
+    max_bytes: int = 16_000_000
+    val_every: int = 20
+    tokenizer: str | None = None      # null: byte-level (vocab 256); else a local HF tokenizer
+    cache_dir: str | None = None
+
+
+@dataclass
+class TextFilesDatasetConfig:
+    name: str = "text_files"
+    batch_size: int = 16
+    seq_len: int = 128
+    paths: list[str] = field(default_factory=list)  # files or glob patterns (`**` recursive)
+    max_bytes: int | None = None      # cap on the corpus size (first files in sorted order)
+    val_every: int = 20               # every Nth file goes to validation (0: none)
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class HFDatasetConfig:
+    name: str = "hf"
+    batch_size: int = 16
+    seq_len: int = 128
+    hub: str | None = None            # a hub dataset id (offline: from the local HF cache)
+    config: str | None = None         # the hub dataset's config name
+    split: str = "train"
+    path: str | None = None           # a save_to_disk dir or local json/csv/txt/parquet files
+    text_column: str = "text"
+    online: bool = False              # false: HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1
+    val_every: int = 20               # every Nth document goes to validation (0: none)
+    max_docs: int | None = None
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+
+
+@dataclass
+class DigitsDatasetConfig:
+    name: str = "digits"
+    batch_size: int = 32
+    val_every: int = 5                # every Nth sample goes to validation (0: none)
+
+
+@dataclass
+class SyntheticDatasetConfig:
+    name: str = "synthetic"
+    batch_size: int = 16
+    kind: str = "tokens"              # tokens | tensors
+    seq_len: int = 128                # tokens
+    vocab_size: int = 256             # tokens
+    shape: list[int] = field(default_factory=lambda: [64])  # tensors: one sample's shape
+    num_classes: int = 10             # tensors
+    num_samples: int = 8192
+
+
+SYNTHETIC_KINDS = ("tokens", "tensors")

@@ -1,0 +1,130 @@
+"""Stage 7, finish: once a launch's ranks have exited, settle summary.json, print it, and map
+it to the exit code. One path for every launcher: torchrun, the in-process single-device run
+and the SLURM job (`python -m loom.finish mark|finish RUN_DIR`, the job script's helpers, no
+torch imported)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom import strategies
+from loom.errors import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED
+from loom.launch import multi_node
+from loom.rundir.config_file import load_frozen
+from loom.rundir.summary import empty_summary, read_summary, summary_mark, write_summary
+
+# The multi-node failure-summary grace: how long a launcher whose ranks failed waits for global
+# rank 0 (perhaps on another node, still in its `finally`) to write summary.json itself.
+SUMMARY_GRACE_S = 10.0
+
+
+def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
+                   wait_for_rank0: bool) -> dict | None:
+    """The run's summary once this launch's ranks exited (`mark`: `summary_mark` before launch).
+
+    Rank 0's, when it wrote one during the launch (summary.json changed since `mark`); else, if
+    the ranks failed, a `failed` one written here. Multi-node, global rank 0 may run on another
+    node and still be in its `finally`: wait up to SUMMARY_GRACE_S for it before writing, so a
+    node without rank 0 does not replace a good (e.g. `preempted`) summary with `failed`.
+    """
+    if rc != 0:
+        deadline = time.monotonic() + (SUMMARY_GRACE_S if wait_for_rank0 else 0.0)
+        while summary_mark(run_dir) == mark and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if summary_mark(run_dir) == mark:
+            # The workers died before rank 0 could write it: record the failure here.
+            write_summary(run_dir, empty_summary(cfg, str(cfg.run.id), strategies.layout_of(cfg)))
+    return read_summary(run_dir)
+
+
+def finish(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None, *, in_job: bool = False) -> int:
+    """Settle, print and map the run's outcome: 0 completed, 143 preempted, 1 otherwise.
+
+    `in_job`: after srun in a SLURM job, every node's ranks have exited already (no wait for
+    rank 0), and a preemption without progress since the attempt started is a failure, so the
+    job script does not requeue a run that cannot move forward."""
+    summary = settle_summary(cfg, run_dir, rc, mark, wait_for_rank0=multi_node(cfg) and not in_job)
+    if summary is not None:
+        print_summary(run_dir, summary)
+    print(f"run dir: {run_dir}")
+    status = summary["status"] if summary else None
+    if status == "preempted":
+        start, step = summary.get("resumed_from_step"), summary.get("global_step", 0)
+        if in_job and start is not None and step <= start:
+            print(f"loom: preempted at step {step} without progress since the last start: not requeueing",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        if not in_job:
+            print("Run preempted: a checkpoint was saved. Run the same command again to resume.", file=sys.stderr)
+        return EXIT_PREEMPTED
+    if rc != 0 or status != "completed":
+        print(f"Training failed (exit {rc}); see {run_dir / 'logs'}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
+    return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+
+def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
+    """The one-screen summary the launcher prints at the end of `loom train`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"loom run {s['run_id']}: {s['status']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    tp, mem = s["throughput"], s["memory"]
+    peak_rss = max(mem["peak_rss_gb_per_rank"]) if mem.get("peak_rss_gb_per_rank") else None
+    rows = [
+        ("run dir", str(run_dir)),
+        ("strategy / hardware", f"{s['strategy']} on {s['hardware']}, world size {s['world_size']} "
+                                f"({s['num_nodes']} node(s))"),
+        ("steps", f"{s['global_step']:,} ({s['tokens']:,} tokens, {s['samples']:,} samples)"),
+        ("loss", f"{_fmt(s.get('first_loss'), '.4f')} -> {_fmt(s['final_loss'], '.4f')}"),
+        ("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f")),
+        ("samples/s", _fmt(tp["samples_per_sec"], ",.1f")),
+        ("MFU", _fmt(tp["mfu"], ".1%") if tp["mfu"] is not None else "n/a (device peak unknown)"),
+        ("peak memory", f"{_fmt(peak_rss, '.2f', ' GB')} RSS per rank (max)"),
+        ("time", f"{_fmt(s['train_time_s'], ',.1f', ' s')} training, {_fmt(s['wall_time_s'], ',.1f', ' s')} wall"),
+    ]
+    if s.get("resumed_from_step") is not None:
+        rows.append(("resumed from", f"step {s['resumed_from_step']}"))
+    if s.get("final_weights"):
+        rows.append(("final weights", str(run_dir / s["final_weights"])))
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The SLURM job script's helpers: `mark` before srun, `finish` after it."""
+    p = argparse.ArgumentParser(prog="python -m loom.finish", description="helpers of Loom's SLURM job script")
+    sub = p.add_subparsers(dest="verb", required=True)
+    m = sub.add_parser("mark", help="print summary.json's fingerprint before the ranks start")
+    m.add_argument("run_dir")
+    f = sub.add_parser("finish", help="settle summary.json after srun; exit 0 | 143 (requeue) | 1")
+    f.add_argument("run_dir")
+    f.add_argument("--rc", type=int, required=True)
+    f.add_argument("--mark", default="-")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) and EXIT_INVALID
+    if args.verb == "mark":
+        print(summary_mark(Path(args.run_dir)) or "-")
+        return EXIT_OK
+    run_dir = Path(args.run_dir).resolve()
+    cfg = load_frozen(run_dir / "config.yaml")
+    return finish(cfg, run_dir, args.rc, None if args.mark == "-" else args.mark, in_job=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Stage 4, freeze: derive the run id, create the run dir, write config.yaml and plan.json once,
+and say whether this command starts, resumes or finds a completed run."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom.atomic import atomic_write_text
+from loom.errors import ConfigError
+from loom.plan import Plan
+from loom.rundir.config_file import frozen_container, frozen_yaml
+from loom.rundir.summary import read_summary
+
+# Keys that do not change what a run computes: changing them resumes the same run.
+VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_endpoint",
+            "trainer.log_every_n_steps")
+
+
+def identity(cfg: DictConfig) -> dict[str, Any]:
+    data = copy.deepcopy(frozen_container(cfg))
+    for key in VOLATILE:
+        parent, _, leaf = key.rpartition(".")
+        node = data
+        for part in parent.split(".") if parent else []:
+            node = node.get(part, {})
+        node.pop(leaf, None)
+    return data
+
+
+def run_id(cfg: DictConfig) -> str:
+    """The user's `run.id`, else a hash of everything that shapes the result."""
+    if cfg.run.id:
+        return str(cfg.run.id)
+    blob = json.dumps(identity(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every full key whose value differs."""
+    a, b = _flat(old), _flat(new)
+    missing = object()
+    return [
+        f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, missing) != b.get(k, missing)
+    ]
+
+
+@dataclass
+class Frozen:
+    run_dir: Path
+    run_id: str
+    state: str  # "new" | "resume" | "completed"
+
+
+def run_dir_of(cfg: DictConfig, rid: str) -> Path:
+    if cfg.run.get("sweep_dir"):
+        return (Path(cfg.run.sweep_dir) / rid).resolve()
+    return (Path(cfg.run.root) / cfg.experiment / rid).resolve()
+
+
+def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
+    """Create the run dir and write config.yaml + plan.json once; an existing run is resumed
+    (same config) or refused (a different config under the same run.id)."""
+    rid = run_id(cfg)
+    cfg = copy.deepcopy(cfg)
+    cfg.run.id = rid
+    run_dir = run_dir_of(cfg, rid)
+    frozen_path = run_dir / "config.yaml"
+    if frozen_path.exists():
+        old = OmegaConf.load(frozen_path)
+        diff = config_diff(identity(old), identity(cfg))
+        if diff:
+            raise ConfigError(
+                f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
+                f"refusing to resume it with this one. Differences (frozen -> this command): "
+                f"{'; '.join(diff)}. "
+                "Use the original overrides to resume, or set run.id=<new id> for a new run."
+            )
+        summary = read_summary(run_dir)
+        state = "completed" if summary and summary.get("status") == "completed" else "resume"
+        return Frozen(run_dir, rid, state)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Every node of a multi-node run freezes the same run dir at about the same time: each
+        # writes its own temporary files and renames them (same content; the last rename wins).
+        # config.yaml goes last: once it exists, the run dir is complete.
+        atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
+        atomic_write_text(frozen_path, frozen_yaml(cfg))
+    except OSError as e:
+        raise ConfigError(
+            f"Invalid config: run.root={cfg.run.root!r}: cannot create the run dir {run_dir} ({e.strerror}). "
+            "Choose a writable run.root."
+        ) from None
+    return Frozen(run_dir, rid, "new")

@@ -1,0 +1,8 @@
+"""Hardware profiles (conf/hardware/): the schema and checks of a profile (`check`), whether
+this machine can run it (`machine`), and its datasheet peaks (`peaks`). Torch-free: runs in
+the launcher before anything heavy is imported."""
+
+from loom.hardware.check import check, normalize
+from loom.hardware.schema import SCHEMAS
+
+__all__ = ["SCHEMAS", "check", "normalize"]

@@ -1,0 +1,150 @@
+"""This machine: resolve `hardware=auto` and check a profile against what is here.
+
+Runs in the launcher before torch is imported, so GPUs are counted through NVML
+(nvidia-ml-py), which answers in milliseconds, not through torch.cuda.
+
+Two kinds of check live in two places: a profile's own consistency (backend, precision,
+rendezvous, SLURM fields) is `loom.hardware.check`, run for every verb; whether *this*
+machine can run it is `check_machine` here, run by `loom train` only, so `loom plan
+hardware=h100x8` works on a laptop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from loom.errors import ConfigError
+
+# NVML device names whose datasheet numbers a shipped profile holds. Exact names only: an
+# H100 PCIe (756 dense bf16) must not borrow the SXM peak, so anything else stays `gpu`
+# with an unknown peak (MFU null) rather than a guessed one.
+KNOWN_GPUS = {
+    "NVIDIA A100-SXM4-80GB": "a100x8",
+    "NVIDIA H100 80GB HBM3": "h100x8",
+    "NVIDIA H200": "h200x8",
+}
+
+
+@dataclass
+class GpuInfo:
+    count: int
+    name: str | None = None
+    memory_gb: float | None = None
+
+
+def gpu_info() -> GpuInfo:
+    """GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES), and the first one's
+    name and memory."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            name = mem = None
+            if count:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+                name = pynvml.nvmlDeviceGetName(handle)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                mem = round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9, 1)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return GpuInfo(0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+    return GpuInfo(count, name, mem) if count else GpuInfo(0)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def visible_gpus() -> int:
+    """Number of NVIDIA GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES)."""
+    return gpu_info().count
+
+
+def auto_overrides(overrides: list[str]) -> list[str]:
+    """Overrides that turn `hardware=auto` into a concrete profile for this machine.
+
+    Every visible GPU: the shipped profile of a known device (datasheet peak), else `gpu`
+    with NVML's name and memory (peak unknown: MFU null). No GPU: `cpu`.
+    The concrete profile comes first so the user's own `hardware.*` overrides still win.
+    """
+    info = gpu_info()
+    rest = [o for o in overrides if not o.startswith("hardware=")]
+    if not info.count:
+        return ["hardware=cpu", *rest]
+    profile = KNOWN_GPUS.get(info.name or "")
+    if profile:
+        return [f"hardware={profile}", f"hardware.devices={info.count}", *rest]
+    found = [f"hardware.device_name='{info.name}'"] if info.name else []
+    if info.memory_gb:
+        found.append(f"hardware.device_memory_gb={info.memory_gb}")
+    return ["hardware=gpu", f"hardware.devices={info.count}", *found, *rest]
+
+
+def user_set(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
+    """Refuse a profile this machine cannot run (exit 2 before any process starts).
+
+    `loom train` only: every node of a multi-node run starts the same command, so this node
+    must have `hardware.devices` GPUs itself. `launcher: slurm` is submitted from a login node
+    without GPUs: there, `sbatch` must exist (unless `--dry-run`), and the nodes of the
+    allocation are SLURM's to provide.
+    """
+    hw = cfg.hardware
+    if hw.launcher == "slurm":
+        _check_submit(cfg, dry_run)
+        return
+    if hw.accelerator == "gpu":
+        have = visible_gpus()
+        if have == 0:
+            raise ConfigError(
+                f"Invalid config: hardware={hw.name} (hardware.accelerator=gpu) needs CUDA GPUs "
+                "but this machine has none visible to NVML. Use hardware=cpu (or hardware=auto) "
+                f"here; `loom plan hardware={hw.name}` still estimates the run without GPUs."
+            )
+        if hw.devices > have:
+            raise ConfigError(
+                f"Invalid config: hardware.devices={hw.devices} (hardware={hw.name}) but this "
+                f"machine has {have} GPU(s). Set hardware.devices<={have}."
+            )
+    else:
+        cores = usable_cores()
+        limit = 4 * cores
+        if hw.devices > limit:
+            raise ConfigError(
+                f"Invalid config: hardware.devices={hw.devices} CPU processes on a machine with "
+                f"{cores} core(s) would thrash; set hardware.devices<={limit} (hardware={hw.name})."
+            )
+    if hw.num_nodes > 1 and not cfg.run.id:
+        raise ConfigError(
+            f"Invalid config: run.id=null with hardware.num_nodes={hw.num_nodes}: every node starts "
+            "its own launcher, and all of them must train in one run dir on shared storage. Set "
+            "run.id=<name> (e.g. run.id=exp42) in the command you run on every node. Without it each "
+            "node derives the id from its own resolved config, which matches only if the configs "
+            "are byte-identical: one differing override (a typo, another run.root) splits the run "
+            "into separate run dirs whose ranks wait for each other."
+        )
+
+
+def _check_submit(cfg: DictConfig, dry_run: bool) -> None:
+    """`loom train` with launcher=slurm: sbatch must be here unless only the script is wanted."""
+    if dry_run or shutil.which("sbatch"):
+        return
+    raise ConfigError(
+        f"Invalid config: hardware.launcher=slurm (hardware={cfg.hardware.name}) submits the run "
+        "with `sbatch`, which is not on PATH here. Run `loom train` on a SLURM login node, or add "
+        "--dry-run (`loom train --dry-run hardware=slurm ...`) to only write <run>/slurm/job.sbatch "
+        "and print the sbatch command that submits it.")

@@ -1,0 +1,134 @@
+"""Stage 5, launch: start the ranks of a frozen run: in-process for one process, torchrun for more.
+
+torchrun (torch.distributed.run, the elastic agent) is started as a child process so the
+launcher stays free of torch, and restarts (`--max-restarts`) re-run the same worker on
+the same run dir, which then resumes from its last checkpoint.
+
+Multi-node: every node runs the same `loom train` command; each launcher starts one torchrun
+agent, and the agents meet at the c10d rendezvous `hardware.rdzv_endpoint` (hosted by the agent
+on that host). torchrun assigns node ranks there, so a launcher knows its node only by name.
+All nodes share one run dir (named by `run.id`, on storage every node sees); global rank 0
+writes the run-level files. SLURM (`hardware.launcher=slurm`) starts the same torchrun command
+on every node from a rendered sbatch script instead: see `loom.launch.slurm`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from loom.hardware.machine import usable_cores
+from loom.layout import ParallelLayout
+
+def nnodes(cfg: DictConfig) -> str:
+    """torchrun's --nnodes: `N`, or `MIN:N` for an elastic run (hardware.min_nodes)."""
+    hw = cfg.hardware
+    low = hw.get("min_nodes")
+    return f"{low}:{hw.num_nodes}" if low is not None and low < hw.num_nodes else str(hw.num_nodes)
+
+
+def torchrun_command(cfg: DictConfig, run_dir: Path | str, endpoint: str | None = None,
+                     python: str = sys.executable) -> list[str]:
+    """The torchrun command line of one node. `endpoint` overrides hardware.rdzv_endpoint (the
+    SLURM script passes its first node); with neither, and one node, a standalone rendezvous."""
+    hw = cfg.hardware
+    endpoint = endpoint or hw.rdzv_endpoint
+    cmd = [
+        python, "-m", "torch.distributed.run",
+        f"--nproc-per-node={hw.devices}",
+        f"--nnodes={nnodes(cfg)}",
+        f"--max-restarts={hw.max_restarts}",
+        "--monitor-interval=0.5",
+    ]
+    if hw.num_nodes == 1 and not endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={cfg.run.id}"]
+    return [*cmd, "-m", "loom.worker", str(run_dir)]
+
+
+def multi_node(cfg: DictConfig) -> bool:
+    return cfg.hardware.num_nodes > 1 or (cfg.hardware.get("min_nodes") or 1) > 1
+
+
+def worker_env(cfg: DictConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["LOOM_LAUNCH_TIME"] = str(time.time())
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // cfg.hardware.devices)))
+    env.setdefault("WANDB_MODE", "offline")
+    env["PYTHONUNBUFFERED"] = "1"
+    if multi_node(cfg):
+        # Without this, the rank-0 agent hosts one worker store for every rendezvous round, and
+        # loom.worker.distributed keys it by the restart count, which differs between nodes (a node
+        # restarted because another one failed keeps its count): the ranks then wait on
+        # different keys until the timeout. Off, rank 0 hosts a fresh store every round.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def hosts_rendezvous(endpoint: str | None) -> bool:
+    """Whether `endpoint`'s host names this machine (so its torchrun agent hosts the c10d store)."""
+    if not endpoint:
+        return True
+    host = endpoint.rpartition(":")[0].strip("[]")
+    names = {socket.gethostname(), socket.getfqdn(), "localhost"}
+    if host in names or host.startswith("127.") or host == "::1":
+        return True
+    try:
+        mine = {a[4][0] for n in names for a in socket.getaddrinfo(n, None)}
+        theirs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(mine & theirs)
+
+
+def node_banner(cfg: DictConfig) -> str:
+    """Which node this launcher is, as far as it can know before the rendezvous ranks nodes."""
+    hw = cfg.hardware
+    where = ("hosts the rendezvous" if hosts_rendezvous(hw.rdzv_endpoint)
+             else "joins the rendezvous")
+    return (f"node {socket.gethostname()} (launcher pid {os.getpid()}): one of {nnodes(cfg)} node(s) "
+            f"x {hw.devices} process(es); {where} at {hw.rdzv_endpoint} (run.id={cfg.run.id}); "
+            "torchrun assigns node ranks there, this node's ranks log to logs/rank-N.log")
+
+
+def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
+    """Run all ranks to the end; returns the exit code of the training."""
+    env = worker_env(cfg)
+    if layout.world == 1:
+        os.environ.update({k: v for k, v in env.items() if k in ("LOOM_LAUNCH_TIME", "OMP_NUM_THREADS", "WANDB_MODE")})
+        from loom.worker.main import run
+
+        try:
+            return run(run_dir)
+        except Exception:
+            return 1
+    cmd = torchrun_command(cfg, run_dir)
+    if multi_node(cfg):
+        print(node_banner(cfg), flush=True)
+        print(f"node {socket.gethostname()}: {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame) -> None:
+        # torchrun handles SIGTERM (it stops its workers with it, and Loom's workers then
+        # checkpoint and exit); SIGUSR1 would kill the agent outright, so it becomes SIGTERM.
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if multi_node(cfg):
+        print(f"node {socket.gethostname()}: torchrun exited with {rc}", flush=True)
+    return rc

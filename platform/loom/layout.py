@@ -1,0 +1,71 @@
+"""The parallel layout of a run: the one place that turns a world size into degrees.
+
+World, nodes, data-parallel (replicate x shard), tensor-parallel and pipeline-parallel sizes
+are computed here and nowhere else (as torchtitan's `ParallelDims`). Which split a strategy
+uses is the strategy's to say (`loom.strategies.layout_of` reads it from the strategy
+registry and asks `ParallelLayout.build`); every stage then asks the layout.
+
+Ranks are laid out as a row-major (dp, pp, tp) grid, as Lightning's ModelParallelStrategy
+builds its (data_parallel, tensor_parallel) mesh: TP peers are consecutive ranks and share a
+data-parallel rank, so they read the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DP_MODES = ("replicate", "shard", "hybrid")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world: int
+    devices_per_node: int
+    dp_replicate: int = 1     # replicas of each shard (DDP; HSDP: across nodes)
+    dp_shard: int = 1         # ranks over which sharded states (FSDP, ZeRO) are partitioned
+    tp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def build(cls, world: int, devices_per_node: int, *, tp: int = 1, pp: int = 1,
+              dp_mode: str = "replicate") -> ParallelLayout:
+        """dp = world / (tp x pp), split by `dp_mode`: `replicate` (every dp rank holds
+        everything), `shard` (states partitioned over dp), `hybrid` (HSDP: replicate across
+        nodes, shard within one, when there are several nodes and no tensor parallelism)."""
+        if dp_mode not in DP_MODES:
+            raise ValueError(f"dp_mode {dp_mode!r} not in {DP_MODES}")
+        tp, pp = max(1, int(tp)), max(1, int(pp))
+        dp = max(1, int(world) // (tp * pp))
+        nodes = max(1, int(world) // max(1, int(devices_per_node)))
+        if dp_mode == "replicate":
+            replicate, shard = dp, 1
+        elif dp_mode == "hybrid" and nodes > 1 and tp == 1 and pp == 1 and dp % nodes == 0:
+            replicate, shard = nodes, dp // nodes
+        else:
+            replicate, shard = 1, dp
+        return cls(int(world), int(devices_per_node), replicate, shard, tp, pp)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world // max(1, self.devices_per_node))
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: how many different batches one optimizer step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded within a group and replicated across groups (HSDP)."""
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    def dp_rank(self, global_rank: int) -> int:
+        """This rank's index along the data-parallel dimension (what its sampler shards by)."""
+        return global_rank // (self.tp * self.pp)
+
+    def global_batch(self, micro_batch: int, accumulate: int) -> int:
+        return micro_batch * accumulate * self.dp
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "num_nodes": self.num_nodes, "dp": self.dp}

@@ -1,0 +1,48 @@
+"""Build each model option's LightningModule from the frozen config (imports torch, Lightning)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.models import custom as custom_module
+from loom.models import lit
+
+
+def gpt(cfg: DictConfig) -> Any:
+    return lit.CausalLMModule(cfg.model, cfg.optim, cfg.trainer.max_steps)
+
+
+def mlp(cfg: DictConfig) -> Any:
+    from loom.models.mlp import MLPClassifier
+
+    m = cfg.model
+    net = MLPClassifier(m.in_features, list(m.hidden), m.num_classes, m.dropout)
+    return lit.ClassifierModule(net, cfg.optim, cfg.trainer.max_steps)
+
+
+def hf(cfg: DictConfig) -> Any:
+    return lit.HFCausalLMModule(cfg.model, cfg.optim, cfg.trainer.max_steps)
+
+
+def custom(cfg: DictConfig) -> Any:
+    """The user's `_target_`: a LightningModule as it is (with Loom's optimizer if it has none
+    of its own), or an nn.Module trained with `model.loss`."""
+    import pytorch_lightning as pl
+    from torch import nn
+
+    from loom.optim.build import build_optimizer
+
+    m = cfg.model
+    obj = custom_module.instantiate(m.module)
+    if isinstance(obj, pl.LightningModule):
+        if type(obj).configure_optimizers is pl.LightningModule.configure_optimizers:
+            obj.configure_optimizers = lambda: build_optimizer(
+                list(obj.named_parameters()), cfg.optim, cfg.trainer.max_steps)
+        return obj
+    if isinstance(obj, nn.Module):
+        loss = custom_module.instantiate(m.loss) if m.loss else None
+        return lit.WrappedModule(obj, loss, cfg.optim, cfg.trainer.max_steps)
+    raise TypeError(f"model.module._target_={m.module.get('_target_')} returned a {type(obj).__name__}, "
+                    "not a LightningModule or torch.nn.Module")

@@ -1,0 +1,51 @@
+"""One registry of the model options: schema, checks, arithmetic and how each is built.
+
+Adding a model = a yaml in conf/model/, a schema in `schema.py` (or an existing one), its
+checks in `check.py`, its parameter/FLOP arithmetic in `spec.py`, a builder in `build.py`,
+and one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+from loom.models import check as checks
+from loom.models import spec
+from loom.models.spec import ModelSpec
+from loom.models.schema import (
+    GPT_SIZES,
+    CustomModelConfig,
+    GPTModelConfig,
+    HFCausalLMModelConfig,
+    MLPModelConfig,
+)
+
+
+def _nothing_to_fill(cfg: DictConfig) -> None:
+    """The option's values are used as written."""
+
+
+@dataclass(frozen=True)
+class ModelOption:
+    schema: type
+    check: Callable[[DictConfig, ParallelLayout], None]
+    spec: Callable[[DictConfig], ModelSpec]
+    build: str        # "loom.models.build:function" (cfg) -> LightningModule; imports torch
+    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+
+
+_GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt")
+
+MODELS: dict[str, ModelOption] = {
+    **{size: _GPT for size in GPT_SIZES},
+    "mlp": ModelOption(MLPModelConfig, checks.check_mlp, spec.mlp_spec, "loom.models.build:mlp",
+                       normalize=checks.normalize_mlp),
+    "hf_causal_lm": ModelOption(HFCausalLMModelConfig, checks.check_hf, spec.hf_spec, "loom.models.build:hf",
+                                normalize=checks.normalize_hf),
+    "custom": ModelOption(CustomModelConfig, checks.check_custom, spec.custom_spec, "loom.models.build:custom",
+                          normalize=checks.normalize_custom),
+}

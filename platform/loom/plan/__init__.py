@@ -1,0 +1,163 @@
+"""Stage 3, plan: what a run will cost, computed before any process starts (no torch import).
+
+`make_plan` returns a typed `Plan`; `Plan.to_dict()` is what plan.json holds and what
+`loom plan --json` writes. The arithmetic is in `memory.py` (see its docstring for the
+ZeRO paper's bytes per parameter), the table in `render.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom import strategies
+from loom.compose import group_options
+from loom.hardware.peaks import PRECISION_KEY, peak_flops
+from loom.layout import ParallelLayout
+from loom.models import model_spec
+from loom.models.spec import ModelSpec
+from loom.plan.memory import GB, MemoryEstimate, capacity, comm_bytes, fits, host_ok, memory_of, per_param_bytes
+from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
+
+# Order in which `loom plan` suggests a strategy that fits: least communication first.
+CHEAPEST_FIRST = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+
+
+@dataclass
+class Plan:
+    """Everything `loom plan` prints and plan.json holds (field order = the file's key order)."""
+
+    strategy: str
+    strategy_config: dict[str, Any]
+    deepspeed_config: dict[str, Any] | None
+    hardware: str
+    resolved_from: str | None
+    accelerator: str
+    device_name: str
+    backend: str
+    interconnect: str
+    world_size: int
+    num_nodes: int
+    devices_per_node: int
+    data_parallel: int
+    tensor_parallel: int
+    micro_batch: int
+    accumulate_grad_batches: int
+    global_batch: int
+    seq_len: int | None
+    items_per_sample: int
+    tokens_per_step: int
+    params: int | None
+    non_embedding_params: int | None
+    flops_per_token: float | None
+    flops_per_step: float | None
+    peak_flops_per_device: float | None
+    precision: str
+    bytes_per_param: dict[str, float]
+    memory_per_device_bytes: dict[str, float]
+    capacity_per_device_bytes: float | None
+    capacity_source: str
+    max_micro_batch: int | None
+    comm_bytes_per_step_per_device: float
+    comm_bytes_by_collective: dict[str, float]
+    comm_time_s_at_measured_busbw: float | None
+    fits: bool
+    host_memory_ok: bool
+    suggestion: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def make_plan(cfg: DictConfig) -> Plan:
+    """The plan of a validated config (the worker reads `global_batch` and `peak_flops_per_device`)."""
+    hw, s = cfg.hardware, cfg.strategy
+    layout = strategies.layout_of(cfg)
+    micro, accum = cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches
+    global_batch = layout.global_batch(micro, accum)
+    spec = model_spec(cfg)
+    tokens = global_batch * spec.items_per_sample  # classification: one item per sample
+    params = spec.params or 0  # None: unknown before the model is built (custom)
+    mem = memory_of(cfg, s.name, layout, params)
+    cap, where = capacity(hw)
+    comm = comm_bytes(cfg, s.name, params, layout) if layout.world > 1 else {}
+    peak = peak_flops(hw)
+    plan = Plan(
+        strategy=s.name, strategy_config=OmegaConf.to_container(s, resolve=True),
+        deepspeed_config=resolved_deepspeed_config(cfg) if zero_stage(s.name) else None,
+        hardware=hw.name, resolved_from=hw.get("resolved_from"), accelerator=hw.accelerator,
+        device_name=hw.device_name, backend=hw.backend, interconnect=hw.interconnect,
+        world_size=layout.world, num_nodes=layout.num_nodes, devices_per_node=hw.devices,
+        data_parallel=layout.dp, tensor_parallel=layout.tp, micro_batch=micro,
+        accumulate_grad_batches=accum, global_batch=global_batch, seq_len=cfg.dataset.get("seq_len"),
+        items_per_sample=spec.items_per_sample, tokens_per_step=tokens, params=spec.params,
+        non_embedding_params=spec.non_embedding_params, flops_per_token=spec.flops_per_token,
+        flops_per_step=spec.flops_per_token * tokens if spec.flops_per_token is not None else None,
+        peak_flops_per_device=peak, precision=hw.precision,
+        bytes_per_param=dict(zip(("params", "grads", "optimizer"), per_param_bytes(s.name, hw.precision),
+                                 strict=True)),
+        memory_per_device_bytes={**dataclasses.asdict(mem), "states": mem.states, "total": mem.total},
+        capacity_per_device_bytes=cap, capacity_source=where,
+        max_micro_batch=_max_micro_batch(cfg, mem, cap, micro),
+        comm_bytes_per_step_per_device=sum(comm.values()), comm_bytes_by_collective=comm,
+        comm_time_s_at_measured_busbw=_comm_time(hw, sum(comm.values())),
+        fits=fits(cfg, mem, cap), host_memory_ok=host_ok(cfg, mem),
+        warnings=_warnings(cfg, spec, peak, cap),
+    )
+    if not plan.fits:
+        plan.suggestion = _cheapest_fit(cfg, params, layout, cap)
+    return plan
+
+
+def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, micro: int) -> int | None:
+    """The largest micro batch whose activations fit beside the states (None: unknown)."""
+    per_sample = mem.activations / micro if micro else 0.0
+    if cap is None or not per_sample:
+        return None
+    room = cap - mem.states - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
+    return max(0, int(room // per_sample))
+
+
+def _comm_time(hw: DictConfig, comm_total: float) -> float | None:
+    busbw = (hw.get("measured") or {}).get("allreduce_busbw_gbps") if hw.get("measured") else None
+    return comm_total / (busbw * GB) if busbw and comm_total else None
+
+
+def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float | None) -> list[str]:
+    hw = cfg.hardware
+    out: list[str] = []
+    if peak is None:
+        key = PRECISION_KEY.get(hw.precision, hw.precision)
+        out.append(f"hardware={hw.name} ({hw.device_name}) has no hardware.peak_tflops.{key}: MFU will be "
+                   f"null. Set it from the device's datasheet or select a profile written by `loom probe`.")
+    if spec.params is None:
+        out.append(f"model={cfg.model.name}: parameter count unknown before the model is built: "
+                   "memory and communication are not estimated.")
+    if cap is None:
+        out.append(f"hardware={hw.name}: device memory unknown, the fit is not checked "
+                   "(set hardware.device_memory_gb).")
+    return out
+
+
+def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> str | None:
+    """The first strategy of CHEAPEST_FIRST (with a yaml) whose estimate fits, else None."""
+    have = set(group_options("strategy"))
+    for name in CHEAPEST_FIRST:
+        if name == cfg.strategy.name or name not in have:
+            continue
+        if layout.dp == 1 and name != "zero3_offload":
+            continue  # one rank: sharding over 1 saves nothing
+        if cfg.hardware.accelerator != "gpu" and name == "zero3_offload":
+            continue  # on CPU the host *is* the device
+        if fits(cfg, memory_of(cfg, name, strategies.layout_of(cfg, name=name), params), cap):
+            return name
+    return None

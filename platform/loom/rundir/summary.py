@@ -1,0 +1,70 @@
+"""summary.json: the run's outcome, written by rank 0 (or by the launcher if the workers died)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.atomic import atomic_write_text
+from loom.layout import ParallelLayout
+
+STATUSES = ("completed", "failed", "preempted")
+
+
+def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "status": "failed",
+        "strategy": cfg.strategy.name,
+        "hardware": cfg.hardware.name,
+        "world_size": layout.world,
+        "num_nodes": layout.num_nodes,
+        "global_step": 0,
+        "samples": 0,
+        "tokens": 0,
+        "wall_time_s": None,
+        "train_time_s": None,
+        "final_loss": None,
+        "first_loss": None,
+        "final_weights": None,
+        "resumed_from_step": None,
+        "restarts": 0,
+        "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None},
+        "memory": {
+            "peak_rss_gb_per_rank": None,
+            "peak_gpu_mem_gb_per_rank": None,
+            "param_bytes_per_rank": None,
+            "optim_state_bytes_per_rank": None,
+        },
+        "utilization": {"cpu_percent_mean": None, "gpu_util_mean": None},
+    }
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Atomic write: a reader never sees half a summary."""
+    assert summary["status"] in STATUSES, summary["status"]
+    return atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def summary_mark(run_dir: Path) -> str | None:
+    """A fingerprint of summary.json as it is now (None: absent). Compared after the ranks exit,
+    it says whether global rank 0 wrote a summary during this launch; unlike a modification time
+    it does not depend on the clocks of the nodes and the shared file server agreeing."""
+    try:
+        return hashlib.sha1((Path(run_dir) / "summary.json").read_bytes()).hexdigest()
+    except OSError:
+        return None

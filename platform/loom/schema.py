@@ -1,0 +1,105 @@
+"""The typed schema of the run config's own sections, and the merge that types any node.
+
+Config groups (hardware/, strategies/, data/, models/, optim/, tracking/) each hold the
+schemas of their options beside their checks; this module holds what is not a group (run,
+trainer, checkpoint, security, sweep, and the top-level keys) and `typed`, which every
+schema goes through. No torch, no Hydra: the CLI's first second depends on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from loom.errors import ConfigError
+
+# The config groups of conf/ (the `group=option` choices), in the order they are checked.
+GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking")
+
+
+@dataclass
+class RunConfig:
+    id: str | None = None
+    root: str = "runs"
+    sweep_dir: str | None = None  # set by a sweep: its trials' run dirs live there
+
+
+@dataclass
+class SweepConfig:
+    params: dict[str, str] = field(default_factory=dict)  # key -> Hydra sweep syntax, e.g. "ddp,zero2"
+    sampler: str = "grid"         # grid | optuna
+    n_trials: int = 8             # optuna
+    objective: str = "final_loss"  # a summary.json metric (optuna)
+    direction: str = "minimize"
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 1.0
+    log_every_n_steps: int = 10
+    val_every_n_steps: int = 0
+    limit_val_batches: int = 8
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 100
+    keep_last: int = 2
+
+
+@dataclass
+class SecurityConfig:
+    allow_targets: list[str] = field(default_factory=list)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "security": SecurityConfig,
+    "sweep": SweepConfig,
+}
+TOP_LEVEL = {"experiment": str, "seed": int}
+
+
+def field_names(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def unknown_key_message(full_key: str, value: Any, valid: list[str]) -> str:
+    parent, _, _ = full_key.rpartition(".")
+    shown = f"={value}" if value is not None else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return f"Invalid config: unknown key {full_key}{shown}. Valid keys {where}: {', '.join(valid)}."
+
+
+def typed(prefix: str, schema: type, node: Any) -> DictConfig:
+    """Merge `node` onto the schema; OmegaConf errors become one-paragraph ConfigErrors.
+    Returns a plain (non-struct) config with the schema's defaults filled in."""
+    base = OmegaConf.structured(schema)
+    try:
+        merged = OmegaConf.merge(base, node if node is not None else {})
+    except OmegaConfBaseException as e:
+        key = f"{prefix}.{e.full_key}" if getattr(e, "full_key", None) else prefix
+        if type(e).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+            value = OmegaConf.select(node, str(e.full_key)) if e.full_key else None
+            raise ConfigError(unknown_key_message(key, value, field_names(schema))) from None
+        value = OmegaConf.select(node, str(e.full_key), default=None) if e.full_key else None
+        raise ConfigError(
+            f"Invalid config: {key}={value!r} has the wrong type; expected {_field_type(schema, str(e.full_key))}."
+        ) from None
+    return OmegaConf.create(OmegaConf.to_container(merged))
+
+
+def _field_type(schema: type, name: str) -> str:
+    for f in dataclasses.fields(schema):
+        if f.name == name.split(".")[0]:
+            return str(f.type).replace("typing.", "")
+    return "a value of the schema's type"

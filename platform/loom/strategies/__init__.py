@@ -1,0 +1,52 @@
+"""Strategies (conf/strategy/): how the model, its gradients and optimizer states are spread
+over ranks. The package top is torch-free (schemas, checks, the layout, the DeepSpeed JSON);
+`build_strategy` imports the one strategy module a run uses:
+
+single / ddp: Lightning's SingleDeviceStrategy / DDPStrategy (`single.py`, `ddp.py`).
+fsdp / fsdp_tp: Lightning's ModelParallelStrategy with FSDP2 and tensor parallelism (`model_parallel.py`).
+zero1 | zero2 | zero3 | zero3_offload: DeepSpeed ZeRO (`deepspeed.py`).
+Every strategy class also answers Loom's two questions about its states (`base.LoomStrategy`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+from loom.strategies.registry import STRATEGIES, StrategyOption
+
+SCHEMAS: dict[str, type] = {name: option.schema for name, option in STRATEGIES.items()}
+
+
+def option(name: str) -> StrategyOption:
+    return STRATEGIES[name]
+
+
+def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None) -> ParallelLayout:
+    """The parallel layout of the run's strategy (or of strategy `name` on the same hardware, as
+    `loom plan` weighs alternatives) at `world` ranks (default: the profile's devices x nodes)."""
+    hw, s = cfg.hardware, cfg.strategy
+    name = name or s.name
+    node: Any = s if name == s.name else {}
+    mode = STRATEGIES[name].dp_mode
+    if mode == "hybrid" and not node.get("hybrid_shard", True):
+        mode = "shard"
+    world = hw.devices * hw.num_nodes if world is None else world
+    return ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), dp_mode=mode)
+
+
+def normalize(cfg: DictConfig) -> None:
+    STRATEGIES[cfg.strategy.name].normalize(cfg)
+
+
+def check(cfg: DictConfig, layout: ParallelLayout) -> None:
+    STRATEGIES[cfg.strategy.name].check(cfg, layout)
+
+
+def build_strategy(cfg: DictConfig, layout: ParallelLayout) -> Any:
+    """The Lightning strategy object of this run (imports torch, Lightning and the strategy's library)."""
+    module, _, function = STRATEGIES[cfg.strategy.name].build.partition(":")
+    return getattr(importlib.import_module(module), function)(cfg, layout)

@@ -1,0 +1,106 @@
+"""Strategy checks (torch-free): each option's own fields and its fit with the hardware and
+model. The registry (`loom.strategies.registry`) names which check each option runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from loom.errors import require
+from loom.layout import ParallelLayout
+from loom.strategies.schema import COMM_HOOKS
+
+# The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
+# before torch is imported: the choices for strategy.shard_units.
+GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
+MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+def check_single(cfg: DictConfig, layout: ParallelLayout) -> None:
+    require(layout.world == 1, "hardware.devices", cfg.hardware.devices,
+            "strategy=single runs one process: set hardware.devices=1 "
+            "(and hardware.num_nodes=1) or choose strategy=ddp")
+
+
+def check_ddp(cfg: DictConfig, layout: ParallelLayout) -> None:
+    s = cfg.strategy
+    require(s.comm_hook in COMM_HOOKS, "strategy.comm_hook", s.comm_hook,
+            "valid choices: null, " + ", ".join(str(h) for h in COMM_HOOKS[1:]))
+    require(s.bucket_cap_mb >= 1, "strategy.bucket_cap_mb", s.bucket_cap_mb, "must be >= 1")
+
+
+def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """fsdp / fsdp_tp: sharding units exist in the model; the TP size fits devices and heads."""
+    s, hw, model = cfg.strategy, cfg.hardware, cfg.model
+    is_gpt = "n_head" in model
+    if s.shard_units is not None:
+        units = list(s.shard_units)
+        require(len(units) > 0, "strategy.shard_units", units,
+                "list at least one module class name, or null for the model's default (GPT: Block)")
+        if is_gpt:
+            bad = [u for u in units if u not in GPT_MODULE_CLASSES]
+            require(not bad, "strategy.shard_units", units,
+                    f"{', '.join(map(str, bad))} is not a module class of model={model.name}; "
+                    f"valid choices: {', '.join(GPT_MODULE_CLASSES)}")
+    require(hw.precision in MODEL_PARALLEL_PRECISIONS, "hardware.precision", hw.precision,
+            f"strategy={s.name} (Lightning's ModelParallelStrategy) supports "
+            f"{', '.join(MODEL_PARALLEL_PRECISIONS)}; use bf16-mixed or a ZeRO/DDP strategy for 16-mixed")
+    if "tensor_parallel" in s:
+        _check_tensor_parallel(cfg, layout, is_gpt)
+
+
+def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool) -> None:
+    s, hw, model = cfg.strategy, cfg.hardware, cfg.model
+    tp = s.tensor_parallel
+    require(tp >= 1, "strategy.tensor_parallel", tp, "must be a positive integer (>= 1)")
+    require(hw.devices % tp == 0, "strategy.tensor_parallel", tp,
+            f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); "
+            f"valid choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0)}")
+    require(layout.world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {layout.world}")
+    require(is_gpt, "model.name", model.name,
+            f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: gpt_*. "
+            "Use strategy=fsdp for this model")
+    require(model.n_head % tp == 0, "strategy.tensor_parallel", tp,
+            f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads)")
+
+
+def normalize_zero(cfg: DictConfig) -> None:
+    """The user's DeepSpeed JSON is frozen as an absolute path: ranks and resumes may run elsewhere."""
+    s = cfg.strategy
+    if s.get("deepspeed_config"):
+        s.deepspeed_config = str(Path(s.deepspeed_config).expanduser().resolve())
+
+
+def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """DeepSpeed ZeRO: offload options per stage, the user's JSON, host memory for offload."""
+    from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
+
+    s, hw = cfg.strategy, cfg.hardware
+    require(not s.offload_params or zero_stage(s.name) == 3, "strategy.offload_params", s.offload_params,
+            f"parameter offload needs ZeRO stage 3 (strategy=zero3 or zero3_offload), not strategy={s.name}")
+    if s.name == "zero3_offload":
+        require(s.offload_optimizer, "strategy.offload_optimizer", s.offload_optimizer,
+                "strategy=zero3_offload is ZeRO-3 with the optimizer on the host; "
+                "use strategy=zero3 for no offload")
+    resolved_deepspeed_config(cfg)  # raises ConfigError for a missing, malformed or conflicting JSON
+    if s.offload_optimizer or s.offload_params:
+        _check_offload_memory(cfg, layout)
+
+
+def _check_offload_memory(cfg: DictConfig, layout: ParallelLayout) -> None:
+    from loom.models import model_spec
+
+    s, hw = cfg.strategy, cfg.hardware
+    params = model_spec(cfg).params
+    # ZeRO-Offload keeps the fp32 master copy + Adam m and v on the host: 12 bytes per
+    # parameter, partitioned over all ranks; one node hosts `devices` partitions.
+    per_param = 12 + (4 if s.offload_params else 0)
+    need = per_param * params / layout.world * hw.devices
+    have = hw.host_memory_gb * 1e9 * 0.8
+    require(need <= have, "hardware.host_memory_gb", hw.host_memory_gb,
+            f"strategy={s.name} keeps {need / 1e9:,.1f} GB of optimizer state"
+            f"{' and parameters' if s.offload_params else ''} in host memory per node "
+            f"({per_param} bytes x {params / 1e6:,.1f}M params x {hw.devices}/{layout.world} ranks), "
+            f"more than 80% of hardware.host_memory_gb; use more nodes, a smaller model, "
+            f"or a profile with more host memory")

@@ -1,0 +1,73 @@
+"""`strategy=ddp`: Lightning's DDPStrategy, gradient comm hooks registered on CPU too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+
+
+def ddp_comm_hook(name: str | None, powersgd_rank: int) -> dict[str, Any]:
+    """DDPStrategy kwargs for a gradient-compression hook from torch's default hooks."""
+    if name is None:
+        return {}
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16_compress":
+        return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
+    if name == "bf16_compress":
+        return {"ddp_comm_hook": default_hooks.bf16_compress_hook}
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
+        )
+        return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
+    raise ValueError(f"unknown comm hook {name}")
+
+
+def _ddp_strategy_class():
+    from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from loom.strategies.base import LoomStrategy
+
+    class LoomDDPStrategy(LoomStrategy, DDPStrategy):
+        """DDPStrategy that registers the gradient comm hook on CPU (gloo) as well.
+
+        Lightning's `_register_ddp_hooks` only registers hooks when the root device is CUDA
+        (a note from torch 1.8, when hooks needed NCCL); torch's default hooks work over
+        gloo today, so without this a CPU run would silently train uncompressed.
+        """
+
+        comm_hook_registered = False
+
+        def _register_ddp_hooks(self) -> None:
+            if self.root_device.type == "cuda":
+                super()._register_ddp_hooks()
+            elif self._ddp_comm_hook is not None:
+                _register_ddp_comm_hook(
+                    model=self.model,
+                    ddp_comm_state=self._ddp_comm_state,
+                    ddp_comm_hook=self._ddp_comm_hook,
+                    ddp_comm_wrapper=self._ddp_comm_wrapper,
+                )
+            self.comm_hook_registered = self._ddp_comm_hook is not None
+            if self.comm_hook_registered:
+                import logging
+
+                logging.getLogger("loom").info(
+                    f"ddp comm hook {self._ddp_comm_hook.__name__} registered on {self.root_device.type}")
+
+    return LoomDDPStrategy
+
+
+def build(cfg: DictConfig, layout: ParallelLayout):
+    s = cfg.strategy
+    return _ddp_strategy_class()(
+        process_group_backend=cfg.hardware.backend,
+        find_unused_parameters=s.find_unused_parameters,
+        bucket_cap_mb=s.bucket_cap_mb,
+        **ddp_comm_hook(s.comm_hook, s.powersgd_rank),
+    )

@@ -1,0 +1,149 @@
+"""`strategy=zero1|zero2|zero3|zero3_offload`: DeepSpeed ZeRO through Lightning's DeepSpeedStrategy;
+on CPU processes (gloo, fp32) through a thin subclass of it.
+
+The CPU subclass is written by hand because Lightning refuses it: `DeepSpeedStrategy.setup_environment` raises
+unless the accelerator is CUDA, `_validate_device_index_selection` rejects CPU devices (they
+have no index) and `deepspeed.initialize(args.device_rank=None)` fails on them. DeepSpeed
+itself runs ZeRO 1-3 on CPU (its CPU accelerator, selected with DS_ACCELERATOR=cpu before
+deepspeed is imported, falls back to gloo when oneCCL is absent). This subclass only skips
+the CUDA guard, initializes the process group itself through DeepSpeed (gloo) and passes the
+local rank as DeepSpeed's device rank. Everything else (engine, checkpoints, clipping) is
+Lightning's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig
+from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+from loom.layout import ParallelLayout
+from loom.strategies.base import LoomStrategy, param_bytes, tensor_bytes
+from loom.strategies.deepspeed_config import resolved_deepspeed_config
+
+
+def use_cpu_accelerator() -> None:
+    """Select DeepSpeed's CPU accelerator; must run before `import deepspeed`.
+
+    Also marks DeepSpeed's shared-memory all-reduce op (`deepspeed_shm_comm`) unavailable:
+    its CPU comm backend otherwise JIT-compiles it with g++/ninja on first use (about a
+    minute, both ranks at once) although only inference all-reduce uses it; training
+    collectives go through torch.distributed (gloo) either way.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.accelerator as dsa
+
+    if dsa.get_accelerator().device_name() != "cpu":  # imported earlier with another choice
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        dsa.set_accelerator(CPU_Accelerator())
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy with Loom's state methods."""
+
+    def full_model_state(self, trainer, module) -> dict:
+        """ZeRO-3 gathers each partitioned parameter in turn (only rank 0 keeps a copy);
+        ZeRO-1/2 keep whole parameters on every rank."""
+        if not self.zero_stage_3:
+            return super().full_model_state(trainer, module)
+        import deepspeed
+
+        out: dict = {}
+        names = dict(module.model.named_parameters())
+        for key, value in module.model.state_dict(keep_vars=True).items():
+            if key in names:
+                with deepspeed.zero.GatheredParameters([names[key]], modifier_rank=None):
+                    if trainer.global_rank == 0:
+                        out[key] = names[key].detach().to("cpu").clone()
+            elif trainer.global_rank == 0:
+                out[key] = value.detach().to("cpu").clone()
+        return out
+
+    def local_state_bytes(self, trainer, module) -> tuple[int, int]:
+        """- ZeRO-1/2: parameters are whole on every rank. Optimizer state = this rank's fp32
+          master partition (`single_partition_of_fp32_groups`, kept even in fp32 runs) plus the
+          inner optimizer's m and v for that partition (the ZeRO paper's 12 bytes/param / N).
+        - ZeRO-3: parameters = each parameter's local partition (`p.ds_tensor`); optimizer state
+          = the fp32 master partitions (`fp32_partitioned_groups_flat`) plus m and v. With
+          offload these live in host memory but are still this rank's.
+        Tensors sharing storage are counted once."""
+        seen: set[int] = set()
+
+        def count(t) -> int:
+            if t is None or t.numel() == 0:
+                return 0
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                return 0
+            seen.add(ptr)
+            return t.untyped_storage().nbytes()
+
+        zero_opt = self.deepspeed_engine.optimizer
+        if self.zero_stage_3:
+            params = sum(tensor_bytes(p.ds_tensor) for p in module.parameters() if hasattr(p, "ds_tensor"))
+            masters = getattr(zero_opt, "fp32_partitioned_groups_flat", [])
+        else:
+            params = param_bytes(module)
+            masters = getattr(zero_opt, "single_partition_of_fp32_groups", [])
+        optim = sum(count(t) for t in masters)
+        inner = getattr(zero_opt, "optimizer", zero_opt)
+        for state in inner.state.values():
+            for v in state.values():
+                if hasattr(v, "numel") and v.numel() > 1:
+                    optim += count(v)
+        return params, optim
+
+
+class CPUDeepSpeedStrategy(LoomDeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy, minus its CUDA-only guards (see the module docstring)."""
+
+    strategy_name = "loom_deepspeed_cpu"
+
+    def setup_environment(self) -> None:
+        # DeepSpeedStrategy.setup_environment = CUDA check + DDPStrategy.setup_environment.
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        from lightning_fabric.utilities.seed import reset_seed
+
+        # As DeepSpeedStrategy.setup_distributed, without the device-index validation.
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = "gloo"
+        self._init_deepspeed_distributed()
+
+    def _get_process_group_backend(self) -> str:
+        return "gloo"
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import argparse
+
+        import deepspeed
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+
+def build(cfg: DictConfig, layout: ParallelLayout):
+    hw = cfg.hardware
+    ds_config = resolved_deepspeed_config(cfg)
+    # Lightning fills this in from Trainer(accumulate_grad_batches) and refuses it in the dict.
+    ds_config.pop("gradient_accumulation_steps", None)
+    if hw.accelerator == "cpu":
+        use_cpu_accelerator()
+        return CPUDeepSpeedStrategy(config=ds_config, process_group_backend="gloo")
+    return LoomDeepSpeedStrategy(config=ds_config, process_group_backend=hw.backend)

@@ -1,0 +1,57 @@
+"""One registry of the strategy options: what each one is, for every stage that asks.
+
+Adding a strategy = a yaml in conf/strategy/, a schema in `schema.py`, a check in `check.py`
+when it has fields to check, a module with `build(cfg, layout)`, and one entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+from loom.strategies import check as checks
+from loom.strategies.schema import (
+    DDPStrategyConfig,
+    DeepSpeedStrategyConfig,
+    FSDPStrategyConfig,
+    FSDPTPStrategyConfig,
+    SingleStrategyConfig,
+)
+
+
+def _no_check(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Nothing beyond the schema's types."""
+
+
+def _nothing_to_fill(cfg: DictConfig) -> None:
+    """The option's values are used as written."""
+
+
+@dataclass(frozen=True)
+class StrategyOption:
+    schema: type
+    dp_mode: str      # how the data-parallel ranks split (loom.layout): replicate | shard | hybrid
+    states: str       # which training states are partitioned (loom.plan): none | optimizer | optimizer+grads | all
+    build: str        # "module:function" that builds the Lightning strategy (imports torch)
+    check: Callable[[DictConfig, ParallelLayout], None] = _no_check
+    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+
+
+_ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero)
+_MODEL_PARALLEL = dict(build="loom.strategies.model_parallel:build", check=checks.check_model_parallel)
+
+STRATEGIES: dict[str, StrategyOption] = {
+    "single": StrategyOption(SingleStrategyConfig, "replicate", "none", "loom.strategies.single:build",
+                             check=checks.check_single),
+    "ddp": StrategyOption(DDPStrategyConfig, "replicate", "none", "loom.strategies.ddp:build",
+                          check=checks.check_ddp),
+    "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL),
+    "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL),
+    "zero1": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer", **_ZERO),
+    "zero2": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer+grads", **_ZERO),
+    "zero3": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),
+    "zero3_offload": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),
+}

@@ -1,0 +1,55 @@
+"""The schemas of the strategy options (conf/strategy/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SingleStrategyConfig:
+    name: str = "single"
+
+
+@dataclass
+class DDPStrategyConfig:
+    name: str = "ddp"
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    comm_hook: str | None = None
+    powersgd_rank: int = 1
+
+
+@dataclass
+class FSDPStrategyConfig:
+    """FSDP2 (`fully_shard`) through Lightning's ModelParallelStrategy."""
+
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    hybrid_shard: bool = True
+    shard_units: list[str] | None = None
+
+
+@dataclass
+class FSDPTPStrategyConfig:
+    """FSDP2 across the data-parallel mesh dim x tensor parallel across the other."""
+
+    name: str = "fsdp_tp"
+    tensor_parallel: int = 2
+    reshard_after_forward: bool = True
+    shard_units: list[str] | None = None
+
+
+@dataclass
+class DeepSpeedStrategyConfig:
+    """DeepSpeed ZeRO stage 1/2/3 (`zero3_offload`: stage 3 + optimizer on the host)."""
+
+    name: str = "zero2"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    deepspeed_config: str | None = None
+
+
+COMM_HOOKS = (None, "fp16_compress", "bf16_compress", "powersgd")
+
+# DeepSpeed ZeRO stage of each zero* option.
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}

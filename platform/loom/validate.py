@@ -1,0 +1,120 @@
+"""Stage 2, validate: type every section with its schema, normalize, then check.
+
+Three explicit passes over a copy of the composed config:
+  1. refuse what must never reach a run: `_target_`s outside the allow-list, literal secrets;
+  2. type: each section and group option merged onto its schema (defaults filled in);
+  3. normalize: each group fills what the user left to it (absolute paths, sizes from the
+     data): the frozen config shows the result, and the checks only read;
+  4. check: the run's own sections, then each group's checks with the parallel layout.
+Anything invalid is a ConfigError (exit 2) naming the full key, the value and the choices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom import strategies
+from loom.compose import GROUP_PACKAGES, valid_keys
+from loom.errors import ConfigError, require
+from loom.redaction import secret_literals
+from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, typed, unknown_key_message
+from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
+
+# Group checks run in this order (the first failure is the one reported).
+CHECK_ORDER = ("optim", "hardware", "dataset", "model", "strategy", "tracking")
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """The typed, normalized and checked config of one run (a new object; `cfg` is untouched)."""
+    _refuse_targets(cfg)
+    _refuse_secrets(cfg)
+    out = typed_config(cfg)
+    normalize(out)
+    check(out)
+    return out
+
+
+def typed_config(cfg: DictConfig) -> DictConfig:
+    out: dict[str, Any] = {}
+    for key in cfg:
+        if key not in {*TOP_LEVEL, *SECTIONS, *GROUPS}:
+            raise ConfigError(unknown_key_message(str(key), cfg[key], valid_keys("")))
+    for key, typ in TOP_LEVEL.items():
+        val = cfg.get(key)
+        if not isinstance(val, typ) or isinstance(val, bool):
+            raise ConfigError(f"Invalid config: {key}={val!r} must be of type {typ.__name__}.")
+        out[key] = val
+    for section, schema in SECTIONS.items():
+        out[section] = typed(section, schema, cfg.get(section, {}))
+    for group in GROUPS:
+        node = cfg.get(group)
+        name = node.get("name") if isinstance(node, DictConfig) else None
+        schemas = GROUP_PACKAGES[group].SCHEMAS
+        schema = schemas.get(name) or schemas.get("*")
+        if schema is None:
+            raise ConfigError(
+                f"Invalid config: {group}.name={name!r} has no schema in Loom. "
+                f"Valid choices for {group}: {', '.join(sorted(schemas))}."
+            )
+        out[group] = typed(group, schema, node)
+    return OmegaConf.create(out)
+
+
+def normalize(cfg: DictConfig) -> None:
+    """Each group fills in what it derives (in place, on validate's own copy)."""
+    for group in GROUPS:
+        GROUP_PACKAGES[group].normalize(cfg)
+
+
+def check(cfg: DictConfig) -> None:
+    _check_sections(cfg)
+    layout = strategies.layout_of(cfg)
+    for group in CHECK_ORDER:
+        GROUP_PACKAGES[group].check(cfg, layout)
+
+
+def _check_sections(cfg: DictConfig) -> None:
+    """The run's own sections (trainer, checkpoint, run, experiment): ranges types cannot say."""
+    for key in ("trainer.max_steps", "trainer.accumulate_grad_batches", "trainer.log_every_n_steps",
+                "checkpoint.keep_last"):
+        v = OmegaConf.select(cfg, key)
+        require(v >= 1, key, v, "must be a positive integer (>= 1)")
+    for key in ("trainer.val_every_n_steps", "checkpoint.every_n_steps", "trainer.limit_val_batches"):
+        v = OmegaConf.select(cfg, key)
+        require(v >= 0, key, v, "must be >= 0 (0 disables it)")
+    require(cfg.trainer.gradient_clip_val >= 0, "trainer.gradient_clip_val",
+            cfg.trainer.gradient_clip_val, "must be >= 0 (0 disables clipping)")
+    require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
+            "must be >= 2 so the previous checkpoint survives while the next is written")
+    if cfg.run.id is not None:
+        rid = str(cfg.run.id)
+        require(bool(rid) and all(c.isalnum() or c in "-_." for c in rid) and not rid.startswith("."),
+                "run.id", rid, "use letters, digits, '-', '_' and '.' only")
+    require(bool(cfg.experiment) and "/" not in cfg.experiment and not cfg.experiment.startswith("."),
+            "experiment", cfg.experiment, "must be a plain directory name")
+
+
+def _refuse_targets(cfg: DictConfig) -> None:
+    """Refuse any `_target_` outside the allow-list, before anything is instantiated."""
+    bad = disallowed_targets(OmegaConf.to_container(cfg, resolve=False))
+    if bad:
+        key, value = bad[0]
+        raise ConfigError(
+            f"Invalid config: {key}={value} is not allowed: `_target_` may only name code under "
+            f"{', '.join(ALLOWED_PREFIXES)} or a prefix the user allows on the command line with "
+            f"security.allow_targets='[my_pkg.]'. Nothing was instantiated."
+        )
+
+
+def _refuse_secrets(cfg: DictConfig) -> None:
+    """A secret may only reach a run through the environment: nothing Loom writes holds it."""
+    found = secret_literals(OmegaConf.to_container(cfg, resolve=False))
+    if found:
+        key = found[0]
+        raise ConfigError(
+            f"Invalid config: {key} looks like a secret and was given as a value; Loom never writes "
+            f"secrets into a run's files. Pass it from the environment instead: "
+            f"{key}='${{oc.env:MY_SECRET_VAR}}' (each process reads its own environment)."
+        )

@@ -1,0 +1,164 @@
+"""Saving checkpoints during training: periodic, on preemption, atomic, with RNG state.
+
+Hand-written instead of Lightning's ModelCheckpoint, which writes the newest file in place
+(a kill mid-write leaves a truncated newest checkpoint), and instead of Lightning's SIGTERM
+handling, which broadcasts from inside the signal handler (a deadlock when only one rank got
+the signal) and stops without saving. Here a signal only sets a flag; at an optimizer step
+boundary the ranks agree (an all-reduce of the flag), save, and stop. Over gloo (CPU) they
+agree at every step; over NCCL only at logging steps, where the recorder synchronizes the
+GPU anyway, so the hot path gains no device synchronization. (A separate gloo group for
+this was tried: after a torchrun restart its rendezvous read a dead peer's address.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from loom.atomic import atomic_symlink
+from loom.rundir import checkpoints
+
+log = logging.getLogger("loom")
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before the time limit
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG of this process, as tensors and ints (loadable with weights_only=True)."""
+    version, py_state, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": torch.tensor(py_state, dtype=torch.int64),
+        "python_version": version,
+        "python_gauss": gauss,
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_cached": float(cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(int(x) for x in state["python"]), state["python_gauss"]))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointing(pl.Callback):
+    def __init__(self, run_dir: Path, every_n_steps: int, keep_last: int, agree_every: int = 1) -> None:
+        self.run_dir = run_dir
+        self.agree_every = agree_every
+        self.every = every_n_steps
+        self.keep_last = keep_last
+        self.requested_signal: int | None = None
+        self.preempted = False
+        self._distributed = False
+        self._device = torch.device("cpu")
+        self._pending_rng: dict[str, Any] | None = None
+        self._last_saved = -1
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame) -> None:
+        self.requested_signal = signum
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_saved = trainer.global_step
+        self._distributed = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        self._device = trainer.strategy.root_device
+        if self._device.type != "cpu":
+            self.agree_every = max(self.agree_every, trainer.log_every_n_steps)
+        # Replaces Lightning's SIGTERM handler (it restores the originals at teardown).
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _stop_requested(self, step: int, last: bool) -> bool:
+        if not self._distributed:
+            return self.requested_signal is not None
+        if step % self.agree_every and not last:
+            return False
+        flag = torch.tensor([1 if self.requested_signal is not None else 0], dtype=torch.int32,
+                            device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ step boundary
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending_rng is not None:
+            # Restored here, after the resumed epoch's DataLoader iterator drew its seed.
+            set_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_saved:  # mid gradient accumulation, or already saved
+            return
+        if self._stop_requested(step, last=step >= trainer.max_steps):
+            log.info(f"preemption signal received: saving a checkpoint at step {step} and stopping")
+            self.save(trainer, step)
+            self.preempted = True
+            trainer.should_stop = True
+        elif self.every and step % self.every == 0:
+            self.save(trainer, step)
+
+    def save(self, trainer: pl.Trainer, step: int) -> Path:
+        """Write `step-N.ckpt.partial` on every rank, then rename it and move `last`."""
+        final = checkpoints.step_path(self.run_dir, step)
+        partial = final.with_name(final.name + ".partial")
+        if trainer.is_global_zero:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            checkpoints.remove(partial)
+            for lg in trainer.loggers:  # metrics up to this step reach disk with the checkpoint
+                lg.save()
+        trainer.strategy.barrier("loom-checkpoint-start")
+        trainer.save_checkpoint(str(partial))
+        trainer.strategy.barrier("loom-checkpoint-written")
+        if trainer.is_global_zero:
+            if final.exists():
+                checkpoints.remove(final)
+            os.replace(partial, final)
+            atomic_symlink(final.name, final.parent / "last.ckpt")
+            for old in checkpoints.complete_checkpoints(self.run_dir)[self.keep_last:]:
+                checkpoints.remove(old)
+        trainer.strategy.barrier("loom-checkpoint-done")
+        self._last_saved = step
+        return final
+
+    # ------------------------------------------------------------------ checkpointed state
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """A user module's save_hyperparameters() may hold a credential: never on disk."""
+        from loom.redaction import redact
+
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            if key in checkpoint:
+                checkpoint[key] = redact(checkpoint[key])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's RNG state (gathered: only rank 0 writes the callback state)."""
+        mine = rng_state()
+        if self._distributed:
+            states: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(states, mine)
+        else:
+            states = [mine]
+        return {"rng": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("rng") or []
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank < len(states):
+            self._pending_rng = states[rank]

@@ -1,0 +1,112 @@
+"""Build the Trainer from the frozen config's groups and train (every rank).
+
+Reads top to bottom as torchtitan's train.py: layout -> data -> model -> callbacks ->
+strategy -> Trainer -> fit -> results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from loom import data, models, strategies
+from loom.layout import ParallelLayout
+from loom.plan import Plan
+from loom.rundir import checkpoints
+from loom.worker import results
+
+log = logging.getLogger("loom")
+
+
+def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
+    """Train this rank to the end (or to a preemption); rank 0 writes the run's results."""
+    import pytorch_lightning as pl
+
+    from loom.data.position import DataPosition
+    from loom.tracking.recorder import Recorder
+    from loom.worker.checkpoint_saver import Checkpointing
+
+    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
+    # smaller than the profile's devices x num_nodes.
+    formed = os.environ.get("WORLD_SIZE")
+    layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    resume = _resume_point(run_dir, rank)
+
+    datamodule = data.build_datamodule(cfg, layout, rank)
+    module = models.build_module(cfg)
+    spec = models.model_spec(cfg)
+    recorder = Recorder(
+        log_every=cfg.trainer.log_every_n_steps,
+        samples_per_step=layout.global_batch(cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches),
+        seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
+        flops_per_token=spec.flops_per_token,
+        peak_flops_per_device=plan.peak_flops_per_device,
+        world_size=layout.world,
+    )
+    saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
+    trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver])
+
+    run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
+    run.summary["resumed_from_step"] = checkpoints.step_of(resume)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
+                    weights_only=True if resume and resume.is_file() else None)
+        if saver.preempted:
+            # Exit 0: a non-zero exit would make torchrun restart the ranks (max_restarts), racing
+            # its own shutdown. summary.json says `preempted`; the launcher exits 143 from it.
+            run.status = "preempted"
+            return 0
+        run.completed(trainer, module)
+    finally:
+        run.write(trainer)
+    return 0
+
+
+def _resume_point(run_dir: Path, rank: int) -> Path | None:
+    """The newest complete checkpoint; rank 0 drops the metric rows past it (they are redone)."""
+    from loom.tracking.loggers import truncate_metrics
+
+    resume = checkpoints.newest_checkpoint(run_dir)
+    step = checkpoints.step_of(resume)
+    if rank == 0 and step is not None:
+        truncate_metrics(run_dir, step)
+        log.info(f"resuming from {resume.relative_to(run_dir)} (step {step})")
+    return resume
+
+
+def _trainer(cfg: DictConfig, layout: ParallelLayout, run_dir: Path, callbacks: list):
+    import pytorch_lightning as pl
+
+    from loom.tracking.loggers import build_loggers
+
+    hw, tr = cfg.hardware, cfg.trainer
+    val_every = tr.val_every_n_steps or tr.max_steps
+    return pl.Trainer(
+        accelerator=hw.accelerator,
+        devices=hw.devices,
+        num_nodes=layout.num_nodes,
+        strategy=strategies.build_strategy(cfg, layout),
+        precision=hw.precision,
+        max_steps=tr.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=tr.accumulate_grad_batches,
+        gradient_clip_val=tr.gradient_clip_val or None,
+        logger=build_loggers(cfg, run_dir, str(cfg.run.id)) or False,
+        callbacks=callbacks,
+        enable_checkpointing=False,  # loom.worker.checkpoint_saver saves (atomic, preemption-aware)
+        log_every_n_steps=tr.log_every_n_steps,
+        val_check_interval=val_every * tr.accumulate_grad_batches,
+        check_val_every_n_epoch=None,
+        limit_val_batches=tr.limit_val_batches,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(run_dir),
+    )

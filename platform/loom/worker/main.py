@@ -1,0 +1,128 @@
+"""Stage 6, worker: the per-rank entry point, `python -m loom.worker <run_dir>`.
+
+torchrun starts one per rank (a 1-process run calls `run` in-process). A worker reads the
+frozen config.yaml and never re-runs Hydra, so every rank, and every restart, trains the
+same run in the same directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+from loom.hardware.machine import usable_cores
+from loom.rundir.config_file import load_frozen
+
+log = logging.getLogger("loom")
+
+# Lightning advice that does not apply to Loom's setup (it chooses workers per profile and
+# its own sampler on purpose).
+_QUIET = (
+    r".*does not have many workers.*",
+    r".*The number of training batches.*",
+    r".*`use_distributed_sampler`.*",
+    r".*Checkpoint directory .* exists and is not empty.*",
+    r".*Experiment logs directory .* exists.*",
+    r".*on_epoch=True.*",
+    r".*your dataloader is not resumable.*",  # loom.data.position resumes it
+    r".*It is recommended to use `self.log\(.*sync_dist=True`.*",
+)
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to logs/rank-N.log; only rank 0 also talks to the console."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank-{rank}.log"
+    if rank != 0:
+        # Quiet on other ranks: their stdout/stderr (C-level too) go to their log file.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s")
+    file_handler = logging.FileHandler(path)
+    file_handler.setFormatter(fmt)
+    for name in ("loom", "pytorch_lightning", "lightning", "lightning_fabric", "deepspeed", "DeepSpeed"):
+        lg = logging.getLogger(name)
+        lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.FileHandler)]
+        lg.addHandler(file_handler)
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").addHandler(file_handler)
+
+
+def quiet_library_consoles() -> None:
+    """Lightning adds its own console handler when imported; its banners go to the rank log."""
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning"):
+        lg = logging.getLogger(name)
+        lg.handlers = [h for h in lg.handlers if isinstance(h, logging.FileHandler)]
+        lg.propagate = False
+
+
+def die_with_parent() -> None:
+    """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
+    training on as an orphan (torchrun starts workers in their own sessions)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the agent died before we got here
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(run_dir: Path) -> int:
+    """Train the frozen run in `run_dir` on this rank; returns the process exit code."""
+    die_with_parent()
+    run_dir = Path(run_dir).resolve()
+    cfg = load_frozen(run_dir / "config.yaml")
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(run_dir, rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # The user's OMP_NUM_THREADS wins (the launcher sets cores // processes when it is unset).
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, usable_cores() // local_world))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        from loom.worker.distributed import init_from_torchrun, shutdown
+        from loom.worker.fit import fit
+
+        init_from_torchrun(cfg.hardware.backend)
+        quiet_library_consoles()
+        rc = fit(cfg, run_dir, rank)
+        shutdown()
+        return rc
+    except Exception:
+        log.exception(f"rank {rank} failed")
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m loom.worker <run_dir>", file=sys.stderr)
+        return 2
+    return run(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

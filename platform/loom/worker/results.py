@@ -1,0 +1,95 @@
+"""The run's results at the end of a rank's training: final weights and summary.json (rank 0
+writes them; every rank takes part in the collectives that gather them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+from loom.models.spec import ModelSpec
+from loom.plan import Plan
+from loom.rundir import checkpoints
+from loom.rundir.summary import empty_summary, write_summary
+
+log = logging.getLogger("loom")
+
+
+class RunResults:
+    """summary.json of this attempt, filled as training ends; `write` runs in a `finally`, so
+    a failed or preempted run gets its summary too."""
+
+    def __init__(self, cfg: DictConfig, layout: ParallelLayout, run_dir: Path, rank: int,
+                 recorder, plan: Plan, spec: ModelSpec) -> None:
+        self.cfg, self.layout, self.run_dir, self.rank = cfg, layout, run_dir, rank
+        self.recorder, self.plan, self.spec = recorder, plan, spec
+        self.status = "failed"
+        self.summary = empty_summary(cfg, str(cfg.run.id), layout)
+        self.launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
+
+    def completed(self, trainer, module) -> None:
+        """Final weights (a collective under sharding) and every rank's memory figures."""
+        self.status = "completed"
+        state = trainer.strategy.full_model_state(trainer, module)
+        if self.rank == 0:
+            checkpoints.save_final_weights(
+                state, self.run_dir,
+                {"run_id": str(self.cfg.run.id), "model": self.cfg.model.name, "step": str(trainer.global_step)})
+            self.summary["final_weights"] = "final/model.safetensors"
+        per_rank = self._gather_rank_stats(trainer, module)
+        self.summary["memory"] = {
+            "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
+            "peak_gpu_mem_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 1]]
+                                         if module.device.type == "cuda" else None),
+            "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
+            "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
+        }
+        # A node restarted because another failed keeps its own count: the run's is the max.
+        self.summary["restarts"] = int(per_rank[:, 4].max())
+
+    def _gather_rank_stats(self, trainer, module):
+        import torch
+
+        local = self.recorder.rank_stats(module)
+        held_params, held_optim = trainer.strategy.local_state_bytes(trainer, module)
+        stats = torch.tensor(
+            [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
+             self.recorder.attempt()["restarts"]],
+            dtype=torch.float64,
+        )
+        world = self.layout.world
+        if world == 1:
+            return stats.unsqueeze(0)
+        return trainer.strategy.all_gather(stats.to(module.device)).reshape(world, -1).cpu()
+
+    def write(self, trainer) -> None:
+        """Rank 0: summary.json (whatever the status) and the plots."""
+        if self.rank != 0:
+            return
+        step, rec = trainer.global_step, self.recorder
+        attempt = rec.attempt()
+        samples = step * self.layout.global_batch(self.cfg.dataset.batch_size, self.cfg.trainer.accumulate_grad_batches)
+        self.summary.update(
+            status=self.status,
+            global_step=step,
+            samples=samples,
+            tokens=samples * self.spec.items_per_sample,
+            wall_time_s=round(time.time() - self.launch_time, 3),
+            train_time_s=round(rec.loop_time, 3),
+            final_loss=rec.final_loss,
+            first_loss=rec.first_loss,
+            restarts=max(self.summary["restarts"], attempt["restarts"]),
+            throughput=rec.throughput_summary(trainer, self.plan.peak_flops_per_device),
+            utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},
+        )
+        write_summary(self.run_dir, self.summary)
+        try:
+            from loom.tracking.plots import write_plots
+
+            write_plots(self.run_dir)
+        except Exception as e:  # plots are a convenience: never fail (or mask a failure of) a run
+            log.warning(f"plots not written: {type(e).__name__}: {e}")
