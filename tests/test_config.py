@@ -8,9 +8,12 @@ import time
 
 import pytest
 
-from loom.cli import resolve
-from loom.config import GROUPS, ConfigError, compose, group_options
-from loom.rundir import freeze, run_id
+from loom.compose import compose, group_options
+from loom.errors import ConfigError
+from loom.freeze import freeze, run_id
+from loom.pipeline import resolve
+from loom.plan import make_plan
+from loom.schema import GROUPS
 
 
 def test_default_config_lists_every_group():
@@ -70,14 +73,14 @@ def test_run_id_is_stable_and_ignores_volatile_keys():
 
 def test_freeze_writes_once_and_refuses_a_changed_config(tmp_path):
     cfg = resolve([f"run.root={tmp_path}", "run.id=fixed"])
-    first = freeze(cfg, {"global_batch": 32})
+    first = freeze(cfg, make_plan(cfg))
     assert first.state == "new" and (first.run_dir / "config.yaml").exists()
     frozen_text = (first.run_dir / "config.yaml").read_text()
-    again = freeze(cfg, {"global_batch": 32})
+    again = freeze(cfg, make_plan(cfg))
     assert again.state == "resume" and (first.run_dir / "config.yaml").read_text() == frozen_text
     changed = resolve([f"run.root={tmp_path}", "run.id=fixed", "optim.lr=0.5"])
     with pytest.raises(ConfigError, match="optim") as e:
-        freeze(changed, {})
+        freeze(changed, make_plan(changed))
     assert "run.id=" in str(e.value)
     assert (first.run_dir / "config.yaml").read_text() == frozen_text
 

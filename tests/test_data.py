@@ -17,17 +17,19 @@ import pytest
 from conftest import FAST, LOOM, LoomResult, run_loom, worker_pids
 from tests_helpers import CORPUS, helpers_env, write_json_corpus
 
-from loom.cli import resolve
-from loom.config import ConfigError
 from loom.data.sampler import ResumableDistributedSampler
+from loom.errors import ConfigError
+from loom.pipeline import resolve
 
 # ----------------------------------------------------------------------------- in-process
 
 
 def _datamodules(cfg, dp_size=2):
     from loom.data import build_datamodule
+    from loom.strategies import layout_of
 
-    dms = [build_datamodule(cfg, r, dp_size) for r in range(dp_size)]
+    layout = layout_of(cfg, world=dp_size)
+    dms = [build_datamodule(cfg, layout, r) for r in range(dp_size)]
     dms[0].prepare_data()
     for dm in dms:
         dm.setup("fit")
@@ -120,7 +122,7 @@ def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
 def test_token_cache_is_reused_and_tokenizer_sized(tmp_path, corpus):
     from tests_helpers import make_tokenizer
 
-    from loom.data.module import _token_sets
+    from loom.data.text_files import datasets as _token_sets
 
     tok = make_tokenizer(tmp_path / "tok")
     cfg = resolve(["dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={tmp_path / 'c'}",

@@ -12,9 +12,10 @@ import pytest
 from conftest import LOOM, ROOT
 from omegaconf import OmegaConf
 
-from loom import hardware
-from loom.cli import resolve
-from loom.config import ConfigError, group_options
+from loom.compose import group_options
+from loom.errors import ConfigError
+from loom.hardware import machine as hardware
+from loom.pipeline import resolve
 from loom.plan import make_plan
 
 PROFILES = group_options("hardware")
@@ -58,10 +59,10 @@ def test_datasheet_numbers(name, memory, bf16, fp32, tf32):
 def test_generic_gpu_has_unknown_peak():
     cfg = resolve(["hardware=gpu"])
     assert all(v is None for v in cfg.hardware.peak_tflops.values())
-    assert make_plan(resolve(["hardware=gpu", "hardware.peak_tflops.bf16=100"]))["peak_flops_per_device"] == 1e14
+    assert make_plan(resolve(["hardware=gpu", "hardware.peak_tflops.bf16=100"])).peak_flops_per_device == 1e14
     plan = make_plan(cfg)
-    assert plan["peak_flops_per_device"] is None
-    assert any("MFU will be null" in w for w in plan["warnings"])
+    assert plan.peak_flops_per_device is None
+    assert any("MFU will be null" in w for w in plan.warnings)
 
 
 def test_cpu_profile_runs_fp32_over_gloo():
@@ -170,7 +171,7 @@ def test_auto_unknown_gpu_gets_nvml_name_and_memory_but_no_peak(monkeypatch):
     cfg = resolve([])
     hw = cfg.hardware
     assert (hw.name, hw.devices, hw.device_name, hw.device_memory_gb) == ("gpu", 2, "NVIDIA H100 PCIe", 85.5)
-    assert make_plan(cfg)["peak_flops_per_device"] is None
+    assert make_plan(cfg).peak_flops_per_device is None
 
 
 def test_auto_user_overrides_still_win(monkeypatch):

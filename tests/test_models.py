@@ -16,9 +16,9 @@ from conftest import FAST, run_loom
 from safetensors.torch import load_file
 from tests_helpers import helpers_env, make_hf_config, make_tokenizer, write_json_corpus
 
-from loom.cli import resolve
-from loom.config import ConfigError
-from loom.models.spec import model_spec
+from loom.errors import ConfigError
+from loom.models import model_spec
+from loom.pipeline import resolve
 
 BASE = [a for a in FAST if not a.startswith("dataset.")]
 
@@ -109,7 +109,7 @@ def test_custom_target_validation_does_not_import_torch_for_loom(tmp_path):
     import sys
 
     (tmp_path / "plainmod.py").write_text("class Thing:\n    pass\n")
-    code = ("import sys\nfrom loom.cli import resolve\nfrom loom.config import ConfigError\n"
+    code = ("import sys\nfrom loom.pipeline import resolve\nfrom loom.errors import ConfigError\n"
             "try:\n    resolve(['model=custom', 'model.module._target_=plainmod.Thing', "
             "'security.allow_targets=[plainmod.]', 'hardware=cpu'])\nexcept ConfigError as e:\n    print(e)\n"
             "print('torch' in sys.modules)\n")

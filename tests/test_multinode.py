@@ -121,9 +121,9 @@ def test_multinode_needs_a_run_id_and_an_endpoint(tmp_path):
 
 
 def test_elastic_min_nodes_and_rendezvous_command():
-    from loom.cli import resolve
-    from loom.config import ConfigError
+    from loom.errors import ConfigError
     from loom.launch import torchrun_command, worker_env
+    from loom.pipeline import resolve
 
     cfg = resolve(["hardware=multinode", "hardware.rdzv_endpoint=node0:29400", "hardware.min_nodes=1",
                    "run.id=exp42"])
@@ -139,8 +139,9 @@ def test_elastic_min_nodes_and_rendezvous_command():
 
 def test_nodes_freezing_the_same_run_at_once_agree(tmp_path):
     """Every node's launcher freezes the run dir at about the same time: none fails or refuses."""
-    from loom.cli import resolve
-    from loom.rundir import freeze
+    from loom.freeze import freeze
+    from loom.pipeline import resolve
+    from loom.plan import make_plan
 
     cfg = resolve(["hardware=cpu", "hardware.num_nodes=2", "hardware.rdzv_endpoint=n0:29400", "run.id=race",
                    f"run.root={tmp_path}"])
@@ -148,7 +149,7 @@ def test_nodes_freezing_the_same_run_at_once_agree(tmp_path):
 
     def node() -> None:
         try:
-            results.append(freeze(cfg, {"global_batch": 32}))
+            results.append(freeze(cfg, make_plan(cfg)))
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 

@@ -12,19 +12,13 @@ import pytest
 from conftest import LOOM, ROOT
 from omegaconf import OmegaConf
 
-from loom.cli import resolve
-from loom.config import group_options
-from loom.models.spec import model_spec
-from loom.plan import (
-    CHEAPEST_FIRST,
-    comm_bytes,
-    make_plan,
-    mfu,
-    peak_flops,
-    per_param_bytes,
-    state_bytes,
-    tp_replicated_params,
-)
+from loom.compose import group_options
+from loom.hardware.peaks import mfu, peak_flops
+from loom.models import model_spec
+from loom.pipeline import resolve
+from loom.plan import CHEAPEST_FIRST, make_plan
+from loom.plan.memory import comm_bytes, per_param_bytes, state_bytes, tp_replicated_params
+from loom.strategies import layout_of
 
 GB = 1e9
 STRATEGIES = group_options("strategy")
@@ -86,16 +80,16 @@ def test_batch_math_and_cpu_ddp_memory():
                "dataset.seq_len=64")
     plan = make_plan(cfg)
     psi = model_spec(cfg).params
-    assert plan["world_size"] == 2 and plan["data_parallel"] == 2
-    assert plan["global_batch"] == 4 * 3 * 2
-    assert plan["tokens_per_step"] == 4 * 3 * 2 * 64
-    mem = plan["memory_per_device_bytes"]
+    assert plan.world_size == 2 and plan.data_parallel == 2
+    assert plan.global_batch == 4 * 3 * 2
+    assert plan.tokens_per_step == 4 * 3 * 2 * 64
+    mem = plan.memory_per_device_bytes
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
     # ring all-reduce of fp32 grads once per step (no sync on accumulation steps)
-    assert plan["comm_bytes_per_step_per_device"] == pytest.approx(2 * 0.5 * 4 * psi)
-    assert plan["peak_flops_per_device"] is None
-    assert plan["fits"] and plan["suggestion"] is None
-    assert json.loads(json.dumps(plan)) == plan  # plan.json-ready
+    assert plan.comm_bytes_per_step_per_device == pytest.approx(2 * 0.5 * 4 * psi)
+    assert plan.peak_flops_per_device is None
+    assert plan.fits and plan.suggestion is None
+    assert json.loads(json.dumps(plan.to_dict())) == plan.to_dict()  # plan.json-ready
 
 
 def test_flops_per_token_is_6n_plus_attention():
@@ -104,34 +98,34 @@ def test_flops_per_token_is_6n_plus_attention():
     L, H, T = 32, 4096, 2048
     assert spec.flops_per_token == 6 * spec.non_embedding_params + 12 * L * H * T
     plan = make_plan(cfg)
-    assert plan["flops_per_step"] == spec.flops_per_token * plan["tokens_per_step"]
-    assert 6.3e9 < plan["params"] < 6.6e9
+    assert plan.flops_per_step == spec.flops_per_token * plan.tokens_per_step
+    assert 6.3e9 < plan.params < 6.6e9
 
 
 def test_zero3_on_h100x8_memory_and_comm():
     cfg = _cfg("hardware=h100x8", "model=gpt_7b", "strategy=zero3", "trainer.accumulate_grad_batches=2")
     plan = make_plan(cfg)
-    psi = plan["params"]
-    mem = plan["memory_per_device_bytes"]
+    psi = plan.params
+    mem = plan.memory_per_device_bytes
     assert mem["states"] == pytest.approx(16 * psi / 8)
     # per micro batch: 2 all-gathers of bf16 params + 1 reduce-scatter of bf16 grads, each 7/8
-    assert plan["comm_bytes_per_step_per_device"] == pytest.approx(2 * 3 * 7 / 8 * 2 * psi)
-    assert plan["capacity_per_device_bytes"] == pytest.approx(0.9 * 80 * GB)
-    assert plan["peak_flops_per_device"] == pytest.approx(989.4e12)
-    assert plan["fits"]
+    assert plan.comm_bytes_per_step_per_device == pytest.approx(2 * 3 * 7 / 8 * 2 * psi)
+    assert plan.capacity_per_device_bytes == pytest.approx(0.9 * 80 * GB)
+    assert plan.peak_flops_per_device == pytest.approx(989.4e12)
+    assert plan.fits
 
 
 @pytest.mark.skipif("fsdp_tp" not in STRATEGIES, reason="conf/strategy/fsdp_tp.yaml not there yet")
 def test_fsdp_tp_world_split():
     cfg = _cfg("hardware=h100x8", "strategy=fsdp_tp", "strategy.tensor_parallel=2", "dataset.batch_size=2")
     plan = make_plan(cfg)
-    assert (plan["data_parallel"], plan["tensor_parallel"]) == (4, 2)
-    assert plan["global_batch"] == 2 * 4
-    assert comm_bytes(cfg, "fsdp_tp", plan["params"], 4, 2)["all_reduce"] > 0  # TP activations
+    assert (plan.data_parallel, plan.tensor_parallel) == (4, 2)
+    assert plan.global_batch == 2 * 4
+    assert comm_bytes(cfg, "fsdp_tp", plan.params, layout_of(cfg))["all_reduce"] > 0  # TP activations
     # Block linears over tp x dp = 8 ranks; what TP replicates (embeddings, head, norms,
     # row-parallel biases) over dp = 4 only. fp32 params under autocast: 4 bytes each.
     rep = tp_replicated_params(cfg)
-    assert plan["memory_per_device_bytes"]["params"] == pytest.approx(4 * ((plan["params"] - rep) / 8 + rep / 4))
+    assert plan.memory_per_device_bytes["params"] == pytest.approx(4 * ((plan.params - rep) / 8 + rep / 4))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -142,19 +136,19 @@ def test_every_strategy_plans(strategy, hardware):
     extra = ["hardware.rdzv_endpoint=node0:29500"] if hardware == "multinode" else []
     cfg = _cfg(f"hardware={hardware}", f"strategy={strategy}", *extra)
     plan = make_plan(cfg)
-    assert plan["memory_per_device_bytes"]["total"] > 0
-    assert plan["world_size"] == cfg.hardware.devices * cfg.hardware.num_nodes
-    assert plan["comm_bytes_per_step_per_device"] >= 0
+    assert plan.memory_per_device_bytes["total"] > 0
+    assert plan.world_size == cfg.hardware.devices * cfg.hardware.num_nodes
+    assert plan.comm_bytes_per_step_per_device >= 0
 
 
 def test_suggestion_is_the_cheapest_existing_strategy_that_fits():
     cfg = _cfg("hardware=h100x8", "model=gpt_7b", "strategy=ddp")
     plan = make_plan(cfg)
-    assert not plan["fits"]
-    assert plan["suggestion"] in STRATEGIES
+    assert not plan.fits
+    assert plan.suggestion in STRATEGIES
     ordered = [s for s in CHEAPEST_FIRST if s in STRATEGIES and s != "ddp"]
-    assert plan["suggestion"] == ordered[0] or make_plan(_cfg("hardware=h100x8", "model=gpt_7b",
-                                                               f"strategy={ordered[0]}"))["fits"] is False
+    assert plan.suggestion == ordered[0] or make_plan(_cfg("hardware=h100x8", "model=gpt_7b",
+                                                               f"strategy={ordered[0]}")).fits is False
 
 
 # ------------------------------------------------------------------ peak and MFU
@@ -205,7 +199,7 @@ def test_cli_plan_ddp_7b_on_h100x8_is_infeasible_and_names_a_fit(tmp_path):
     assert p.returncode == 3, p.stderr
     assert dt < 1.5, f"loom plan took {dt:.2f} s"
     assert "does not fit" in p.stdout
-    fit = make_plan(_cfg("model=gpt_7b", "strategy=ddp", "hardware=h100x8"))["suggestion"]
+    fit = make_plan(_cfg("model=gpt_7b", "strategy=ddp", "hardware=h100x8")).suggestion
     assert fit and f"strategy={fit} would fit" in p.stderr
     assert not any(tmp_path.iterdir())  # plan writes no run dir
 

@@ -123,8 +123,8 @@ def test_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    from loom.cli import resolve
-    from loom.rundir import freeze
+    from loom.freeze import freeze
+    from loom.pipeline import resolve
 
     cfg = resolve([*ARGS, f"run.root={tmp_path}"])
     frozen = freeze(cfg, {"global_batch": 32})
@@ -138,8 +138,8 @@ def test_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path
 
 def test_checkpoint_write_error_fails_the_run_loudly(tmp_path):
     run_dir = tmp_path / "gpt" / "r"
-    from loom.cli import resolve
-    from loom.rundir import freeze
+    from loom.freeze import freeze
+    from loom.pipeline import resolve
 
     freeze(resolve([*ARGS, f"run.root={tmp_path}"]), {"global_batch": 32, "peak_flops_per_device": None})
     (run_dir / "checkpoints").write_text("not a directory")  # every checkpoint write must fail

@@ -77,7 +77,7 @@ def test_rendered_script_follows_the_profile(tmp_path):
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
     # SIGUSR1 -> SIGTERM to the step -> ranks checkpoint -> finish says 143 -> requeue
     assert "trap on_usr1 USR1" in script and 'kill -TERM "$srun_pid"' in script
-    assert 'loom.slurm finish "$RUN_DIR" --rc "$rc"' in script
+    assert 'loom.finish finish "$RUN_DIR" --rc "$rc"' in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
     bash = subprocess.run(["bash", "-n", str(script_path)], capture_output=True, text=True)
     assert bash.returncode == 0, bash.stderr
@@ -93,8 +93,8 @@ def test_sbatch_missing_is_a_clear_error_naming_dry_run(tmp_path):
 
 
 def test_allocation_checks_run_for_plan_too():
-    from loom.cli import resolve
-    from loom.config import ConfigError
+    from loom.errors import ConfigError
+    from loom.pipeline import resolve
 
     with pytest.raises(ConfigError, match=r"extra_args.*--nodes.*hardware.num_nodes"):
         resolve(["hardware=slurm", "hardware.slurm.extra_args=['--nodes=8']"])

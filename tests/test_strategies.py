@@ -187,8 +187,8 @@ def test_bad_strategy_input_fails_fast(loom, tmp_path):
 
 def test_user_deepspeed_json_passes_through(tmp_path):
     """Keys Loom does not set reach DeepSpeed; agreeing values are fine (no processes)."""
-    from loom.cli import resolve
-    from loom.strategies import resolved_deepspeed_config
+    from loom.pipeline import resolve
+    from loom.strategies.deepspeed_config import resolved_deepspeed_config
 
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7},

@@ -253,7 +253,7 @@ def test_tracking_wandb_without_a_key_is_refused(tmp_path):
 def test_tracking_checks_finds_a_netrc_key(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from loom.config import ConfigError
+    from loom.errors import ConfigError
     from loom.tracking.checks import tracking_checks
 
     cfg = OmegaConf.create({"tracking": {"name": "wandb", "wandb": True, "csv": True, "mode": "online",
@@ -277,7 +277,7 @@ def test_tracking_checks_finds_a_netrc_key(tmp_path, monkeypatch):
 
 
 def test_checks_import_neither_torch_nor_wandb():
-    code = ("import sys, loom.tracking.checks, loom.secrets, loom.report, loom.tracking.plots; "
+    code = ("import sys, loom.tracking.checks, loom.redaction, loom.report, loom.tracking.plots; "
             "bad = [m for m in ('torch', 'wandb', 'pytorch_lightning', 'matplotlib') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -350,7 +350,7 @@ def test_wandb_settings_record_no_metadata():
 
 
 def test_secret_keys():
-    from loom.secrets import is_secret_key
+    from loom.redaction import is_secret_key
 
     for name in ("WANDB_API_KEY", "hf_token", "HF_TOKEN", "api_key", "token", "password", "DB_PASSWORD",
                  "client_secret", "SECRET_KEY", "tracking.api_key", "passwordFile"):
@@ -360,7 +360,7 @@ def test_secret_keys():
 
 
 def test_redact_is_a_deep_copy_without_secrets():
-    from loom.secrets import REDACTED, redact
+    from loom.redaction import REDACTED, redact
 
     env = {"MY_SERVICE_TOKEN": "s3cr3t-value-123", "SHORT_TOKEN": "abc", "HOME": "/root"}
     cfg = {"tracking": {"api_key": "k-123", "project": "loom"},

@@ -31,9 +31,9 @@ from omegaconf import OmegaConf
 
 from loom.compose import conf_dir
 from loom.errors import ConfigError
+from loom.hardware.machine import KNOWN_GPUS
 from loom.hardware.schema import HardwareConfig
 from loom.schema import typed
-from loom.hardware.machine import KNOWN_GPUS
 
 CPU_SIZE, GPU_SIZE = 1024, 8192
 

@@ -136,8 +136,8 @@ def token_datasets(
     root = cache_root(cache_dir)
     tkey = "" if encoder.tok is None else f"-{encoder.key()}"
     out: list[PackedTokens | None] = []
-    for split, docs in (("train", train_docs), ("val", val_docs)):
-        path = write_token_file(docs, root / f"{name}-{key}{tkey}.{split}.{encoder.suffix}", encoder)
+    for part, docs in (("train", train_docs), ("val", val_docs)):
+        path = write_token_file(docs, root / f"{name}-{key}{tkey}.{part}.{encoder.suffix}", encoder)
         ds = PackedTokens(path, seq_len) if path.stat().st_size > seq_len else None
         out.append(ds if ds is not None and len(ds) > 0 else None)
     if out[0] is None:

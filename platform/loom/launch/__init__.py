@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from loom.hardware.machine import usable_cores
 from loom.layout import ParallelLayout
 
+
 def nnodes(cfg: DictConfig) -> str:
     """torchrun's --nnodes: `N`, or `MIN:N` for an elastic run (hardware.min_nodes)."""
     hw = cfg.hardware

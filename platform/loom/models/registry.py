@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from loom.layout import ParallelLayout
 from loom.models import check as checks
 from loom.models import spec
-from loom.models.spec import ModelSpec
 from loom.models.schema import (
     GPT_SIZES,
     CustomModelConfig,
@@ -23,6 +22,7 @@ from loom.models.schema import (
     HFCausalLMModelConfig,
     MLPModelConfig,
 )
+from loom.models.spec import ModelSpec
 
 
 def _nothing_to_fill(cfg: DictConfig) -> None:

@@ -19,7 +19,16 @@ from loom.hardware.peaks import PRECISION_KEY, peak_flops
 from loom.layout import ParallelLayout
 from loom.models import model_spec
 from loom.models.spec import ModelSpec
-from loom.plan.memory import GB, MemoryEstimate, capacity, comm_bytes, fits, host_ok, memory_of, per_param_bytes
+from loom.plan.memory import (
+    GB,
+    MemoryEstimate,
+    capacity,
+    comm_bytes,
+    fits,
+    host_ok,
+    memory_of,
+    per_param_bytes,
+)
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
 # Order in which `loom plan` suggests a strategy that fits: least communication first.

@@ -21,7 +21,7 @@ must answer in well under a second, before torch, Lightning or DeepSpeed are imp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,7 +66,7 @@ def per_param_bytes(strategy: str, precision: str) -> tuple[float, float, float]
     return 4.0, 4.0, 8.0        # autocast: fp32 params and grads, fp32 Adam moments
 
 
-@lru_cache(maxsize=None)
+@cache
 def _offloads_optimizer(strategy: str) -> bool:
     """Whether a strategy option's yaml moves the optimizer states to the host by default."""
     path = conf_dir() / "strategy" / f"{strategy}.yaml"

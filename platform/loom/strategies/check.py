@@ -76,7 +76,7 @@ def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
     """DeepSpeed ZeRO: offload options per stage, the user's JSON, host memory for offload."""
     from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
-    s, hw = cfg.strategy, cfg.hardware
+    s = cfg.strategy
     require(not s.offload_params or zero_stage(s.name) == 3, "strategy.offload_params", s.offload_params,
             f"parameter offload needs ZeRO stage 3 (strategy=zero3 or zero3_offload), not strategy={s.name}")
     if s.name == "zero3_offload":

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError
 from loom.tracking.schema import MODES
 
-
 DEFAULT_BASE_URL = "https://api.wandb.ai"
 
 
