@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from loom.compose import conf_dir
 from loom.errors import ConfigError
-from loom.hardware.machine import KNOWN_GPUS
+from loom.hardware.machine import KNOWN_GPUS, usable_cores
 from loom.hardware.schema import HardwareConfig
 from loom.schema import typed
 
@@ -152,41 +152,41 @@ def default_out() -> Path:
     return conf_dir() / "hardware" / f"probe_{host}.yaml"
 
 
+def _device_profile(processes: int | None) -> tuple[dict[str, Any], str, str, str, int, str | None]:
+    """(profile to fill, matmul dtype, device, backend, all-reduce ranks, known profile name)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        profile = _base_profile("cpu")
+        profile.update(device_name=_cpu_name())
+        return profile, "float32", "cpu", "gloo", processes or 2, None
+    count = torch.cuda.device_count()
+    dev_name = torch.cuda.get_device_name(0)
+    known = KNOWN_GPUS.get(dev_name)
+    profile = _base_profile(known or "gpu")
+    profile.update(devices=count, device_name=dev_name,
+                   device_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
+    major, _ = torch.cuda.get_device_capability(0)
+    profile["bf16_supported"] = major >= 8
+    if major < 8:
+        profile["precision"] = "16-mixed"
+    return profile, ("bfloat16" if major >= 8 else "float16"), "cuda", "nccl", processes or count, known
+
+
 def measure(size: int | None, repeats: int, allreduce_mb: float,
             processes: int | None) -> dict[str, Any]:
     """Run the measurements; returns the profile dict (not yet written)."""
     import psutil
     import torch
 
-    gpu = torch.cuda.is_available()
-    cores = os.cpu_count() or 1
-    profile: dict[str, Any]
-    if gpu:
-        count = torch.cuda.device_count()
-        dev_name = torch.cuda.get_device_name(0)
-        known = KNOWN_GPUS.get(dev_name)
-        profile = _base_profile(known or "gpu")
-        profile.update(devices=count, device_name=dev_name,
-                       device_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
-        major, _ = torch.cuda.get_device_capability(0)
-        profile["bf16_supported"] = major >= 8
-        if major < 8:
-            profile["precision"] = "16-mixed"
-        dtype, device, backend = ("bfloat16" if major >= 8 else "float16"), "cuda", "nccl"
-        world = processes or count
-    else:
-        known = None
-        profile = _base_profile("cpu")
-        profile.update(device_name=_cpu_name())
-        dtype, device, backend = "float32", "cpu", "gloo"
-        world = processes or 2
+    profile, dtype, device, backend, world, known = _device_profile(processes)
+    gpu = device == "cuda"
     n = size or (GPU_SIZE if gpu else CPU_SIZE)
     threads = None
     if not gpu:
         # A CPU "device" is one rank, which gets cores / devices threads (as the worker sets):
         # measure at that width so the peak is per device, like a GPU's.
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-        threads = max(1, usable // int(profile["devices"]))
+        threads = max(1, usable_cores() // int(profile["devices"]))
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     tflops = matmul_tflops(device, dtype, n, repeats)
@@ -197,19 +197,17 @@ def measure(size: int | None, repeats: int, allreduce_mb: float,
     if world >= 2 and (not gpu or world <= torch.cuda.device_count()):
         busbw = allreduce_busbw(world, backend, nbytes)
     t_comm = time.perf_counter() - t0
+    measured = busbw is not None
     profile.update(
         host_memory_gb=round(psutil.virtual_memory().total / 1e9, 1),
-        cpu_cores=cores,
+        cpu_cores=os.cpu_count() or 1,
         backend=backend,
         measured={
-            "matmul_tflops": round(tflops, 4),
-            "matmul_dtype": dtype,
-            "matmul_size": n,
-            "matmul_threads": threads,
-            "allreduce_busbw_gbps": round(busbw, 4) if busbw is not None else None,
-            "allreduce_backend": backend if busbw is not None else None,
-            "allreduce_world_size": world if busbw is not None else None,
-            "allreduce_bytes": (max(1, nbytes // 4) * 4) if busbw is not None else None,
+            "matmul_tflops": round(tflops, 4), "matmul_dtype": dtype, "matmul_size": n, "matmul_threads": threads,
+            "allreduce_busbw_gbps": round(busbw, 4) if measured else None,
+            "allreduce_backend": backend if measured else None,
+            "allreduce_world_size": world if measured else None,
+            "allreduce_bytes": (max(1, nbytes // 4) * 4) if measured else None,
             "host": socket.gethostname(),
             "torch_version": str(torch.__version__),
             "probed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

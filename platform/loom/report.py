@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.atomic import atomic_path, atomic_write_text
 from loom.errors import ConfigError
 
 
@@ -184,10 +185,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, text)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -279,9 +277,8 @@ def scaling_plot(runs: list[Run], path: Path) -> Path | None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title("throughput vs world size")
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
@@ -99,9 +99,7 @@ class Manifest:
 
     def save(self) -> None:
         data = {"sweep_id": self.sweep_id, "command": self.command, "trials": [t.__dict__ for t in self.trials]}
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, json.dumps(data, indent=2) + "\n")
 
     def trial(self, index: int, overrides: list[str], params: dict | None = None) -> Trial:
         for t in self.trials:

@@ -1,6 +1,6 @@
 """Stage 2, validate: type every section with its schema, normalize, then check.
 
-Three explicit passes over a copy of the composed config:
+Four explicit passes over a copy of the composed config:
   1. refuse what must never reach a run: `_target_`s outside the allow-list, literal secrets;
   2. type: each section and group option merged onto its schema (defaults filled in);
   3. normalize: each group fills what the user left to it (absolute paths, sizes from the

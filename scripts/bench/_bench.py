@@ -41,19 +41,20 @@ def loom_config(overrides: list[str]) -> dict[str, Any]:
     """The resolved config `loom train <overrides>` would run (composed in-process, no run)."""
     from omegaconf import OmegaConf
 
-    from loom.cli import resolve
+    from loom.pipeline import resolve
 
     return OmegaConf.to_container(resolve(list(overrides)), resolve=True)
 
 
 def token_file(cfg: dict[str, Any]) -> Path:
-    """The train token file Loom's TokenDataModule reads for this config (built if missing)."""
+    """The train token file Loom's LoomDataModule reads for this config (built if missing)."""
     from loom.data import tinycode
+    from loom.data.files import split
     from loom.data.tokens import build_token_file, cache_root, fingerprint
 
     ds = cfg["dataset"]
     files = tinycode.corpus_files(ds["max_bytes"])
-    train, _ = tinycode.split(files, ds["val_every"])
+    train, _ = split(files, ds["val_every"])
     key = fingerprint(files, ds["max_bytes"], ds["val_every"])
     return build_token_file(train, cache_root(ds["cache_dir"]) / f"tinycode-{key}.train.u8")
 

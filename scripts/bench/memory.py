@@ -14,7 +14,7 @@ a few steps) and reads, per rank:
 
 The ratio of param+grad+optim bytes to ddp's is printed next to two theoretical ratios:
 the ZeRO paper's (mixed-precision Adam: 2/2/12 bytes per parameter; ddp 16, stage 1
-4 + 12/N, stage 2 2 + 14/N, stage 3 16/N) and the fp32 one `loom.plan.state_bytes` gives
+4 + 12/N, stage 2 2 + 14/N, stage 3 16/N) and the fp32 one `loom.plan.memory.state_bytes` gives
 for this CPU run (DeepSpeed keeps an fp32 master copy even when the model is fp32:
 4/4/12 = 20 bytes per parameter, against 4/4/8 = 16 for ddp and FSDP).
 Targets (read, not asserted): zero3/fsdp <= 0.55, zero2 <= 0.70, zero1 <= 0.80.
@@ -36,7 +36,7 @@ TARGETS = {"fsdp": 0.55, "zero3": 0.55, "zero2": 0.70, "zero1": 0.80}
 
 def theory(strategy: str, n: int, params: float) -> dict[str, float]:
     """Bytes per rank: the ZeRO paper's mixed-precision split and Loom's fp32 plan."""
-    from loom.plan import per_param_bytes, state_bytes
+    from loom.plan.memory import per_param_bytes, state_bytes
 
     mixed = state_bytes(strategy, params, n, True)
     fp32 = state_bytes(strategy, params, n, False, per_param=per_param_bytes(strategy, "32-true"))

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom.data.check import check_common, normalize_tokenizer, tokenizer_vocab
+from loom.data.checks import check_common, normalize_tokenizer, tokenizer_vocab
 from loom.data.registry import DATASETS, DatasetOption
 from loom.layout import ParallelLayout
 

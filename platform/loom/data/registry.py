@@ -2,7 +2,7 @@
 
 Adding a dataset = a yaml in conf/dataset/, a schema in `schema.py`, a module with
 `datasets(cfg) -> (train, val)` (and, if it has fields to check, `check`/`normalize` in
-`check.py`), and one entry here.
+`checks.py`), and one entry here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from loom.data import check as checks
+from loom.data import checks
 from loom.data.schema import (
     DigitsDatasetConfig,
     HFDatasetConfig,

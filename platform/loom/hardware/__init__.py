@@ -2,7 +2,7 @@
 this machine can run it (`machine`), and its datasheet peaks (`peaks`). Torch-free: runs in
 the launcher before anything heavy is imported."""
 
-from loom.hardware.check import check, normalize
+from loom.hardware.checks import check, normalize
 from loom.hardware.schema import SCHEMAS
 
 __all__ = ["SCHEMAS", "check", "normalize"]

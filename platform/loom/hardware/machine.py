@@ -4,7 +4,7 @@ Runs in the launcher before torch is imported, so GPUs are counted through NVML
 (nvidia-ml-py), which answers in milliseconds, not through torch.cuda.
 
 Two kinds of check live in two places: a profile's own consistency (backend, precision,
-rendezvous, SLURM fields) is `loom.hardware.check`, run for every verb; whether *this*
+rendezvous, SLURM fields) is `loom.hardware.checks`, run for every verb; whether *this*
 machine can run it is `check_machine` here, run by `loom train` only, so `loom plan
 hardware=h100x8` works on a laptop.
 """

@@ -1,7 +1,7 @@
 """One registry of the model options: schema, checks, arithmetic and how each is built.
 
 Adding a model = a yaml in conf/model/, a schema in `schema.py` (or an existing one), its
-checks in `check.py`, its parameter/FLOP arithmetic in `spec.py`, a builder in `build.py`,
+checks in `checks.py`, its parameter/FLOP arithmetic in `spec.py`, a builder in `build.py`,
 and one entry here.
 """
 
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import check as checks
-from loom.models import spec
+from loom.models import checks, spec
 from loom.models.schema import (
     GPT_SIZES,
     CustomModelConfig,

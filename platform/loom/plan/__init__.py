@@ -27,6 +27,7 @@ from loom.plan.memory import (
     fits,
     host_ok,
     memory_of,
+    offloads_optimizer,
     per_param_bytes,
 )
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
@@ -163,9 +164,10 @@ def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: f
     for name in CHEAPEST_FIRST:
         if name == cfg.strategy.name or name not in have:
             continue
-        if layout.dp == 1 and name != "zero3_offload":
-            continue  # one rank: sharding over 1 saves nothing
-        if cfg.hardware.accelerator != "gpu" and name == "zero3_offload":
+        offload = offloads_optimizer(name)
+        if layout.dp == 1 and not offload:
+            continue  # one rank: sharding over 1 saves nothing (offloading still does)
+        if cfg.hardware.accelerator != "gpu" and offload:
             continue  # on CPU the host *is* the device
         if fits(cfg, memory_of(cfg, name, strategies.layout_of(cfg, name=name), params), cap):
             return name

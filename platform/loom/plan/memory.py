@@ -67,7 +67,7 @@ def per_param_bytes(strategy: str, precision: str) -> tuple[float, float, float]
 
 
 @cache
-def _offloads_optimizer(strategy: str) -> bool:
+def offloads_optimizer(strategy: str) -> bool:
     """Whether a strategy option's yaml moves the optimizer states to the host by default."""
     path = conf_dir() / "strategy" / f"{strategy}.yaml"
     return bool(path.is_file() and OmegaConf.load(path).get("offload_optimizer", False))
@@ -101,7 +101,7 @@ def state_bytes(
         0.0,
     )
     if offload_optimizer is None:
-        offload_optimizer = _offloads_optimizer(strategy)
+        offload_optimizer = offloads_optimizer(strategy)
     if offload_optimizer:
         mem.host_offload += mem.optimizer
         mem.optimizer = 0.0

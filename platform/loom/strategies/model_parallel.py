@@ -131,62 +131,6 @@ def _apply_tensor_parallel(module, tp_mesh) -> None:
                 parallelize_module(sub, tp_mesh, {k: styles[v]() for k, v in unit_plan.items()})
 
 
-def _clip_grad_by_norm(optimizer, clip_val: float) -> None:
-    """clip_grad_norm_ over DTensor gradients on any mix of meshes.
-
-    The global norm is sqrt(sum over meshes of that mesh's squared norm); each mesh's norm is
-    a DTensor reduction (`full_tensor()` all-reduces the partial sums over its dims), so
-    replicated TP copies count once and shards add up, exactly like the unsharded model.
-    """
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return
-    by_mesh: dict[Any, list] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    for gs in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq += norm.float() ** 2
-    # A Python float: torch's clip_grads_with_norm_ (_foreach_mul_ by a plain 0-d tensor)
-    # left DTensor gradients unscaled here (torch 2.13).
-    coef = float(clip_val) / (float(total_sq.sqrt()) + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-
-
-def _unit_classes(module, names) -> tuple[type, ...]:
-    """The module classes sharded as units: `strategy.shard_units` by name, else the model's."""
-    if not names:
-        return tuple(module.sharding_units)
-    by_name = {type(m).__name__: type(m) for m in module.model.modules()}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(f"strategy.shard_units: {missing} are not module classes of this model; "
-                         f"it has {sorted(by_name)}")
-    return tuple(by_name[n] for n in names)
-
-
-def _apply_tensor_parallel(module, tp_mesh) -> None:
-    """The model's `tensor_parallel_plan` ({unit class: {submodule: colwise|rowwise}})."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = getattr(module, "tensor_parallel_plan", None)
-    if not plan:
-        raise ValueError(f"{type(module).__name__} has no tensor_parallel_plan: use strategy=fsdp")
-    for unit_cls, unit_plan in plan.items():
-        for sub in module.model.modules():
-            if isinstance(sub, unit_cls):
-                parallelize_module(sub, tp_mesh, {k: styles[v]() for k, v in unit_plan.items()})
-
-
 def build(cfg: DictConfig, layout: ParallelLayout):
     return _model_parallel_strategy_class()(
         cfg,

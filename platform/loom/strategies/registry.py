@@ -1,6 +1,6 @@
 """One registry of the strategy options: what each one is, for every stage that asks.
 
-Adding a strategy = a yaml in conf/strategy/, a schema in `schema.py`, a check in `check.py`
+Adding a strategy = a yaml in conf/strategy/, a schema in `schema.py`, a check in `checks.py`
 when it has fields to check, a module with `build(cfg, layout)`, and one entry here.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.strategies import check as checks
+from loom.strategies import checks
 from loom.strategies.schema import (
     DDPStrategyConfig,
     DeepSpeedStrategyConfig,
@@ -53,5 +53,6 @@ STRATEGIES: dict[str, StrategyOption] = {
     "zero1": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer", **_ZERO),
     "zero2": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer+grads", **_ZERO),
     "zero3": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),
-    "zero3_offload": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),
+    "zero3_offload": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **{**_ZERO,
+                                                                                 "check": checks.check_zero3_offload}),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from pytorch_lightning.loggers import CSVLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
+from loom.atomic import atomic_path
 from loom.rundir.config_file import frozen_container
 
 log = logging.getLogger("loom")
@@ -59,12 +60,10 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
         reader = csv.DictReader(f)
         fields, rows = reader.fieldnames or [], list(reader)
     keep = [r for r in rows if r.get("step") in (None, "") or int(float(r["step"])) <= after_step]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(keep)
-    os.replace(tmp, path)
 
 
 class SafeWandbLogger(WandbLogger):
@@ -83,51 +82,40 @@ class SafeWandbLogger(WandbLogger):
         self._wandb_init.pop("anonymous", None)
         self.disabled = False
 
-    def _failed(self, what: str, exc: BaseException) -> None:
-        if not self.disabled:
+    def _guarded(self, what: str, call: Callable[[], Any]) -> None:
+        """Run one wandb call; its first failure turns this logger off with one warning."""
+        if self.disabled:
+            return
+        try:
+            call()
+        except Exception as e:
             self.disabled = True
             log.warning(
-                f"wandb {what} failed ({type(exc).__name__}: {exc}); wandb logging is off for the rest "
+                f"wandb {what} failed ({type(e).__name__}: {e}); wandb logging is off for the rest "
                 "of this run. Training, metrics.csv and summary.json continue."
             )
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if self.disabled:
-            return
-        try:
-            super().log_metrics(metrics, step)
-        except Exception as e:
-            self._failed("log_metrics", e)
+        self._guarded("log_metrics", lambda: super(SafeWandbLogger, self).log_metrics(metrics, step))
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
-        if self.disabled:
-            return
-        try:
-            super().log_hyperparams(params)
-        except Exception as e:
-            self._failed("init/log_hyperparams", e)
+        self._guarded("init/log_hyperparams", lambda: super(SafeWandbLogger, self).log_hyperparams(params))
 
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        if self.disabled:
-            return
-        try:
-            super().after_save_checkpoint(checkpoint_callback)
-        except Exception as e:
-            self._failed("after_save_checkpoint", e)
+        self._guarded("after_save_checkpoint",
+                      lambda: super(SafeWandbLogger, self).after_save_checkpoint(checkpoint_callback))
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self.disabled:
-            return
-        try:
-            super().finalize(status)
+        def finish() -> None:
+            super(SafeWandbLogger, self).finalize(status)
             if self._experiment is not None:
                 self._experiment.finish(exit_code=0 if status in ("success", "finished") else 1)
-        except Exception as e:
-            self._failed("finish", e)
+
+        self._guarded("finish", finish)
 
 
 def wandb_settings() -> Any:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import csv
 import math
-import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from loom.atomic import atomic_path
 
 PLOTS = ("loss.png", "throughput.png", "utilization.png")
 
@@ -58,106 +61,85 @@ def _figure(nrows: int, title: str):
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path
 
 
-def _no_data(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes, color="gray")
+def _panel(ax, rows, key: str, *, label: str, color: str, ylabel: str, missing: str,
+           more: Callable[[Any], None] | None = None, ymin: float | None = 0) -> None:
+    """One axis: the series `key` (and whatever `more` adds), else a "no ... recorded" note."""
+    xs, ys = _series(rows, key)
+    if xs:
+        ax.plot(xs, ys, color=color, label=label)
+        if more is not None:
+            more(ax)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, f"no {missing} recorded", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+    ax.set_ylabel(ylabel)
+    if ymin is not None:
+        ax.set_ylim(bottom=ymin)
 
 
 def _loss(rows, title: str, path: Path) -> Path:
     fig, (ax,) = _figure(1, f"{title}: loss")
-    xs, ys = _series(rows, "train/loss")
-    if xs:
-        ax.plot(xs, ys, label="train/loss", color="tab:blue")
-    vx, vy = _series(rows, "val/loss")
-    if vx:
-        ax.plot(vx, vy, "o-", label="val/loss", color="tab:orange")
-    if xs or vx:
-        ax.legend()
-    else:
-        _no_data(ax, "loss")
-    ax.set_ylabel("loss")
+
+    def val(ax) -> None:
+        vx, vy = _series(rows, "val/loss")
+        if vx:
+            ax.plot(vx, vy, "o-", label="val/loss", color="tab:orange")
+
+    _panel(ax, rows, "train/loss", label="train/loss", color="tab:blue", ylabel="loss", missing="loss", more=val,
+           ymin=None)
     return _save(fig, path)
 
 
 def _throughput(rows, title: str, path: Path) -> Path:
     fig, (ax1, ax2) = _figure(2, f"{title}: throughput")
-    xs, ys = _series(rows, "perf/tokens_per_sec")
-    if xs:
-        ax1.plot(xs, ys, color="tab:green", label="tokens/s (all devices)")
-        ax1.legend()
-    else:
-        _no_data(ax1, "throughput")
-    ax1.set_ylabel("tokens/s")
-    ax1.set_ylim(bottom=0)
-    xs, ys = _series(rows, "perf/step_time_ms")
-    if xs:
-        ax2.plot(xs, ys, color="tab:purple", label="step time (mean over ranks)")
+    _panel(ax1, rows, "perf/tokens_per_sec", label="tokens/s (all devices)", color="tab:green",
+           ylabel="tokens/s", missing="throughput")
+
+    def spread_and_wait(ax) -> None:
         lo = [r for r in rows if "perf/step_time_ms_min" in r and "perf/step_time_ms_max" in r]
         if lo:
-            ax2.fill_between([r["step"] for r in lo], [r["perf/step_time_ms_min"] for r in lo],
-                             [r["perf/step_time_ms_max"] for r in lo], color="tab:purple", alpha=0.2,
-                             label="min-max over ranks")
+            ax.fill_between([r["step"] for r in lo], [r["perf/step_time_ms_min"] for r in lo],
+                            [r["perf/step_time_ms_max"] for r in lo], color="tab:purple", alpha=0.2,
+                            label="min-max over ranks")
         wx, wy = _series(rows, "perf/data_wait_ms")
         if wx:
-            ax2.plot(wx, wy, color="tab:gray", label="data wait")
-        ax2.legend()
-    else:
-        _no_data(ax2, "step time")
-    ax2.set_ylabel("ms / step")
-    ax2.set_ylim(bottom=0)
+            ax.plot(wx, wy, color="tab:gray", label="data wait")
+
+    _panel(ax2, rows, "perf/step_time_ms", label="step time (mean over ranks)", color="tab:purple",
+           ylabel="ms / step", missing="step time", more=spread_and_wait)
     return _save(fig, path)
 
 
 def _utilization(rows, title: str, path: Path) -> Path:
     gpu = any("sys/gpu_util" in r for r in rows)
     mfu = any("perf/mfu" in r for r in rows)
-    n = 2 + int(gpu) + int(mfu)
-    fig, axes = _figure(n, f"{title}: utilization")
-    ax = axes[0]
-    xs, ys = _series(rows, "sys/cpu_percent")
-    if xs:
-        ax.plot(xs, ys, color="tab:red", label="CPU % per rank (mean; 100 = one core)")
-        ax.legend()
-    else:
-        _no_data(ax, "CPU utilization")
-    ax.set_ylabel("CPU %")
-    ax.set_ylim(bottom=0)
-    ax = axes[1]
-    xs, ys = _series(rows, "sys/rss_gb")
-    if xs:
-        ax.plot(xs, ys, color="tab:brown", label="RSS per rank (mean)")
+    fig, axes = _figure(2 + int(gpu) + int(mfu), f"{title}: utilization")
+    _panel(axes[0], rows, "sys/cpu_percent", label="CPU % per rank (mean; 100 = one core)", color="tab:red",
+           ylabel="CPU %", missing="CPU utilization")
+
+    def max_rank_and_gpu(ax) -> None:
         mx, my = _series(rows, "sys/rss_gb_max")
         if mx:
             ax.plot(mx, my, "--", color="tab:brown", alpha=0.6, label="RSS (max rank)")
         if gpu:
-            gx, gy = _series(rows, "sys/gpu_mem_gb")
-            ax.plot(gx, gy, color="tab:cyan", label="GPU memory reserved")
-        ax.legend()
-    else:
-        _no_data(ax, "memory")
-    ax.set_ylabel("GB")
-    ax.set_ylim(bottom=0)
+            ax.plot(*_series(rows, "sys/gpu_mem_gb"), color="tab:cyan", label="GPU memory reserved")
+
+    _panel(axes[1], rows, "sys/rss_gb", label="RSS per rank (mean)", color="tab:brown", ylabel="GB",
+           missing="memory", more=max_rank_and_gpu)
     i = 2
     if gpu:
-        ax = axes[i]
-        xs, ys = _series(rows, "sys/gpu_util")
-        ax.plot(xs, ys, color="tab:olive", label="GPU util %")
-        ax.set_ylabel("GPU %")
-        ax.set_ylim(0, 105)
-        ax.legend()
+        _panel(axes[i], rows, "sys/gpu_util", label="GPU util %", color="tab:olive", ylabel="GPU %", missing="")
+        axes[i].set_ylim(0, 105)
         i += 1
     if mfu:
-        ax = axes[i]
-        xs, ys = _series(rows, "perf/mfu")
-        ax.plot(xs, [100 * y for y in ys], color="tab:pink", label="MFU")
-        ax.set_ylabel("MFU %")
-        ax.set_ylim(bottom=0)
-        ax.legend()
+        pct = [{"step": r["step"], "mfu_pct": 100 * r["perf/mfu"]} for r in rows if "perf/mfu" in r]
+        _panel(axes[i], pct, "mfu_pct", label="MFU", color="tab:pink", ylabel="MFU %", missing="")
     return _save(fig, path)
 
 

@@ -160,6 +160,10 @@ class Recorder(pl.Callback):
         rates = self.throughput.compute()
         if trainer.global_rank != 0:
             return
+        self._publish(trainer, step, self._row(trainer, gathered, rates))
+
+    def _row(self, trainer: pl.Trainer, gathered: torch.Tensor, rates: dict[str, float]) -> dict[str, float]:
+        """The metrics of one log step (metric names: DESIGN.md) from every rank's vector."""
         mean = gathered.mean(0)
         col = {name: i for i, name in enumerate(_FIELDS)}
         row: dict[str, float] = {
@@ -183,6 +187,11 @@ class Recorder(pl.Callback):
             row["sys/gpu_util"] = float(mean[col["gpu_util"]])
             row["sys/gpu_mem_gb"] = float(mean[col["gpu_mem_gb"]])
             row["sys/gpu_power_w"] = float(mean[col["gpu_power_w"]])
+        return row
+
+    def _publish(self, trainer: pl.Trainer, step: int, row: dict[str, float]) -> None:
+        """Rank 0: keep the row, send it to the loggers, print the progress line."""
+        if "sys/gpu_util" in row:
             self.gpu_util_samples.append(row["sys/gpu_util"])
         self.cpu_samples.append(row["sys/cpu_percent"])
         if self.first_loss is None:

@@ -79,13 +79,16 @@ def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
     s = cfg.strategy
     require(not s.offload_params or zero_stage(s.name) == 3, "strategy.offload_params", s.offload_params,
             f"parameter offload needs ZeRO stage 3 (strategy=zero3 or zero3_offload), not strategy={s.name}")
-    if s.name == "zero3_offload":
-        require(s.offload_optimizer, "strategy.offload_optimizer", s.offload_optimizer,
-                "strategy=zero3_offload is ZeRO-3 with the optimizer on the host; "
-                "use strategy=zero3 for no offload")
     resolved_deepspeed_config(cfg)  # raises ConfigError for a missing, malformed or conflicting JSON
     if s.offload_optimizer or s.offload_params:
         _check_offload_memory(cfg, layout)
+
+
+def check_zero3_offload(cfg: DictConfig, layout: ParallelLayout) -> None:
+    s = cfg.strategy
+    require(s.offload_optimizer, "strategy.offload_optimizer", s.offload_optimizer,
+            "strategy=zero3_offload is ZeRO-3 with the optimizer on the host; use strategy=zero3 for no offload")
+    check_zero(cfg, layout)
 
 
 def _check_offload_memory(cfg: DictConfig, layout: ParallelLayout) -> None:
