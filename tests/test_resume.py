@@ -125,9 +125,10 @@ def test_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path
 
     from loom.freeze import freeze
     from loom.pipeline import resolve
+    from loom.plan import make_plan
 
     cfg = resolve([*ARGS, f"run.root={tmp_path}"])
-    frozen = freeze(cfg, {"global_batch": 32})
+    frozen = freeze(cfg, make_plan(cfg))
     (frozen.run_dir / "checkpoints").mkdir()
     torch.save({"state_dict": {}, "x": Payload()}, frozen.run_dir / "checkpoints" / "step-0000004.ckpt")
     r = run_loom("train", *ARGS, root=tmp_path)
@@ -140,8 +141,10 @@ def test_checkpoint_write_error_fails_the_run_loudly(tmp_path):
     run_dir = tmp_path / "gpt" / "r"
     from loom.freeze import freeze
     from loom.pipeline import resolve
+    from loom.plan import make_plan
 
-    freeze(resolve([*ARGS, f"run.root={tmp_path}"]), {"global_batch": 32, "peak_flops_per_device": None})
+    cfg = resolve([*ARGS, f"run.root={tmp_path}"])
+    freeze(cfg, make_plan(cfg))
     (run_dir / "checkpoints").write_text("not a directory")  # every checkpoint write must fail
     r = run_loom("train", *ARGS, root=tmp_path)
     assert r.rc == 1
