@@ -26,6 +26,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     """Train this rank to the end (or to a preemption); rank 0 writes the run's results."""
     import pytorch_lightning as pl
 
+    quiet_library_consoles()
     from loom.data.position import DataPosition
     from loom.tracking.recorder import Recorder
     from loom.worker.checkpoint_saver import Checkpointing
@@ -66,6 +67,14 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     finally:
         run.write(trainer)
     return 0
+
+
+def quiet_library_consoles() -> None:
+    """Lightning adds its own console handler when imported; its banners go to the rank log."""
+    for name in ("pytorch_lightning", "lightning_fabric", "lightning"):
+        lg = logging.getLogger(name)
+        lg.handlers = [h for h in lg.handlers if isinstance(h, logging.FileHandler)]
+        lg.propagate = False
 
 
 def _resume_point(run_dir: Path, rank: int) -> Path | None:

@@ -65,14 +65,6 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     logging.getLogger("py.warnings").addHandler(file_handler)
 
 
-def quiet_library_consoles() -> None:
-    """Lightning adds its own console handler when imported; its banners go to the rank log."""
-    for name in ("pytorch_lightning", "lightning_fabric", "lightning"):
-        lg = logging.getLogger(name)
-        lg.handlers = [h for h in lg.handlers if isinstance(h, logging.FileHandler)]
-        lg.propagate = False
-
-
 def die_with_parent() -> None:
     """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
     training on as an orphan (torchrun starts workers in their own sessions)."""
@@ -107,7 +99,6 @@ def run(run_dir: Path) -> int:
         from loom.worker.fit import fit
 
         init_from_torchrun(cfg.hardware.backend)
-        quiet_library_consoles()
         rc = fit(cfg, run_dir, rank)
         shutdown()
         return rc
