@@ -5,7 +5,7 @@ For each model (default gpt_125m and gpt_1b) three runs, one after another:
 - loom:           `loom train strategy=single hardware.devices=1 tracking=csv` with
                   hardware=auto (a known device gets its shipped profile: datasheet peak,
                   bf16-mixed), dataset.seq_len=2048. Loom has no torch.compile option
-                  (nothing in conf/ or config.py), so this side runs eager.
+                  (nothing in conf/ or the schemas), so this side runs eager.
 - plain eager:    plain_gpt.py --device cuda --dtype bf16 (autocast bf16, as Lightning's
                   bf16-mixed), the same GPT, data, optimizer and seed.
 - plain compiled: the same with torch.compile(model).
