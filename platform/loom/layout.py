@@ -12,8 +12,7 @@ data-parallel rank, so they read the same batch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 DP_MODES = ("replicate", "shard", "hybrid")
 
@@ -66,6 +65,3 @@ class ParallelLayout:
 
     def global_batch(self, micro_batch: int, accumulate: int) -> int:
         return micro_batch * accumulate * self.dp
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "num_nodes": self.num_nodes, "dp": self.dp}

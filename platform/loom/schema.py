@@ -69,6 +69,14 @@ SECTIONS: dict[str, type] = {
 TOP_LEVEL = {"experiment": str, "seed": int}
 
 
+def no_check(cfg: DictConfig, layout: object) -> None:
+    """The default `check` of a config group option: nothing beyond its schema's types."""
+
+
+def nothing_to_fill(cfg: DictConfig) -> None:
+    """The default `normalize` of a config group option: its values are used as written."""
+
+
 def field_names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 

@@ -13,14 +13,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.data.checks import check_common, normalize_tokenizer, tokenizer_vocab
-from loom.data.registry import DATASETS, DatasetOption
+from loom.data.registry import DATASETS
 from loom.layout import ParallelLayout
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in DATASETS.items()}
 
-
-def option(name: str) -> DatasetOption:
-    return DATASETS[name]
 
 
 def is_token_data(ds: DictConfig) -> bool:

@@ -22,16 +22,11 @@ from loom.data.schema import (
     TinycodeDatasetConfig,
 )
 from loom.layout import ParallelLayout
+from loom.schema import no_check, nothing_to_fill
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8x8 digits
 
 
-def _no_check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """Nothing beyond the common dataset checks."""
-
-
-def _nothing_to_fill(cfg: DictConfig) -> None:
-    """The option's values are used as written."""
 
 
 def _always(value: bool) -> Callable[[DictConfig], bool]:
@@ -53,8 +48,8 @@ class DatasetOption:
     tokens: Callable[[DictConfig], bool]   # yields (tokens, next tokens) rather than (features, label)
     features: Callable[[DictConfig], tuple[int, int] | None] = _no_features  # (inputs, classes)
     tokenized: bool = False                # text tokenized into the cache by `prepare_data`
-    check: Callable[[DictConfig, ParallelLayout], None] = _no_check
-    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+    check: Callable[[DictConfig, ParallelLayout], None] = no_check
+    normalize: Callable[[DictConfig], None] = nothing_to_fill
 
 
 DATASETS: dict[str, DatasetOption] = {

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError, require
 from loom.hardware.schema import BACKENDS, LAUNCHERS, PEAK_KEYS, PRECISIONS
 from loom.layout import ParallelLayout
+from loom.schema import nothing_to_fill as normalize  # noqa: F401  (`hardware=auto` is resolved at compose)
 
 # sbatch options Loom sets from the profile: hardware.slurm.extra_args may not set them again.
 MANAGED = {
@@ -33,10 +34,6 @@ MANAGED = {
     "--open-mode": "append (requeued attempts share the log)",
     "--job-name": "loom-<run id>", "-J": "loom-<run id>",
 }
-
-
-def normalize(cfg: DictConfig) -> None:
-    """Nothing to fill in: a profile is used as written (`hardware=auto` is resolved at compose)."""
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:

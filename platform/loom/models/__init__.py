@@ -13,14 +13,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models.registry import MODELS, ModelOption
+from loom.models.registry import MODELS
 from loom.models.spec import ModelSpec
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items()}
 
-
-def option(name: str) -> ModelOption:
-    return MODELS[name]
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

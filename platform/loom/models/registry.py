@@ -22,10 +22,7 @@ from loom.models.schema import (
     MLPModelConfig,
 )
 from loom.models.spec import ModelSpec
-
-
-def _nothing_to_fill(cfg: DictConfig) -> None:
-    """The option's values are used as written."""
+from loom.schema import nothing_to_fill
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class ModelOption:
     check: Callable[[DictConfig, ParallelLayout], None]
     spec: Callable[[DictConfig], ModelSpec]
     build: str        # "loom.models.build:function" (cfg) -> LightningModule; imports torch
-    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+    normalize: Callable[[DictConfig], None] = nothing_to_fill
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt")

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from loom.errors import require
 from loom.layout import ParallelLayout
+from loom.schema import nothing_to_fill as normalize  # noqa: F401  (the group interface)
 
 
 @dataclass
@@ -23,10 +24,6 @@ class AdamWConfig:
 
 
 SCHEMAS: dict[str, type] = {"adamw": AdamWConfig}
-
-
-def normalize(cfg: DictConfig) -> None:
-    """The optimizer's values are used as written."""
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GB = 1e9
+from loom.plan.memory import GB
 
 
 def render(plan: dict[str, Any]) -> None:

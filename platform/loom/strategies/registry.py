@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
+from loom.schema import no_check, nothing_to_fill
 from loom.strategies import checks
 from loom.strategies.schema import (
     DDPStrategyConfig,
@@ -22,22 +23,14 @@ from loom.strategies.schema import (
 )
 
 
-def _no_check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """Nothing beyond the schema's types."""
-
-
-def _nothing_to_fill(cfg: DictConfig) -> None:
-    """The option's values are used as written."""
-
-
 @dataclass(frozen=True)
 class StrategyOption:
     schema: type
     dp_mode: str      # how the data-parallel ranks split (loom.layout): replicate | shard | hybrid
     states: str       # which training states are partitioned (loom.plan): none | optimizer | optimizer+grads | all
     build: str        # "module:function" that builds the Lightning strategy (imports torch)
-    check: Callable[[DictConfig, ParallelLayout], None] = _no_check
-    normalize: Callable[[DictConfig], None] = _nothing_to_fill
+    check: Callable[[DictConfig, ParallelLayout], None] = no_check
+    normalize: Callable[[DictConfig], None] = nothing_to_fill
 
 
 _ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero)

@@ -5,17 +5,11 @@ The package top is torch-free: the schema, and the launcher-side checks of `chec
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
-from loom.layout import ParallelLayout
+# Nothing to check or fill beyond the schema: whether wandb can log from here is the machine-side
+# `checks.tracking_checks`, run by `loom train` only.
+from loom.schema import no_check as check
+from loom.schema import nothing_to_fill as normalize
 from loom.tracking.schema import SCHEMAS
 
 __all__ = ["SCHEMAS", "check", "normalize"]
 
-
-def normalize(cfg: DictConfig) -> None:
-    """The tracking values are used as written."""
-
-
-def check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """Nothing beyond the schema: whether wandb can log from here is `checks.tracking_checks`."""
