@@ -29,9 +29,9 @@ def test_gpt_sizes_match_the_spec_on_the_meta_device(name):
 
     cfg = resolve([f"model={name}"])
     with torch.device("meta"):
-        module = build_module(cfg)
+        model = build_module(cfg).build_model()
     spec = model_spec(cfg)
-    assert sum(p.numel() for p in module.model.parameters()) == spec.params
+    assert sum(p.numel() for p in model.parameters()) == spec.params
     assert spec.items_per_sample == cfg.dataset.seq_len and spec.flops_per_token > 6 * spec.non_embedding_params
     expected = {"gpt_125m": 86e6, "gpt_1b": 1.2e9, "gpt_7b": 6.4e9}.get(name)
     if expected:
@@ -44,6 +44,7 @@ def test_mlp_spec_matches_the_module_and_fills_sizes_from_the_dataset():
     cfg = resolve(["dataset=digits", "model=mlp", "model.hidden=[32,16]"])
     assert cfg.model.in_features == 64 and cfg.model.num_classes == 10
     module = build_module(cfg)
+    module.configure_model()
     spec = model_spec(cfg)
     assert sum(p.numel() for p in module.model.parameters()) == spec.params
     assert spec.items_per_sample == 1 and spec.flops_per_token == 6 * (64 * 32 + 32 * 16 + 16 * 10)
@@ -67,7 +68,9 @@ def test_hf_causal_lm_spec_counts_the_built_model(hf_assets):
                    f"model.config={hf_assets['config']}"])
     spec = model_spec(cfg)
     module = build_module(cfg)
+    module.configure_model()  # built on the meta device, materialized on the CPU, buffers kept
     assert sum(p.numel() for p in module.model.parameters()) == spec.params
+    assert not any(t.is_meta for t in [*module.model.parameters(), *module.model.buffers()])
     assert spec.flops_per_token and spec.items_per_sample == 32
     assert [c.__name__ for c in module.sharding_units] == ["GPT2Block"]
 

@@ -19,8 +19,12 @@ from loom.rundir.config_file import frozen_container, frozen_yaml
 from loom.rundir.summary import read_summary
 
 # Keys that do not change what a run computes: changing them resumes the same run.
+# Activation checkpointing recomputes the same values, async checkpoints write the same bytes,
+# and the export dtype only shapes final/model.safetensors; so a run can also resume with
+# checkpointing switched on to fit, and run ids frozen before these keys existed still hold.
 VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_endpoint",
-            "trainer.log_every_n_steps")
+            "trainer.log_every_n_steps", "trainer.activation_checkpointing", "checkpoint.async",
+            "checkpoint.export_dtype")
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:

@@ -7,8 +7,6 @@ Shapes use -1 for the head count, so the same code runs on a TP rank's local hea
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,18 +75,18 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        self.reset_parameters(n_layer)
+        self.n_layer = n_layer
+        w = self.lm_head.weight
+        if not (w.is_meta or hasattr(w, "ds_id")):  # meta or ZeRO-3: the worker initializes (models.construct)
+            self.reset_parameters()
 
-    def reset_parameters(self, n_layer: int) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif ".ln_" in name or name.startswith("ln_"):
-                nn.init.ones_(p)
-            elif name.endswith("proj.weight"):  # residual projections, GPT-2 scaling
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
-            else:
-                nn.init.normal_(p, std=0.02)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2's init (loom.models.init.gpt_rule), each parameter from its own generator
+        seeded by `seed` (default: torch's current seed) and its name, as sharded runs do."""
+        from loom.models.init import NamedInit, gpt_rule, initialize
+
+        seed = torch.initial_seed() if seed is None else seed
+        initialize(self, NamedInit(seed, gpt_rule(self.n_layer)), self.lm_head.weight.device)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -8,6 +8,8 @@ user's own LightningModule (`model=custom`) is used as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -15,27 +17,43 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from loom.models.gpt import GPT, Block
+from loom.models.init import NamedInit, ResetParametersInit, gpt_rule, meta_capable, std_rule
 from loom.optim.build import build_optimizer
 
 
 class LoomModule(pl.LightningModule):
+    """Subclasses say how to build the network (`build_model`) and how to initialize it by
+    parameter name (`initializer`); `configure_model` builds it (loom.models.construct)."""
+
     sharding_units: tuple[type, ...] = ()
     tensor_parallel_plan: dict[type, dict[str, str]] = {}
 
-    def __init__(self, optim_cfg: DictConfig, max_steps: int) -> None:
+    def __init__(self, cfg: DictConfig) -> None:
         super().__init__()
-        self.optim_cfg = optim_cfg
-        self.max_steps = max_steps
+        self.cfg = cfg
+        self.optim_cfg, self.max_steps = cfg.optim, cfg.trainer.max_steps
+        self.build_peak_rss_gb: float | None = None
+        self._built = False
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        """(how to initialize each parameter by name, None) or (None, why the model cannot be
+        built on the meta device). Default: each leaf's own reset_parameters()."""
+        why = meta_capable(meta_model)
+        return (None, why) if why else (ResetParametersInit(int(self.cfg.seed), meta_model), None)
 
     def configure_model(self) -> None:
-        """Lightning calls this before the optimizers are built. The model itself is built in
-        __init__ (same seed, same initial weights under every strategy); a strategy that
-        shards it (Loom's ModelParallelStrategy: FSDP2 / TP) does so here, once."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        parallelize = getattr(strategy, "parallelize", None)
-        if parallelize is not None and not getattr(self, "_parallelized", False):
-            parallelize(self)
-            self._parallelized = True
+        """Lightning calls this once the strategy exists, inside the strategy's init contexts
+        (ZeRO-3: deepspeed.zero.Init), before the optimizers are built. Called without a
+        trainer (tests, tools), it builds the plain model on the CPU."""
+        if self._built:
+            return
+        from loom.models.construct import construct
+
+        construct(self, self._trainer.strategy if self._trainer is not None else None)
+        self._built = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -71,12 +89,13 @@ class CausalLMModule(LoomModule):
                 "mlp.fc": "colwise", "mlp.proj": "rowwise"},
     }
 
-    def __init__(self, model_cfg: DictConfig, optim_cfg: DictConfig, max_steps: int) -> None:
-        super().__init__(optim_cfg, max_steps)
-        self.model_cfg = model_cfg
-        m = OmegaConf.to_container(model_cfg)
+    def build_model(self) -> nn.Module:
+        m = OmegaConf.to_container(self.cfg.model)
         m.pop("name")
-        self.model = GPT(**m)
+        return GPT(**m)
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        return NamedInit(int(self.cfg.seed), gpt_rule(int(self.cfg.model.n_layer))), None
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
@@ -87,13 +106,22 @@ class HFCausalLMModule(LoomModule):
     """A transformers AutoModelForCausalLM, `model=hf_causal_lm`. FSDP units: the classes the
     model names in `_no_split_modules` (its decoder layers)."""
 
-    def __init__(self, model_cfg: DictConfig, optim_cfg: DictConfig, max_steps: int) -> None:
-        super().__init__(optim_cfg, max_steps)
+    def build_model(self) -> nn.Module:
         from loom.models import hf
 
-        self.model = hf.build(model_cfg)
-        names = set(getattr(self.model, "_no_split_modules", None) or [])
-        self.sharding_units = tuple({type(mod) for mod in self.model.modules() if type(mod).__name__ in names})
+        model = hf.build(self.cfg.model)
+        names = set(getattr(model, "_no_split_modules", None) or [])
+        self.sharding_units = tuple({type(mod) for mod in model.modules() if type(mod).__name__ in names})
+        return model
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        from loom.models import hf
+
+        m = self.cfg.model
+        if not m.random_init and hf.has_local_weights(str(m.config)):
+            return None, "its pretrained weights are loaded whole"
+        std = float(getattr(meta_model.config, "initializer_range", 0.02))
+        return NamedInit(int(self.cfg.seed), std_rule(std)), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x, use_cache=False).logits
@@ -106,9 +134,9 @@ class HFCausalLMModule(LoomModule):
 class ClassifierModule(LoomModule):
     """Cross-entropy classification, `model=mlp`; logs val/acc next to val/loss."""
 
-    def __init__(self, model: nn.Module, optim_cfg: DictConfig, max_steps: int) -> None:
-        super().__init__(optim_cfg, max_steps)
-        self.model = model
+    def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module]) -> None:
+        super().__init__(cfg)
+        self.build_model = make_model
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
@@ -128,11 +156,21 @@ class WrappedModule(LoomModule):
     Outputs with one more dimension than the targets beyond (batch, classes), e.g. a language
     model's (B, T, V) logits for (B, T) targets, are flattened to (B*T, V) first."""
 
-    def __init__(self, model: nn.Module, loss: nn.Module | None, optim_cfg: DictConfig, max_steps: int) -> None:
-        super().__init__(optim_cfg, max_steps)
-        self.model = model
+    def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module], loss: nn.Module | None,
+                 prebuilt: bool = False) -> None:
+        super().__init__(cfg)
+        self._make_model, self._prebuilt = make_model, prebuilt
         self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        if self._prebuilt:
+            return None, "a factory function built it"
+        return super().initializer(meta_model)
+
+    def build_model(self) -> nn.Module:
+        model = self._make_model()
         self.sharding_units = tuple(getattr(model, "sharding_units", ()))
+        return model
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch

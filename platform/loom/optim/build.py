@@ -8,12 +8,17 @@ import torch
 from omegaconf import DictConfig
 
 
+def _ndim(p: torch.Tensor) -> int:
+    """Dimensions of the full parameter: a ZeRO-3 partition is flat, its shape is `ds_shape`."""
+    return len(getattr(p, "ds_shape", p.shape))
+
+
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig, max_steps: int
 ) -> dict:
     """AdamW (decay on matrices only) + linear warmup and cosine decay, stepped per step."""
-    decay = [p for _, p in named_params if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for _, p in named_params if p.requires_grad and p.dim() < 2]
+    decay = [p for _, p in named_params if p.requires_grad and _ndim(p) >= 2]
+    no_decay = [p for _, p in named_params if p.requires_grad and _ndim(p) < 2]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": optim.weight_decay},

@@ -36,6 +36,7 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None},
         "memory": {
             "peak_rss_gb_per_rank": None,
+            "build_peak_rss_gb_per_rank": None,
             "peak_gpu_mem_gb_per_rank": None,
             "param_bytes_per_rank": None,
             "optim_state_bytes_per_rank": None,

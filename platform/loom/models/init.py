@@ -1,0 +1,227 @@
+"""Initial weights that do not depend on how the model is sharded.
+
+Each parameter's full value is drawn from its own generator, seeded by the run seed and the
+parameter's name; a rank then keeps only its part (a DTensor's local shard, or under ZeRO-3
+the partition DeepSpeed keeps after `GatheredParameters`). So `single`, `ddp`, `fsdp`,
+`fsdp_tp` and `zero*` start from the same weights for the same seed, and no rank ever holds
+more than one full parameter besides its shards.
+
+Written by hand because torch offers no sharding-independent init on CPU: DTensor random ops
+are only offset-consistent on CUDA, and `reset_parameters` draws from the global RNG in
+module order, which meta construction and sharding change.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from loom.models.activation_checkpointing import clean_name
+
+# (kind, std) for a parameter's name and shape: ("normal", std) | ("zeros", 0) | ("ones", 0)
+Rule = Callable[[str, tuple[int, ...]], tuple[str, float]]
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per (run seed, parameter name); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def gpt_rule(n_layer: int) -> Rule:
+    """loom.models.gpt: GPT-2's init (normal 0.02, residual projections scaled by 1/sqrt(2L))."""
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if ".ln_" in name or name.startswith("ln_"):
+            return "ones", 0.0
+        if name.endswith("proj.weight"):
+            return "normal", 0.02 / math.sqrt(2 * n_layer)
+        return "normal", 0.02
+
+    return rule
+
+
+def std_rule(std: float) -> Rule:
+    """Transformers' common init (normal(initializer_range) matrices, zero biases, unit norms),
+    without per-architecture special cases."""
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        return ("normal", std) if len(shape) >= 2 else ("ones", 0.0)
+
+    return rule
+
+
+CHUNK = 1 << 20  # elements per generator: a rank draws only the chunks its part overlaps
+
+
+class NamedInit:
+    """The initial value of any parameter, by name, on any device: the flattened parameter
+    is cut in chunks of CHUNK elements, each drawn from a generator seeded by (run seed, name,
+    chunk index), so any contiguous range of it can be drawn alone."""
+
+    def __init__(self, seed: int, rule: Rule) -> None:
+        self.seed, self.rule = seed, rule
+
+    def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
+        """Write elements [start, start + dest.numel()) of the flattened full value into `dest` (1-D)."""
+        kind, std = self.rule(name, shape)
+        if kind != "normal":
+            dest.fill_(0.0 if kind == "zeros" else 1.0)
+            return
+        end, total = start + dest.numel(), math.prod(shape)
+        for k in range(start // CHUNK, (end - 1) // CHUNK + 1 if end > start else 0):
+            lo, hi = k * CHUNK, min((k + 1) * CHUNK, total)
+            gen = torch.Generator(device=dest.device).manual_seed(param_seed(self.seed, f"{name}#{k}"))
+            chunk = torch.empty(hi - lo, device=dest.device).normal_(0.0, std, generator=gen)
+            a, b = max(start, lo), min(end, hi)
+            dest[a - start:b - start].copy_(chunk[a - lo:b - lo])
+
+    def full_value(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        out = torch.empty(shape, device=device)
+        self.fill_flat(out.view(-1), name, shape, 0)
+        return out
+
+
+class ResetParametersInit(NamedInit):
+    """A user's module: each leaf's own `reset_parameters()` (the convention Lightning's
+    meta-device materialization uses), run on a full-size CPU twin of that leaf under an RNG
+    seeded by the run seed and the leaf's name. Only one twin is alive at a time."""
+
+    def __init__(self, seed: int, meta_model: nn.Module) -> None:
+        super().__init__(seed, lambda name, shape: ("zeros", 0.0))
+        self.leaves = {name: mod for name, mod in meta_model.named_modules()
+                       if any(True for _ in mod.parameters(recurse=False))}
+        self._twin: tuple[str, nn.Module] | None = None
+
+    def full_value(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        leaf, _, attr = name.rpartition(".")
+        if self._twin is None or self._twin[0] != leaf:
+            twin = copy.deepcopy(self.leaves[leaf]).to_empty(device="cpu")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(param_seed(self.seed, leaf))
+                twin.reset_parameters()
+            self._twin = (leaf, twin)
+        return getattr(self._twin[1], attr).detach().to(device=device, dtype=torch.float32)
+
+    def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
+        dest.copy_(self.full_value(name, shape, dest.device).view(-1)[start:start + dest.numel()])
+
+
+def meta_capable(meta_model: nn.Module) -> str | None:
+    """None if every module holding parameters can re-create them (`reset_parameters`), else why not."""
+    missing = sorted({type(m).__name__ for m in meta_model.modules()
+                      if any(True for _ in m.parameters(recurse=False)) and not callable(
+                          getattr(m, "reset_parameters", None))})
+    return f"{', '.join(missing)} define no reset_parameters()" if missing else None
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build a module with its parameters on the meta device and its buffers real.
+
+    As accelerate's `init_empty_weights(include_buffers=False)` (not a Loom dependency):
+    buffers computed in `__init__` (rotary frequencies, masks) keep their values, while no
+    parameter storage is allocated.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = {k: v for k, v in vars(param).items()}
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name].__dict__.update(kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, init: NamedInit) -> None:
+    """Allocate the (possibly sharded) meta parameters on `device` and initialize them; the
+    buffers keep the values they were built with."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    tied = _tied_parameters(model)
+    model.to_empty(device=device)
+    for (owner, attr), *others in tied:  # to_empty gives each module its own new tensor
+        for module, name in others:
+            setattr(module, name, getattr(owner, attr))
+    for name, b in model.named_buffers():
+        if name in buffers:
+            b.copy_(buffers[name])
+    initialize(model, init, device)
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) of every parameter shared by several modules (tied embeddings)."""
+    users: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((module, attr))
+    return [u for u in users.values() if len(u) > 1]
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, init: NamedInit, device: torch.device) -> None:
+    """Write every parameter's initial value into what this rank holds of it."""
+    for name, p in model.named_parameters():
+        _write(p, init, clean_name(name), device)
+
+
+def _write(p: torch.Tensor, init: NamedInit, name: str, device: torch.device) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        _write_dtensor(p, init, name, device)
+    elif hasattr(p, "ds_id"):
+        _write_zero3_partition(p, init, name)
+    else:
+        init.fill_flat(p.view(-1), name, tuple(p.shape), 0)
+
+
+def _write_dtensor(p: torch.Tensor, init: NamedInit, name: str, device: torch.device) -> None:
+    """A row-sharded (Shard(0)) local tensor is a contiguous range of the flattened
+    parameter: draw only that. Other layouts (TP column splits, FSDP over TP's strided
+    shards) draw the full value and let DTensor cut this rank's part."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, local = tuple(p.shape), p.to_local()
+    if all(type(pl) in (Shard, Replicate) and (type(pl) is Replicate or pl.dim == 0) for pl in p.placements):
+        local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        if local.numel():
+            init.fill_flat(local.view(-1), name, shape, offset[0] * math.prod(shape[1:]))
+        return
+    full = init.full_value(name, shape, device)
+    local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+
+def _write_zero3_partition(p: torch.Tensor, init: NamedInit, name: str) -> None:
+    """ZeRO-3 keeps elements [rank * n, (rank + 1) * n) of the flattened parameter in
+    `p.ds_tensor` (zero-padded at the end; see DeepSpeed's `_partition_param`). Written
+    directly because `GatheredParameters` would gather the full parameter on every rank."""
+    import torch.distributed as dist
+
+    part = p.ds_tensor
+    group = getattr(p, "ds_process_group", None)
+    rank = dist.get_rank(group=group) if dist.is_initialized() else 0
+    size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
+    start, total = rank * size, p.ds_numel
+    valid = max(0, min(size, total - start))
+    flat = part.view(-1)
+    if valid:
+        init.fill_flat(flat[:valid], name, tuple(p.ds_shape), start)
+    flat[valid:].zero_()
