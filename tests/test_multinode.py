@@ -161,3 +161,20 @@ def test_nodes_freezing_the_same_run_at_once_agree(tmp_path):
     assert not errors, errors
     assert {r.state for r in results} <= {"new", "resume"} and len({r.run_dir for r in results}) == 1
     assert not list(results[0].run_dir.glob("*.tmp"))
+
+
+def test_an_elastic_run_sizes_its_mesh_from_the_world_torchrun_formed():
+    """min_nodes=1 of 2: with one node up, fsdp shards over that node's ranks (no HSDP
+    replica dim sized from the profile's two nodes)."""
+    from loom.pipeline import resolve
+    from loom.strategies import build_strategy, layout_of
+
+    cfg = resolve(["hardware=cpu", "hardware.devices=2", "hardware.num_nodes=2", "+hardware.min_nodes=1",
+                   "hardware.rdzv_endpoint=node0:29400", "strategy=fsdp"])
+    profile = layout_of(cfg)
+    assert (profile.world, profile.dp_replicate, profile.dp_shard) == (4, 2, 2) and profile.hybrid
+    formed = layout_of(cfg, world=2)  # what the worker passes: WORLD_SIZE from torchrun
+    assert (formed.world, formed.num_nodes, formed.dp_replicate, formed.dp_shard) == (2, 1, 1, 2)
+    strategy = build_strategy(cfg, formed)
+    assert strategy._data_parallel_size == 2 and strategy._tensor_parallel_size == 1
+    assert not strategy.loom_layout.hybrid
