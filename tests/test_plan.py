@@ -16,8 +16,17 @@ from loom.compose import group_options
 from loom.hardware.peaks import mfu, peak_flops
 from loom.models import model_spec
 from loom.pipeline import resolve
-from loom.plan import CHEAPEST_FIRST, make_plan
-from loom.plan.memory import comm_bytes, per_param_bytes, state_bytes, tp_replicated_params
+from loom.plan import CHEAPEST_FIRST, Plan, make_plan
+from loom.plan.memory import (
+    RUNTIME_HOST_BYTES,
+    activation_bytes,
+    comm_bytes,
+    layer_activation_bytes,
+    per_param_bytes,
+    state_bytes,
+    tp_replicated_params,
+)
+from loom.plan.render import infeasible_message
 from loom.strategies import layout_of
 
 GB = 1e9
@@ -108,8 +117,9 @@ def test_zero3_on_h100x8_memory_and_comm():
     psi = plan.params
     mem = plan.memory_per_device_bytes
     assert mem["states"] == pytest.approx(16 * psi / 8)
-    # per micro batch: 2 all-gathers of bf16 params + 1 reduce-scatter of bf16 grads, each 7/8
-    assert plan.comm_bytes_per_step_per_device == pytest.approx(2 * 3 * 7 / 8 * 2 * psi)
+    # per micro batch: 2 all-gathers of bf16 params + 1 reduce-scatter of fp32 grads (Loom's
+    # DeepSpeed default communication_data_type), each 7/8
+    assert plan.comm_bytes_per_step_per_device == pytest.approx(2 * (2 * 2 + 4) * 7 / 8 * psi)
     assert plan.capacity_per_device_bytes == pytest.approx(0.9 * 80 * GB)
     assert plan.peak_flops_per_device == pytest.approx(989.4e12)
     assert plan.fits
@@ -250,3 +260,173 @@ def test_estimate_vs_measured_bytes_per_rank(strategy_runs, strategy):
     est = est_mem["params"] + est_mem["optimizer"] + est_mem["host_offload"]
     for rank, (p, o) in enumerate(zip(mem["param_bytes_per_rank"], mem["optim_state_bytes_per_rank"], strict=True)):
         assert abs((p + o) - est) <= 0.10 * est, (rank, p, o, est)
+
+
+# ------------------------------------------------------------------ activation checkpointing
+
+
+def _act_cfg(*extra: str):
+    return _cfg("hardware=h100x8", "model=gpt_7b", "strategy=fsdp", "dataset.batch_size=2",
+                "dataset.seq_len=128", *extra)
+
+
+def test_activation_estimate_follows_checkpointing_exactly():
+    """Korthikanti et al. 2022 (flash attention): 34*s*b*h bytes per layer in 16-bit; full AC
+    keeps each layer's 2*s*b*h input plus one layer's recompute; selective: every other block."""
+    cfg = _act_cfg()
+    s, b, h, L, V = 128, 2, 4096, 32, 256
+    layer, inp, logits = 34 * s * b * h, 2 * s * b * h, 2 * 4 * b * s * V
+    got = {mode: activation_bytes(cfg, 1, True, mode) for mode in ("none", "selective", "full")}
+    assert got["none"] == pytest.approx(L * layer + logits)
+    assert got["full"] == pytest.approx(L * inp + layer + logits)
+    assert got["selective"] == pytest.approx(16 * layer + 16 * inp + layer + logits)
+    assert got["none"] > got["selective"] > got["full"]
+    # fp32: twice the bytes per layer, a 4-byte input
+    assert activation_bytes(cfg, 1, False, "full") == pytest.approx(L * 2 * inp + 2 * layer + logits)
+    # odd depth: blocks 0, 2 checkpointed, block 1 stores everything
+    odd = _act_cfg("model.n_layer=3")
+    assert activation_bytes(odd, 1, True, "selective") == pytest.approx(layer + 2 * inp + layer + logits)
+    # the default mode is the config's
+    plan = make_plan(_act_cfg("trainer.activation_checkpointing=full"))
+    assert plan.activation_checkpointing == "full"
+    assert plan.memory_per_device_bytes["activations"] == pytest.approx(got["full"])
+
+
+def test_activation_estimate_tensor_parallel_korthikanti_eq2():
+    """Without sequence parallelism only 24 of the 34*s*b*h divide by t (eq. 2); the block
+    input kept by full AC is replicated on every TP rank; the logits split over t."""
+    cfg = _act_cfg()
+    s, b, h, L, V, t = 128, 2, 4096, 32, 256, 4
+    sbh, logits = s * b * h, 2 * 4 * b * s * V / t
+    assert layer_activation_bytes(s, b, h, t, True) == pytest.approx(sbh * (10 + 24 / t))
+    assert activation_bytes(cfg, t, True, "none") == pytest.approx(L * sbh * (10 + 24 / t) + logits)
+    assert activation_bytes(cfg, t, True, "full") == pytest.approx(L * 2 * sbh + sbh * (10 + 24 / t) + logits)
+    assert activation_bytes(cfg, 1, True, "none") / activation_bytes(cfg, t, True, "none") < t
+
+
+def test_own_strategy_suggestion_names_activation_checkpointing():
+    """fsdp's states fit, 128 samples' activations do not: the least checkpointing that fits."""
+    plan = make_plan(_cfg("hardware=h100x8", "model=gpt_7b", "strategy=fsdp", "dataset.batch_size=128"))
+    assert not plan.fits
+    assert plan.suggestion == "fsdp"
+    assert plan.suggestion_overrides == ["trainer.activation_checkpointing=selective"]
+    assert make_plan(_cfg("hardware=h100x8", "model=gpt_7b", "strategy=fsdp", "dataset.batch_size=128",
+                          "trainer.activation_checkpointing=selective")).fits
+
+
+def test_cli_plan_70b_shaped_names_checkpointing_or_sharding(tmp_path):
+    p, _ = _cli("plan", "model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64",
+                "hardware=h100x8", "--json", str(tmp_path / "p.json"))
+    assert p.returncode == 3, p.stderr
+    plan = json.loads((tmp_path / "p.json").read_text()) if (tmp_path / "p.json").exists() else None
+    cfg = _cfg("model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64", "hardware=h100x8")
+    fix = make_plan(cfg)
+    assert fix.suggestion_overrides, "no fix named"
+    assert any(o.startswith("trainer.activation_checkpointing=") for o in fix.suggestion_overrides) or \
+        fix.suggestion in ("zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+    assert f"{' '.join(fix.suggestion_overrides)} would fit" in p.stderr
+    assert plan is None or plan["suggestion_overrides"] == fix.suggestion_overrides
+    # and it does: the suggested overrides make the plan fit
+    assert make_plan(_cfg("model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64",
+                          "hardware=h100x8", *fix.suggestion_overrides)).fits
+
+
+def test_bad_activation_checkpointing_mode_fails_fast(tmp_path):
+    p, dt = _cli("train", "hardware=cpu", "trainer.activation_checkpointing=sometimes", f"run.root={tmp_path}")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert dt < 3.0, dt
+    assert "trainer.activation_checkpointing='sometimes'" in p.stderr
+    assert all(c in p.stderr for c in ("none", "selective", "full"))
+    assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ host memory of the build
+
+
+def test_cli_plan_shows_build_host_memory(tmp_path):
+    p, _ = _cli("plan", "model=gpt_7b", "strategy=fsdp", "hardware=h100x8", "--json", str(tmp_path / "p.json"))
+    assert p.returncode == 0, p.stderr
+    assert "build host" in p.stdout and "GB per rank" in p.stdout
+    plan = json.loads((tmp_path / "p.json").read_text())
+    d = 4096  # gpt_7b's largest parameter: the MLP up projection, 4*d*d, in fp32
+    assert plan["build_host_bytes_per_rank"] == pytest.approx(RUNTIME_HOST_BYTES["gpu"] + 4 * 4 * d * d)
+    assert plan["build_host_ok"] and plan["fits"]
+    assert Plan.from_dict(plan).build_host_bytes_per_rank == plan["build_host_bytes_per_rank"]
+
+
+def test_build_host_on_cpu_is_the_parameter_shard():
+    ddp = make_plan(_cfg("hardware=cpu", "strategy=ddp"))
+    fsdp = make_plan(_cfg("hardware=cpu", "strategy=fsdp"))
+    assert ddp.build_host_bytes_per_rank == pytest.approx(RUNTIME_HOST_BYTES["cpu"] + 4 * ddp.params)
+    assert fsdp.build_host_bytes_per_rank == pytest.approx(RUNTIME_HOST_BYTES["cpu"] + 4 * fsdp.params / 2)
+
+
+def test_cli_plan_host_too_small_for_the_build_exits_3(tmp_path):
+    p, _ = _cli("plan", "hardware=cpu", "hardware.host_memory_gb=0.5", "model=gpt_1b", f"run.root={tmp_path}")
+    assert p.returncode == 3, p.stderr
+    assert "building the model needs" in p.stderr and "hardware.host_memory_gb" in p.stderr
+    # GPU: the devices fit, eight ranks' runtimes do not fit a 16 GB host
+    plan = make_plan(_cfg("hardware=h100x8", "hardware.host_memory_gb=16", "model=gpt_7b", "strategy=fsdp"))
+    assert not plan.fits and not plan.build_host_ok and plan.suggestion is None
+    msg = infeasible_message(plan.to_dict())
+    assert "building the model needs" in msg and "per device but" not in msg
+    assert "hardware.devices" in msg  # fewer ranks per node, or more host memory
+
+
+def test_old_plan_json_still_reads_and_renders():
+    """plan.json written before these fields: from_dict fills the defaults, the message works."""
+    old = make_plan(_cfg("hardware=h100x8", "model=gpt_7b", "strategy=ddp")).to_dict()
+    for key in ("activation_checkpointing", "build_host_bytes_per_rank", "build_host_source", "build_host_ok",
+                "host_capacity_bytes", "suggestion_overrides"):
+        old.pop(key)
+    plan = Plan.from_dict({**old, "some_future_key": 1})
+    assert plan.build_host_ok and plan.suggestion_overrides == []
+    assert f"strategy={old['suggestion']} would fit" in infeasible_message(old)
+
+
+# ------------------------------------------------------------------ the wrapper (imports torch)
+
+
+def _tiny_gpt():
+    import torch
+
+    from loom.models.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(n_layer=4, n_head=2, d_model=32, vocab_size=64, block_size=16)
+
+
+def test_apply_activation_checkpointing_counts_keys_and_gradients():
+    torch = pytest.importorskip("torch")
+    from loom.models.activation_checkpointing import apply_activation_checkpointing, clean_name
+    from loom.models.gpt import Block
+
+    ref = _tiny_gpt()
+    keys = list(ref.state_dict())
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        model.zero_grad()
+        model(idx).float().pow(2).mean().backward()
+        return {clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
+
+    expected = grads(ref)
+    for mode, count in (("full", 4), ("selective", 2), ("none", 0)):
+        model = _tiny_gpt()
+        model.load_state_dict(ref.state_dict())
+        assert apply_activation_checkpointing(model, (Block,), mode) == count
+        wrapped = [i for i, b in enumerate(model.blocks) if not isinstance(b, Block)]
+        assert wrapped == {"full": [0, 1, 2, 3], "selective": [0, 2], "none": []}[mode]
+        assert sum(isinstance(m, Block) for m in model.modules()) == 4  # FSDP/TP still find every unit
+        assert list(model.state_dict()) == keys
+        got = grads(model)
+        assert got.keys() == expected.keys()
+        assert all(torch.allclose(got[k], expected[k], atol=0, rtol=0) for k in got), mode
+    with torch.device("meta"):  # right after a meta build, before any sharding
+        from loom.models.gpt import GPT
+
+        meta = GPT(n_layer=4, n_head=2, d_model=32, vocab_size=64, block_size=16)
+    assert apply_activation_checkpointing(meta, (Block,), "full") == 4
+    assert list(meta.state_dict()) == keys
+    with pytest.raises(ValueError, match="sometimes"):
+        apply_activation_checkpointing(meta, (Block,), "sometimes")

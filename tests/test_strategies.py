@@ -195,6 +195,7 @@ def test_user_deepspeed_json_passes_through(tmp_path):
                                 "gradient_clipping": 1.0}))
     cfg = resolve(["strategy=zero3", f"strategy.deepspeed_config={user}", "dataset.batch_size=8"])
     ds = resolved_deepspeed_config(cfg)
-    assert ds["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 5e7}
+    # overlap_comm: Loom's default (strategies.deepspeed_config.PRECISION_DEFAULTS) fills the JSON's gap
+    assert ds["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 5e7, "overlap_comm": True}
     assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_clipping"] == 1.0
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}

@@ -46,12 +46,30 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     val_every_n_steps: int = 0
     limit_val_batches: int = 8
+    activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
 
 
 @dataclass
 class CheckpointConfig:
     every_n_steps: int = 100
     keep_last: int = 2
+    async_: bool = False        # the YAML key is `async` (see _keyword_field)
+    export_dtype: str = "fp32"  # final/model.safetensors: fp32 | bf16 | fp16
+
+
+def _keyword_field(schema: type, attr: str, key: str) -> None:
+    """Give the dataclass field `attr` the name `key`, a Python keyword no field can be declared
+    with (`dataclasses.make_dataclass` refuses keywords too). OmegaConf reads a schema through
+    `dataclasses.fields` and the annotations, never through `__init__`, so after this the user
+    types, the frozen config shows and Loom reads `checkpoint.async` (as `cfg.checkpoint["async"]`).
+    Section schemas are never instantiated, so the generated `__init__`'s `async_` is unused."""
+    fields = schema.__dataclass_fields__  # type: ignore[attr-defined]
+    fields[attr].name = key
+    schema.__dataclass_fields__ = {key if k == attr else k: v for k, v in fields.items()}  # type: ignore[attr-defined]
+    schema.__annotations__ = {key if k == attr else k: v for k, v in schema.__annotations__.items()}
+
+
+_keyword_field(CheckpointConfig, "async_", "async")
 
 
 @dataclass

@@ -86,8 +86,12 @@ def _check_sections(cfg: DictConfig) -> None:
         require(v >= 0, key, v, "must be >= 0 (0 disables it)")
     require(cfg.trainer.gradient_clip_val >= 0, "trainer.gradient_clip_val",
             cfg.trainer.gradient_clip_val, "must be >= 0 (0 disables clipping)")
+    ac, modes = cfg.trainer.activation_checkpointing, ("none", "selective", "full")
+    require(ac in modes, "trainer.activation_checkpointing", ac,
+            f"valid choices: {', '.join(modes)} (selective: every other block, full: every block)")
     require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
             "must be >= 2 so the previous checkpoint survives while the next is written")
+    strategies.checks.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
     if cfg.run.id is not None:
         rid = str(cfg.run.id)
         require(bool(rid) and all(c.isalnum() or c in "-_." for c in rid) and not rid.startswith("."),

@@ -21,7 +21,10 @@ from loom.models import model_spec
 from loom.models.spec import ModelSpec
 from loom.plan.memory import (
     GB,
+    HOST_USABLE,
     MemoryEstimate,
+    build_host_bytes,
+    build_host_ok,
     capacity,
     comm_bytes,
     fits,
@@ -34,6 +37,8 @@ from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_sta
 
 # Order in which `loom plan` suggests a strategy that fits: least communication first.
 CHEAPEST_FIRST = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+# trainer.activation_checkpointing, least recompute first.
+AC_MODES = ("none", "selective", "full")
 
 
 @dataclass
@@ -76,7 +81,13 @@ class Plan:
     comm_time_s_at_measured_busbw: float | None
     fits: bool
     host_memory_ok: bool
-    suggestion: str | None = None
+    activation_checkpointing: str = "none"
+    build_host_bytes_per_rank: float = 0.0   # peak host memory of one rank while the model is built
+    build_host_source: str = ""              # how that is counted (memory.build_host_bytes)
+    build_host_ok: bool = True               # devices per node x build_host_bytes_per_rank fits the host
+    host_capacity_bytes: float | None = None  # usable host memory per node (HOST_USABLE x host_memory_gb)
+    suggestion: str | None = None            # the strategy that would fit (may be the run's own)
+    suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +112,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     cap, where = capacity(hw)
     comm = comm_bytes(cfg, s.name, params, layout) if layout.world > 1 else {}
     peak = peak_flops(hw)
+    build, build_source = build_host_bytes(cfg, s.name, layout, params)
+    build_ok = build_host_ok(cfg, build)
     plan = Plan(
         strategy=s.name, strategy_config=OmegaConf.to_container(s, resolve=True),
         deepspeed_config=resolved_deepspeed_config(cfg) if zero_stage(s.name) else None,
@@ -120,11 +133,16 @@ def make_plan(cfg: DictConfig) -> Plan:
         max_micro_batch=_max_micro_batch(cfg, mem, cap, micro),
         comm_bytes_per_step_per_device=sum(comm.values()), comm_bytes_by_collective=comm,
         comm_time_s_at_measured_busbw=_comm_time(hw, sum(comm.values())),
-        fits=fits(cfg, mem, cap), host_memory_ok=host_ok(cfg, mem),
+        fits=fits(cfg, mem, cap) and build_ok, host_memory_ok=host_ok(cfg, mem),
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
+        build_host_bytes_per_rank=build, build_host_source=build_source, build_host_ok=build_ok,
+        host_capacity_bytes=HOST_USABLE * float(hw.host_memory_gb) * GB,
         warnings=_warnings(cfg, spec, peak, cap),
     )
     if not plan.fits:
-        plan.suggestion = _cheapest_fit(cfg, params, layout, cap)
+        fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
+        if fix is not None:
+            plan.suggestion, plan.suggestion_overrides = fix
     return plan
 
 
@@ -158,17 +176,45 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
     return out
 
 
-def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> str | None:
-    """The first strategy of CHEAPEST_FIRST (with a yaml) whose estimate fits, else None."""
-    have = set(group_options("strategy"))
-    for name in CHEAPEST_FIRST:
-        if name == cfg.strategy.name or name not in have:
-            continue
-        offload = offloads_optimizer(name)
-        if layout.dp == 1 and not offload:
-            continue  # one rank: sharding over 1 saves nothing (offloading still does)
-        if cfg.hardware.accelerator != "gpu" and offload:
-            continue  # on CPU the host *is* the device
-        if fits(cfg, memory_of(cfg, name, strategies.layout_of(cfg, name=name), params), cap):
-            return name
+Fix = tuple[str, list[str]]  # (strategy, the overrides that select it and its checkpointing)
+
+
+def _stronger_checkpointing(cfg: DictConfig) -> tuple[str, ...]:
+    """The activation checkpointing modes beyond the run's own, least recompute first."""
+    return AC_MODES[AC_MODES.index(cfg.trainer.activation_checkpointing) + 1:]
+
+
+def _fits_with(cfg: DictConfig, name: str, layout: ParallelLayout, params: float, cap: float | None,
+               ac: str) -> bool:
+    """Device memory, offload host memory and the build's host memory of `name` with `ac`."""
+    mem = memory_of(cfg, name, layout, params, ac)
+    return fits(cfg, mem, cap) and build_host_ok(cfg, build_host_bytes(cfg, name, layout, params)[0])
+
+
+def _own_with_checkpointing(cfg: DictConfig, params: float, layout: ParallelLayout,
+                            cap: float | None) -> Fix | None:
+    """The run's own strategy with the least activation checkpointing that makes it fit."""
+    for ac in _stronger_checkpointing(cfg):
+        if _fits_with(cfg, cfg.strategy.name, layout, params, cap, ac):
+            return cfg.strategy.name, [f"trainer.activation_checkpointing={ac}"]
+    return None
+
+
+def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> Fix | None:
+    """The first strategy of CHEAPEST_FIRST (with a yaml) whose estimate fits with the run's
+    own activation checkpointing; failing that, with selective, then full (recomputing costs
+    a third more compute at most, so a cheaper strategy is tried without it first)."""
+    have, own_ac = set(group_options("strategy")), cfg.trainer.activation_checkpointing
+    for ac in (own_ac, *_stronger_checkpointing(cfg)):
+        for name in CHEAPEST_FIRST:
+            if name == cfg.strategy.name or name not in have:
+                continue
+            offload = offloads_optimizer(name)
+            if layout.dp == 1 and not offload:
+                continue  # one rank: sharding over 1 saves nothing (offloading still does)
+            if cfg.hardware.accelerator != "gpu" and offload:
+                continue  # on CPU the host *is* the device
+            if _fits_with(cfg, name, strategies.layout_of(cfg, name=name), params, cap, ac):
+                extra = [f"trainer.activation_checkpointing={ac}"] if ac != own_ac else []
+                return name, [f"strategy={name}", *extra]
     return None

@@ -8,11 +8,14 @@ same 16 bytes split 4 params / 4 grads / 8 optimizer states.
 Which split applies depends on who implements the precision. DeepSpeed (zero*) keeps 16-bit
 params and grads plus an fp32 master copy inside the optimizer: the paper's 2 / 2 / 12; in
 fp32 it still clones the fp32 partition it steps, so 4 / 4 / 12 (measured on CPU).
-Lightning's `*-mixed` for ddp / fsdp is autocast: parameters and gradients stay fp32 and
-only the compute is 16-bit: 4 / 4 / 8. The totals agree; the split and the bytes on the wire
-differ. `bf16-true` casts everything, the Adam moments too: 2 / 2 / 4.
+`bf16-mixed` for ddp is Lightning's autocast and for fsdp FSDP2's MixedPrecisionPolicy (no
+autocast): either way the stored parameters and gradients stay fp32 and only the compute
+(and FSDP's all-gathers) is 16-bit: 4 / 4 / 8. The totals agree; the split and the bytes on
+the wire differ (`wire_bytes`). `bf16-true` casts everything, the Adam moments too: 2 / 2 / 4.
 fsdp_tp: the Block linears are split over tp x dp ranks; what tensor parallelism leaves
 replicated (embeddings, head, norms, row-parallel biases) is sharded over dp only.
+Activations follow Korthikanti et al. 2022 and `trainer.activation_checkpointing`
+(`activation_bytes`); the host memory of the model's build is `build_host_bytes`.
 
 Written by hand (not DeepSpeed's `estimate_zero*_model_states_mem_needs`) because the plan
 must answer in well under a second, before torch, Lightning or DeepSpeed are imported.
@@ -28,13 +31,18 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
-from loom.strategies.deepspeed_config import zero_stage
+from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
 GB = 1e9
 # Share of a device's memory the plan lets a run use: the CUDA context, NCCL buffers and the
 # caching allocator's fragmentation take the rest. Host: the OS and the Python/torch runtime.
 GPU_USABLE = 0.90
 HOST_USABLE = 0.80
+# Host memory of one rank's Python + torch + Lightning runtime before its model is built.
+# CPU: measured, 0.44 GB peak RSS after `import torch, pytorch_lightning` (torch 2.13 CPU
+# build). GPU: assumed, the usual 2-3 GB RSS of a CUDA process once the CUDA context,
+# cuBLAS/cuDNN/NCCL libraries and pinned staging buffers are loaded.
+RUNTIME_HOST_BYTES = {"gpu": 2.5 * GB, "cpu": 0.5 * GB}
 
 
 @dataclass
@@ -63,7 +71,25 @@ def per_param_bytes(strategy: str, precision: str) -> tuple[float, float, float]
         return 4.0, 4.0, 8.0
     if precision == "bf16-true":
         return 2.0, 2.0, 4.0
-    return 4.0, 4.0, 8.0        # autocast: fp32 params and grads, fp32 Adam moments
+    return 4.0, 4.0, 8.0        # autocast / FSDP2 policy: fp32 params and grads, fp32 Adam moments
+
+
+def wire_bytes(cfg: DictConfig, name: str) -> tuple[float, float]:
+    """(gathered parameter, reduced gradient) bytes per element on the wire.
+
+    zero*: 16-bit parameters are gathered; gradients travel in DeepSpeed's resolved
+    `communication_data_type` (Loom's default fp32). fsdp: FSDP2 gathers in the policy's
+    param dtype and reduces in fp32. ddp: fp32 gradients unless a compression hook halves them.
+    """
+    hw, s = cfg.hardware, cfg.strategy
+    half = hw.precision != "32-true"
+    if zero_stage(name) is not None:
+        comm = (resolved_deepspeed_config(cfg) if name == s.name else {}).get("communication_data_type", "fp32")
+        return (2.0 if half else 4.0), (4.0 if comm in ("fp32", "float32") else 2.0)
+    grads = 2.0 if hw.precision == "bf16-true" else 4.0
+    if name == s.name and s.get("comm_hook") in ("fp16_compress", "bf16_compress"):
+        grads = 2.0
+    return (2.0 if half else 4.0), grads
 
 
 @cache
@@ -111,16 +137,40 @@ def state_bytes(
     return mem
 
 
-def activation_bytes(cfg: DictConfig, tp: int, mixed: bool) -> float:
-    """Stored activations of one micro batch (Korthikanti et al. 2022, eq. 2, flash attention:
-    34*s*b*h bytes per layer in 16-bit, split across TP ranks) plus the fp32 logits."""
+def layer_activation_bytes(s: int, b: int, h: int, tp: int, mixed: bool) -> float:
+    """Activations one transformer layer stores for backward, per TP rank (Korthikanti et al.
+    2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2: tensor
+    parallelism without sequence parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in
+    16-bit). Flash attention (SDPA) stores no s x s scores, so the 5*a*s/(h*t) term is
+    dropped. The 10*s*b*h the TP ranks all repeat are the two LayerNorm inputs, the inputs
+    of q/k/v and of the MLP's up projection, and the two dropout masks; only the 24*s*b*h
+    inside attention and the MLP split over t. fp32 activations are twice the bytes."""
+    return s * b * h * (10 + 24 / tp) * (1.0 if mixed else 2.0)
+
+
+def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = None) -> float:
+    """Stored activations of one micro batch per device, following activation checkpointing
+    (`mode`, default `trainer.activation_checkpointing`), plus the fp32 logits.
+
+    none: every layer stores `layer_activation_bytes`. full: each layer keeps only its input
+    (2*s*b*h bytes in 16-bit, 4 in fp32; replicated across TP ranks without sequence
+    parallelism: Korthikanti et al. 2022, section 4.3, "2sbhL"), plus one layer's full
+    activations while it is recomputed in backward. selective (every other block,
+    `loom.models.activation_checkpointing`): layers 0, 2, 4, ... input-only, the others
+    full, plus one layer's recompute. The logits and their gradient (fp32, 2*4*b*s*V bytes)
+    are split over TP ranks (the head is column-parallel).
+    """
     m = cfg.model
     if "d_model" not in m:
         return 0.0
-    b, s = cfg.dataset.batch_size, cfg.dataset.seq_len
-    per_layer = 34 * s * b * m.d_model * (1.0 if mixed else 2.0) / tp
+    mode = mode or cfg.trainer.get("activation_checkpointing", "none")
+    b, s, h, L = cfg.dataset.batch_size, cfg.dataset.seq_len, m.d_model, m.n_layer
+    full = layer_activation_bytes(s, b, h, tp, mixed)
+    ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
+    kept_input = s * b * h * (2.0 if mixed else 4.0)
+    stored = (L - ckpt) * full + ckpt * kept_input + (full if ckpt else 0.0)
     logits = 2 * 4 * b * s * m.vocab_size / tp  # fp32 logits and their gradient
-    return m.n_layer * per_layer + logits
+    return stored + logits
 
 
 def tp_replicated_params(cfg: DictConfig) -> float:
@@ -134,8 +184,10 @@ def tp_replicated_params(cfg: DictConfig) -> float:
     return float(2 * m.vocab_size * d + m.block_size * d + 2 * d + m.n_layer * (4 * d + 2 * d))
 
 
-def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float) -> MemoryEstimate:
-    """Per-device memory of strategy `name` (the run's own, or an alternative) at `layout`."""
+def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
+              ac: str | None = None) -> MemoryEstimate:
+    """Per-device memory of strategy `name` (the run's own, or an alternative) at `layout`,
+    with activation checkpointing `ac` (default: the run's own setting)."""
     hw, s = cfg.hardware, cfg.strategy
     own = name == s.name
     kw = dict(
@@ -156,7 +208,7 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float)
         # Params stay gathered from forward to backward: the whole (TP-local) model in
         # compute precision on every rank.
         mem.params += (2.0 if mixed else 4.0) * params / tp
-    mem.activations = activation_bytes(cfg, tp, mixed)
+    mem.activations = activation_bytes(cfg, tp, mixed, ac)
     return mem
 
 
@@ -172,9 +224,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     hw, s = cfg.hardware, cfg.strategy
     own = name == s.name
     accum = cfg.trainer.accumulate_grad_batches
-    p, g, _ = per_param_bytes(name, hw.precision)
-    if own and s.get("comm_hook") in ("fp16_compress", "bf16_compress"):
-        g = 2.0
+    p, g = wire_bytes(cfg, name)
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     group = layout.dp_shard if layout.hybrid else layout.dp  # the group states are reduced over
     frac = (group - 1) / group if group > 1 else 0.0
@@ -226,3 +276,67 @@ def fits(cfg: DictConfig, mem: MemoryEstimate, capacity: float | None) -> bool:
     return (capacity is None or need <= capacity) and host_ok(cfg, mem)
 
 
+def largest_param(cfg: DictConfig) -> float:
+    """Elements of the model's largest single parameter: what initialization materializes
+    whole (in fp32) before it is sharded. Loom's GPT: max(4*d*d (the MLP's up projection),
+    vocab*d, block_size*d); the MLP: its widest weight; a transformers model: max(4*d*d,
+    vocab*d) from its config; 0 when unknown."""
+    m = cfg.model
+    if "d_model" in m:
+        d = m.d_model
+        return float(max(4 * d * d, m.vocab_size * d, m.block_size * d))
+    if "hidden" in m:
+        widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
+        return float(max(a * b for a, b in zip(widths, widths[1:], strict=False)))
+    if m.name == "hf_causal_lm":
+        from loom.models.hf import config_dict
+
+        c = config_dict(m)
+        d = next((c[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(c.get(k), int)), 0)
+        return float(max(4 * d * d, int(c.get("vocab_size") or 0) * d))
+    return 0.0
+
+
+def built_on_host(cfg: DictConfig) -> bool:
+    """Whether the model is built whole on the host instead of on the meta device: a user's
+    module (`model=custom`: its own __init__ allocates) or a transformers model loaded from
+    local weights (`from_pretrained`)."""
+    m = cfg.model
+    if m.name == "custom":
+        return True
+    if m.name == "hf_causal_lm" and not m.random_init:
+        from loom.models.hf import has_local_weights
+
+        return has_local_weights(str(m.config))
+    return False
+
+
+def build_host_bytes(cfg: DictConfig, name: str, layout: ParallelLayout, params: float) -> tuple[float, str]:
+    """Peak host memory of one rank while its model is built, and how it is counted.
+
+    Loom builds models on the meta device and materializes them shard by shard on the
+    target device. GPU: the host holds the runtime (RUNTIME_HOST_BYTES) and the init
+    temporary, one whole parameter in fp32 (`largest_param`). CPU: the host is the device,
+    so the runtime plus the rank's parameter shard (fp32 under `32-true`; what TP leaves
+    whole is sharded over dp only). A model built whole on the host (`built_on_host`):
+    the runtime plus the full model in fp32 (4 bytes x params).
+    """
+    hw = cfg.hardware
+    gpu = hw.accelerator == "gpu"
+    runtime = RUNTIME_HOST_BYTES["gpu" if gpu else "cpu"]
+    where = f"{runtime / GB:g} GB runtime"
+    if built_on_host(cfg):
+        return runtime + 4.0 * params, f"{where} + the whole model in fp32, built on the host"
+    if gpu:
+        return runtime + 4.0 * largest_param(cfg), f"{where} + the largest parameter in fp32, meta build"
+    p = per_param_bytes(name, hw.precision)[0]
+    n = layout.dp_shard if strategies.option(name).states == "all" else 1
+    rep = min(params, tp_replicated_params(cfg)) if layout.tp > 1 else 0.0
+    shard = p * ((params - rep) / (layout.tp * n) + rep / n)
+    return runtime + shard, f"{where} + this rank's parameters at {p:g} bytes each"
+
+
+def build_host_ok(cfg: DictConfig, per_rank: float) -> bool:
+    """Whether one node's host holds the build of all its ranks (HOST_USABLE of host memory)."""
+    hw = cfg.hardware
+    return hw.devices * per_rank <= HOST_USABLE * hw.host_memory_gb * GB

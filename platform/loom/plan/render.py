@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loom.plan.memory import GB
+from loom.plan.memory import GB, HOST_USABLE
 
 
 def render(plan: dict[str, Any]) -> None:
@@ -34,8 +34,11 @@ def render(plan: dict[str, Any]) -> None:
                       "bytes per param: params/grads/optimizer)"),
         ("params / grads / optim", f"{mem['params'] / GB:,.2f} / {mem['grads'] / GB:,.2f} / "
                                    f"{mem['optimizer'] / GB:,.2f} GB per device"),
-        ("activations", f"{mem['activations'] / GB:,.2f} GB per device (micro batch {plan['micro_batch']})"),
+        ("activations", f"{mem['activations'] / GB:,.2f} GB per device (micro batch {plan['micro_batch']}, "
+                        f"activation checkpointing {plan.get('activation_checkpointing', 'none')})"),
     ]
+    if plan.get("deepspeed_config"):
+        rows.append(("deepspeed", _deepspeed_precision(plan["deepspeed_config"])))
     if mem["host_offload"]:
         rows.append(("offloaded to host", f"{mem['host_offload'] / GB:,.2f} GB per device"))
     cap = plan["capacity_per_device_bytes"]
@@ -44,6 +47,10 @@ def render(plan: dict[str, Any]) -> None:
                           + f" ({plan['capacity_source']})"))
     if plan["max_micro_batch"] is not None:
         rows.append(("max micro batch", f"{plan['max_micro_batch']} (activations permitting)"))
+    if plan.get("build_host_source"):
+        rows.append(("build host", f"{plan['build_host_bytes_per_rank'] / GB:,.2f} GB per rank "
+                                   f"({plan['build_host_source']})"
+                     + ("" if plan.get("build_host_ok", True) else " [red]does not fit the host[/red]")))
     comm = plan["comm_bytes_per_step_per_device"]
     detail = ", ".join(f"{k} {v / GB:,.3f}" for k, v in plan["comm_bytes_by_collective"].items() if v)
     line = f"{comm / GB:,.3f} GB per device per step" + (f" ({detail})" if detail else "")
@@ -55,7 +62,8 @@ def render(plan: dict[str, Any]) -> None:
                  else "unknown (MFU will be null)"))
     verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
     if not plan["fits"]:
-        verdict += (f"; strategy={plan['suggestion']} would fit" if plan["suggestion"]
+        fix = _fix(plan)
+        verdict += (f"; {fix} would fit" if fix
                     else "; no strategy fits this hardware: use more devices, a smaller model or "
                          "a smaller dataset.batch_size")
     rows.append(("verdict", verdict))
@@ -64,19 +72,55 @@ def render(plan: dict[str, Any]) -> None:
     Console().print(t)
 
 
+def _deepspeed_precision(ds: dict[str, Any]) -> str:
+    """The resolved DeepSpeed precision keys (Loom's defaults or the user's JSON); a key left
+    null is DeepSpeed's own default: the model's dtype, overlap_comm only at stage 3."""
+    zero = ds.get("zero_optimization") or {}
+    model = "bf16" if (ds.get("bf16") or {}).get("enabled") else "fp16" if (ds.get("fp16") or {}).get("enabled") \
+        else "fp32"
+    overlap = zero.get("overlap_comm")
+    overlap = zero.get("stage") == 3 if overlap is None else overlap
+    return (f"ZeRO-{zero.get('stage')}, {model} model, overlap_comm {str(bool(overlap)).lower()}, "
+            f"communication {ds.get('communication_data_type') or model}, "
+            f"grad accumulation {(ds.get('data_types') or {}).get('grad_accum_dtype') or model}")
+
+
+def _fix(plan: dict[str, Any]) -> str | None:
+    """The overrides that would make the run fit (plan.json files from before
+    `suggestion_overrides` name only a strategy)."""
+    if plan.get("suggestion_overrides"):
+        return " ".join(plan["suggestion_overrides"])
+    return f"strategy={plan['suggestion']}" if plan.get("suggestion") else None
+
+
 def infeasible_message(plan: dict[str, Any]) -> str:
     """One paragraph: what the run needs, what the hardware has, and what would fit."""
-    mem = plan["memory_per_device_bytes"]
-    hint = (f" strategy={plan['suggestion']} would fit." if plan["suggestion"]
+    fix = _fix(plan)
+    hint = (f" {fix} would fit." if fix
             else " No strategy fits: use more devices, a smaller model or a smaller dataset.batch_size.")
     if plan.get("max_micro_batch") and plan["max_micro_batch"] < plan["micro_batch"]:
         hint += f" With strategy={plan['strategy']}, dataset.batch_size<={plan['max_micro_batch']} fits."
-    cap = plan["capacity_per_device_bytes"]
+    short = [_device_shortfall(plan)]
+    if not plan.get("build_host_ok", True):
+        per_rank, ranks = plan["build_host_bytes_per_rank"], plan["devices_per_node"]
+        host = plan.get("host_capacity_bytes")
+        short.append(f"building the model needs {per_rank / GB:,.1f} GB of host memory per rank "
+                     f"({plan['build_host_source']}) x {ranks} ranks per node = {per_rank * ranks / GB:,.1f} GB, "
+                     f"but the host has " + (f"{host / GB:,.1f} GB" if host is not None else "less")
+                     + f" ({HOST_USABLE:.0%} of hardware.host_memory_gb)")
+        host_hint = " Give each node more host memory (hardware.host_memory_gb) or fewer ranks (hardware.devices)."
+        hint = host_hint if short[0] is None and not fix else hint + host_hint
+    why = "; ".join(x for x in short if x) or "more memory than the hardware has"
+    return f"Plan infeasible: strategy={plan['strategy']} on hardware={plan['hardware']}: {why}.{hint}"
+
+
+def _device_shortfall(plan: dict[str, Any]) -> str | None:
+    """What the training states and activations need beyond the device (None: they fit)."""
+    mem, cap = plan["memory_per_device_bytes"], plan["capacity_per_device_bytes"]
     if not plan.get("host_memory_ok", True):
-        need = f"{mem['host_offload'] / 1e9:,.1f} GB of host memory per device (offload)"
-        have = "more host memory than hardware.host_memory_gb allows"
-    else:
-        need = f"{mem['total'] / 1e9:,.1f} GB per device"
-        have = f"{cap / 1e9:,.1f} GB ({plan['capacity_source']})" if cap is not None else "unknown"
-    return (f"Plan infeasible: strategy={plan['strategy']} needs {need} but hardware={plan['hardware']} "
-            f"has {have}.{hint}")
+        return (f"needs {mem['host_offload'] / GB:,.1f} GB of host memory per device (offload), "
+                "more than hardware.host_memory_gb allows")
+    need = mem["total"] + (mem["host_offload"] if plan["accelerator"] != "gpu" else 0.0)
+    if cap is None or need <= cap:
+        return None
+    return f"needs {mem['total'] / GB:,.1f} GB per device but has {cap / GB:,.1f} GB ({plan['capacity_source']})"

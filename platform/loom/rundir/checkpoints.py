@@ -14,9 +14,12 @@ import pickletools
 import re
 import shutil
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from loom.atomic import atomic_path
+from loom.rundir.safetensors_stream import SafetensorsStream, Spec
 
 log = logging.getLogger("loom")
 
@@ -108,6 +111,8 @@ def problem(path: Path) -> tuple[str, str] | None:
         markers = {p.name for p in files}
         if not ({".metadata", "latest"} & markers) and not any(p.suffix in (".pt", ".ckpt") for p in files):
             return ("corrupt", "no .metadata, latest or *.pt file in it")
+        if ".metadata" not in markers and any(p.suffix == ".distcp" for p in files):
+            return ("corrupt", "DCP shards without .metadata (the write did not finish)")
     elif not zipfile.is_zipfile(path):
         return ("corrupt", "not a complete torch.save archive (truncated?)")
     for f in files:
@@ -148,14 +153,16 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def save_final_weights(state: dict, run_dir: Path, metadata: dict[str, str]) -> Path:
-    """Plain safetensors: loadable with `safetensors.torch.load_file`, no Loom needed."""
-    from safetensors.torch import save_file
+def write_final_weights(run_dir: Path, specs: list[Spec], tensors: Iterable[tuple[str, Any]],
+                        metadata: dict[str, str]) -> Path:
+    """final/model.safetensors, streamed (one tensor in memory at a time) and renamed into place
+    when whole: loadable with plain `safetensors.torch.load_file`, no Loom needed.
 
+    `specs` announces every (key, shape, dtype) up front; `tensors` yields them in that order."""
     out = run_dir / "final"
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     path = out / "model.safetensors"
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+    with atomic_path(path) as tmp, SafetensorsStream(tmp, specs, metadata) as stream:
+        for name, tensor in tensors:
+            stream.write(name, tensor)
     return path

@@ -46,6 +46,20 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     STRATEGIES[cfg.strategy.name].check(cfg, layout)
 
 
+def lightning_precision(cfg: DictConfig) -> str:
+    """The `precision` the Trainer gets: one mixed-precision mechanism per strategy.
+
+    Lightning gives ModelParallelStrategy its autocast plugin for "bf16-mixed", while FSDP2's
+    MixedPrecisionPolicy (`model_parallel.parallelize`) already runs the forward and backward in
+    bf16 with fp32 sharded parameters and fp32 gradient reduction: autocast on top would only
+    add casts. So fsdp/fsdp_tp train "bf16-mixed" as "32-true" as far as Lightning is concerned.
+    """
+    precision = str(cfg.hardware.precision)
+    if STRATEGIES[cfg.strategy.name].mixed_precision == "fsdp2" and precision == "bf16-mixed":
+        return "32-true"
+    return precision
+
+
 def build_strategy(cfg: DictConfig, layout: ParallelLayout) -> Any:
     """The Lightning strategy object of this run (imports torch, Lightning and the strategy's library)."""
     module, _, function = STRATEGIES[cfg.strategy.name].build.partition(":")

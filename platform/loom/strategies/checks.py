@@ -14,7 +14,35 @@ from loom.strategies.schema import COMM_HOOKS
 # The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
 # before torch is imported: the choices for strategy.shard_units.
 GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
-MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
+
+
+# checkpoint.async: strategies whose checkpoints can be written in the background, and why the
+# others cannot (the sentence the refusal gives).
+ASYNC_CHECKPOINT_STRATEGIES = ("fsdp", "fsdp_tp")
+_NO_ASYNC_WHY = {
+    "replicated": "Lightning's AsyncCheckpointIO would clone the whole state on the training thread "
+              "and still stage it in a BytesIO, with no completion to wait on before the checkpoint "
+              "is renamed into place",
+    "zero": "DeepSpeed 0.19.8's own background writer (checkpoint.writer.decoupled) fails at "
+            "engine start without a Megatron-style model-parallel unit ('UniversalParallelInfo' "
+            "object has no attribute 'dp_rank') and needs its launcher's CROSS_RANK/CROSS_SIZE",
+}
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    """checkpoint.export_dtype is one Loom writes; checkpoint.async only where it can run."""
+    from loom.rundir.safetensors_stream import EXPORT_DTYPES
+
+    c, name = cfg.checkpoint, cfg.strategy.name
+    require(c.export_dtype in EXPORT_DTYPES, "checkpoint.export_dtype", c.export_dtype,
+            f"valid choices: {', '.join(EXPORT_DTYPES)} (the dtype of every floating-point tensor "
+            "in final/model.safetensors)")
+    if c["async"] and name not in ASYNC_CHECKPOINT_STRATEGIES:
+        why = _NO_ASYNC_WHY["zero" if name.startswith("zero") else "replicated"]
+        require(False, "checkpoint.async", c["async"],
+                f"strategy={name} cannot write checkpoints in the background: {why}. Strategies with "
+                f"async checkpoints: {', '.join(ASYNC_CHECKPOINT_STRATEGIES)}; or set checkpoint.async=false")
 
 
 def check_single(cfg: DictConfig, layout: ParallelLayout) -> None:
@@ -44,8 +72,10 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
                     f"{', '.join(map(str, bad))} is not a module class of model={model.name}; "
                     f"valid choices: {', '.join(GPT_MODULE_CLASSES)}")
     require(hw.precision in MODEL_PARALLEL_PRECISIONS, "hardware.precision", hw.precision,
-            f"strategy={s.name} (Lightning's ModelParallelStrategy) supports "
-            f"{', '.join(MODEL_PARALLEL_PRECISIONS)}; use bf16-mixed or a ZeRO/DDP strategy for 16-mixed")
+            f"strategy={s.name} has no fp16 mixed precision: FSDP2's MixedPrecisionPolicy casts to "
+            "bf16 and reduces in fp32, and fp16 would need a gradient scaler Lightning's "
+            f"ModelParallelStrategy does not provide; valid choices: {', '.join(MODEL_PARALLEL_PRECISIONS)}. "
+            "Use hardware.precision=bf16-mixed, or strategy=ddp or zero1/zero2/zero3 for 16-mixed")
     if "tensor_parallel" in s:
         _check_tensor_parallel(cfg, layout, is_gpt)
 
@@ -79,6 +109,9 @@ def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
     s = cfg.strategy
     require(not s.offload_params or zero_stage(s.name) == 3, "strategy.offload_params", s.offload_params,
             f"parameter offload needs ZeRO stage 3 (strategy=zero3 or zero3_offload), not strategy={s.name}")
+    require(cfg.hardware.accelerator != "cpu" or cfg.hardware.precision != "16-mixed", "hardware.precision",
+            cfg.hardware.precision, f"strategy={s.name} on CPU: DeepSpeed's CPU accelerator has no fp16; "
+            "use hardware.precision=bf16-mixed or 32-true")
     resolved_deepspeed_config(cfg)  # raises ConfigError for a missing, malformed or conflicting JSON
     if s.offload_optimizer or s.offload_params:
         _check_offload_memory(cfg, layout)

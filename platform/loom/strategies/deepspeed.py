@@ -46,27 +46,33 @@ def use_cpu_accelerator() -> None:
 class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy with Loom's state methods."""
 
-    def full_model_state(self, trainer, module) -> dict:
-        """ZeRO-3 gathers each partitioned parameter in turn (only rank 0 keeps a copy);
-        ZeRO-1/2 keep whole parameters on every rank."""
-        if not self.zero_stage_3:
-            return super().full_model_state(trainer, module)
-        import deepspeed
+    def full_shape(self, t) -> tuple[int, ...]:
+        """ZeRO-3 parameters are empty locally; `ds_shape` is their real shape."""
+        return tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)
 
-        out: dict = {}
-        names = dict(module.model.named_parameters())
-        for key, value in module.model.state_dict(keep_vars=True).items():
-            if key in names:
-                with deepspeed.zero.GatheredParameters([names[key]], modifier_rank=None):
-                    if trainer.global_rank == 0:
-                        out[key] = names[key].detach().to("cpu").clone()
-            elif trainer.global_rank == 0:
-                out[key] = value.detach().to("cpu").clone()
-        return out
+    def gather_full_tensor(self, trainer, t):
+        """One parameter whole on rank 0's CPU, from the optimizer's fp32 master when the module
+        holds a lower precision (bf16/fp16 training: `safe_get_full_fp32_param`, an all-reduce
+        over the data-parallel group), else the parameter itself (ZeRO-3: gathered for the
+        moment of the copy). One tensor at a time, so no rank holds two full copies."""
+        import deepspeed
+        import torch
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        rank0 = trainer.is_global_zero
+        if isinstance(t, torch.nn.Parameter) and t.dtype in (torch.bfloat16, torch.float16):
+            master = safe_get_full_fp32_param(t)
+            if master is not None:
+                return master.detach().cpu() if rank0 else None
+        if hasattr(t, "ds_id"):
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                return t.detach().to("cpu", copy=True) if rank0 else None
+        return t.detach().cpu() if rank0 else None
 
     def local_state_bytes(self, trainer, module) -> tuple[int, int]:
         """- ZeRO-1/2: parameters are whole on every rank. Optimizer state = this rank's fp32
-          master partition (`single_partition_of_fp32_groups`, kept even in fp32 runs) plus the
+          master partition (`single_partition_of_fp32_groups`, kept even in fp32 runs;
+          BF16_Optimizer's `fp32_groups_flat_partition` for bf16 at stage 1) plus the
           inner optimizer's m and v for that partition (the ZeRO paper's 12 bytes/param / N).
         - ZeRO-3: parameters = each parameter's local partition (`p.ds_tensor`); optimizer state
           = the fp32 master partitions (`fp32_partitioned_groups_flat`) plus m and v. With
@@ -89,7 +95,9 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
             masters = getattr(zero_opt, "fp32_partitioned_groups_flat", [])
         else:
             params = param_bytes(module)
-            masters = getattr(zero_opt, "single_partition_of_fp32_groups", [])
+            # bf16 + fp32 grad accumulation at stage 1 runs DeepSpeed's BF16_Optimizer instead
+            masters = getattr(zero_opt, "single_partition_of_fp32_groups", None) \
+                or getattr(zero_opt, "fp32_groups_flat_partition", [])
         optim = sum(count(t) for t in masters)
         inner = getattr(zero_opt, "optimizer", zero_opt)
         for state in inner.state.values():

@@ -60,6 +60,18 @@ def _set(d: dict, dotted: str, value: Any) -> None:
 
 _MISSING = object()
 
+# Filled in when the user's JSON leaves them out (a user may override them). With bf16 DeepSpeed
+# otherwise reduces and accumulates gradients in bf16 (`communication_data_type` and
+# `grad_accum_dtype` default to the model's dtype), and a config dict given to Lightning skips
+# Lightning's own `overlap_comm: true` (ZeRO-3 has it on already; 1 and 2 default it off). In
+# fp32 runs both dtypes are what DeepSpeed uses anyway. bf16 + fp32 accumulation at stage 1
+# makes DeepSpeed use its BF16_Optimizer (still one fp32 partition per rank).
+PRECISION_DEFAULTS: dict[str, Any] = {
+    "zero_optimization.overlap_comm": True,
+    "communication_data_type": "fp32",
+    "data_types.grad_accum_dtype": "fp32",
+}
+
 
 def resolved_deepspeed_config(cfg: DictConfig) -> dict:
     """The DeepSpeed config this run uses: Loom's values merged over the user's JSON.
@@ -67,6 +79,7 @@ def resolved_deepspeed_config(cfg: DictConfig) -> dict:
     Loom sets the batch, accumulation, ZeRO stage, precision, clipping and offload keys from
     the run config; a user JSON (`strategy.deepspeed_config`) may add anything else, but a key
     Loom sets with a different value is a ConfigError naming both values and their sources.
+    Defaults (`PRECISION_DEFAULTS`, DeepSpeed's console) fill only keys the JSON leaves out.
     No torch import: this runs during validation (exit 2) and is written to plan.json.
     """
     s, hw, tr = cfg.strategy, cfg.hardware, cfg.trainer
@@ -92,6 +105,7 @@ def resolved_deepspeed_config(cfg: DictConfig) -> dict:
         "zero_allow_untested_optimizer": True,  # torch's AdamW, from optim/; ZeRO handles it
         "steps_per_print": 10**9,              # Loom logs; keep DeepSpeed's console quiet
         "wall_clock_breakdown": False,
+        **PRECISION_DEFAULTS,
     }
     if s.offload_optimizer:
         defaults["zero_optimization.offload_optimizer.pin_memory"] = hw.accelerator == "gpu"

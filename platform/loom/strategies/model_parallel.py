@@ -6,15 +6,18 @@ the model's tensor-parallel plan and FSDP2's `fully_shard` on the strategy's dev
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
 
+log = logging.getLogger("loom")
+
 
 def _model_parallel_strategy_class():
-    import torch
     from pytorch_lightning.strategies import ModelParallelStrategy
 
     from loom.strategies.base import LoomStrategy
@@ -44,7 +47,7 @@ def _model_parallel_strategy_class():
 
         def parallelize(self, module) -> None:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import fully_shard
 
             s, hw, layout = self.loom_cfg.strategy, self.loom_cfg.hardware, self.loom_layout
             model = module.model
@@ -57,30 +60,143 @@ def _model_parallel_strategy_class():
                                            mesh_dim_names=("replicate", "shard"))
             else:
                 dp_mesh = mesh["data_parallel"]
-            param_dtype = {"bf16-mixed": torch.bfloat16}.get(hw.precision)
-            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype \
-                else MixedPrecisionPolicy()
+            mp, how = _precision_policy(hw.precision)
+            log.info(f"precision {hw.precision}: {how}")
+            _log_compute_dtype_once(model, units)
             kw = {"mesh": dp_mesh, "reshard_after_forward": bool(s.reshard_after_forward), "mp_policy": mp}
             for sub in list(model.modules()):
                 if sub is not model and isinstance(sub, units):
                     fully_shard(sub, **kw)
             fully_shard(model, **kw)
 
-        def full_model_state(self, trainer, module) -> dict:
-            """Only rank 0 receives the tensors (on CPU), gathered from the DTensor shards."""
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        _loom_pending: Any = None      # the future of the checkpoint being written (checkpoint.async)
+        _loom_ckpt_group: Any = None   # the gloo group the background writer coordinates over
 
-            return get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        @property
+        def async_checkpoints(self) -> bool:
+            return bool(self.loom_cfg.checkpoint.get("async", False))
+
+        def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+            """Lightning's distributed save, or under `checkpoint.async` the same files written in
+            the background (`_async_save`)."""
+            if not self.async_checkpoints or storage_options is not None:
+                super().save_checkpoint(checkpoint, filepath, storage_options)
+            else:
+                _async_save(self, checkpoint, filepath)
+
+        def lightning_module_state_dict(self) -> dict:
+            """Under checkpoint.async the shards stay on their device: async_save's staging makes
+            the one host copy (Lightning's cpu_offload=True would add a second one on GPUs)."""
+            if not self.async_checkpoints:
+                return super().lightning_module_state_dict()
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.model)
+
+        def optimizer_state(self, optimizer) -> dict:
+            """As `lightning_module_state_dict`: sharded, not offloaded, under checkpoint.async."""
+            if not self.async_checkpoints:
+                return super().optimizer_state(optimizer)
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+        def wait_for_checkpoint(self) -> None:
+            """Raises what the background write raised: a failed checkpoint fails the run."""
+            future, self._loom_pending = self._loom_pending, None
+            if future is not None:
+                future.result()
 
     return LoomModelParallelStrategy
 
 
+def _precision_policy(precision: str) -> tuple[Any, str]:
+    """FSDP2's MixedPrecisionPolicy for `hardware.precision`, and a line saying who casts what.
+
+    FSDP2 is the only mechanism: Lightning gets "32-true" for bf16-mixed
+    (`strategies.lightning_precision`), so no autocast runs on top of the policy. Under
+    bf16-true Lightning's HalfPrecision casts the parameters themselves (optimizer states
+    follow), and FSDP2 still reduces the gradients in fp32. (16-mixed is refused in validation.)
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                "FSDP2 MixedPrecisionPolicy(param=bf16, reduce=fp32), fp32 sharded params and "
+                "optimizer states, no autocast")
+    if precision == "bf16-true":
+        return (MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                "parameters and optimizer states in bf16 (Lightning HalfPrecision), "
+                "FSDP2 MixedPrecisionPolicy(reduce=fp32), no autocast")
+    return MixedPrecisionPolicy(), "fp32 throughout, no autocast"
+
+
+def _log_compute_dtype_once(model, units: tuple[type, ...]) -> None:
+    """Log, at the first forward, the dtype the first Linear of the first sharding unit computes
+    in and whether autocast is on: the rank log then shows the precision actually in force
+    (under fsdp_tp that Linear is tensor-parallel, so TP-sharded modules are covered too)."""
+    import torch
+
+    unit = next((m for m in model.modules() if m is not model and isinstance(m, units)), model)
+    linear = next((m for m in unit.modules() if isinstance(m, torch.nn.Linear)), None)
+    if linear is None:
+        return
+
+    def hook(mod, args) -> None:
+        x = args[0] if args else None
+        autocast = torch.is_autocast_enabled(x.device.type) if x is not None else None
+        log.info(f"first forward: {type(mod).__name__} weight {mod.weight.dtype}, "
+                 f"input {getattr(x, 'dtype', None)}, autocast {'on' if autocast else 'off'}")
+        handle.remove()
+
+    handle = linear.register_forward_pre_hook(hook)
+
+
+def _async_save(strategy, checkpoint: dict, filepath) -> None:
+    """ModelParallelStrategy.save_checkpoint's files, written by DCP's `async_save`.
+
+    Same layout as Lightning's distributed save, so resuming loads through Lightning as before:
+    a DCP directory ("state_dict", "optimizer_0", ... sharded, `.metadata` written last) plus
+    rank 0's `meta.pt` with the rest of the checkpoint. `async_save` copies this rank's shards
+    to host memory before it returns (training may then change the parameters) and writes them
+    from a thread; that thread's collectives (plan exchange, `.metadata`) run over a gloo group
+    of their own, created once, so they never interleave with training's collectives on the
+    default group (and gloo gives the CPU backend async_save requires under NCCL too). At most
+    one save is in flight: the previous one is awaited first.
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from lightning_fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint import async_save
+
+    strategy.wait_for_checkpoint()
+    path = Path(strategy.broadcast(str(filepath)))
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    if strategy._loom_ckpt_group is None:
+        strategy._loom_ckpt_group = dist.new_group(backend="gloo")
+    strategy._loom_pending = async_save(state, checkpoint_id=path, process_group=strategy._loom_ckpt_group)
+    if strategy.global_rank == 0:
+        with open(path / _METADATA_FILENAME, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def _clip_grad_by_norm(optimizer, clip_val: float) -> None:
-    """clip_grad_norm_ over DTensor gradients on any mix of meshes.
+    """clip_grad_norm_ over DTensor gradients on any mix of meshes, with no host sync.
 
     The global norm is sqrt(sum over meshes of that mesh's squared norm); each mesh's norm is
     a DTensor reduction (`full_tensor()` all-reduces the partial sums over its dims), so
-    replicated TP copies count once and shards add up, exactly like the unsharded model.
+    replicated TP copies count once and shards add up, exactly like the unsharded model. The
+    total and the clamped coefficient stay device tensors (torchtitan's way), and the
+    coefficient multiplies each rank's *local* gradient tensors with foreach ops: torch's
+    `clip_grads_with_norm_` (`_foreach_mul_` on the DTensors by a 0-d tensor) left DTensor
+    gradients unscaled here (torch 2.13), and it reads `p.grad`, not gradient lists.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -91,18 +207,18 @@ def _clip_grad_by_norm(optimizer, clip_val: float) -> None:
     by_mesh: dict[Any, list] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    total_sq = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    norms = []
     for gs in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq += norm.float() ** 2
-    # A Python float: torch's clip_grads_with_norm_ (_foreach_mul_ by a plain 0-d tensor)
-    # left DTensor gradients unscaled here (torch 2.13).
-    coef = float(clip_val) / (float(total_sq.sqrt()) + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+        norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0)  # foreach where the device has it
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+    by_kind: dict[tuple, list] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g  # a view: scaling it scales g
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, coef.to(device))
 
 
 def _unit_classes(module, names) -> tuple[type, ...]:

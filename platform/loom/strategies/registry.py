@@ -31,10 +31,16 @@ class StrategyOption:
     build: str        # "module:function" that builds the Lightning strategy (imports torch)
     check: Callable[[DictConfig, ParallelLayout], None] = no_check
     normalize: Callable[[DictConfig], None] = nothing_to_fill
+    # Who implements `*-mixed` precision, exactly one mechanism per strategy (`lightning_precision`):
+    # autocast (Lightning's MixedPrecision plugin) | fsdp2 (MixedPrecisionPolicy, no autocast)
+    # | deepspeed (the engine's bf16/fp16 modes, through Lightning's DeepSpeedPrecision).
+    mixed_precision: str = "autocast"
 
 
-_ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero)
-_MODEL_PARALLEL = dict(build="loom.strategies.model_parallel:build", check=checks.check_model_parallel)
+_ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero,
+             mixed_precision="deepspeed")
+_MODEL_PARALLEL = dict(build="loom.strategies.model_parallel:build", check=checks.check_model_parallel,
+                       mixed_precision="fsdp2")
 
 STRATEGIES: dict[str, StrategyOption] = {
     "single": StrategyOption(SingleStrategyConfig, "replicate", "none", "loom.strategies.single:build",

@@ -8,6 +8,11 @@ boundary the ranks agree (an all-reduce of the flag), save, and stop. Over gloo 
 agree at every step; over NCCL only at logging steps, where the recorder synchronizes the
 GPU anyway, so the hot path gains no device synchronization. (A separate gloo group for
 this was tried: after a torchrun restart its rendezvous read a dead peer's address.)
+
+Under `checkpoint.async` (fsdp, fsdp_tp) `trainer.save_checkpoint` returns once the state is
+staged in host memory; the `.partial` is renamed only after `strategy.wait_for_checkpoint()`,
+at the next save, at the end of training or on preemption (the final export waits too), so a
+kill mid-write leaves a `.partial` that resume ignores.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class Checkpointing(pl.Callback):
         self._device = torch.device("cpu")
         self._pending_rng: dict[str, Any] | None = None
         self._last_saved = -1
+        self._pending: Path | None = None  # saved, not yet renamed into place (checkpoint.async)
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -110,13 +116,17 @@ class Checkpointing(pl.Callback):
         if self._stop_requested(step, last=step >= trainer.max_steps):
             log.info(f"preemption signal received: saving a checkpoint at step {step} and stopping")
             self.save(trainer, step)
+            self.finish_pending(trainer)
             self.preempted = True
             trainer.should_stop = True
         elif self.every and step % self.every == 0:
             self.save(trainer, step)
 
     def save(self, trainer: pl.Trainer, step: int) -> Path:
-        """Write `step-N.ckpt.partial` on every rank, then rename it and move `last`."""
+        """Write `step-N.ckpt.partial` on every rank; it becomes `step-N.ckpt` (and `last`) once
+        complete: now, or under `checkpoint.async` when the next save starts, when training
+        ends or on preemption (`finish_pending`)."""
+        self.finish_pending(trainer)
         final = checkpoints.step_path(self.run_dir, step)
         partial = final.with_name(final.name + ".partial")
         if trainer.is_global_zero:
@@ -126,8 +136,23 @@ class Checkpointing(pl.Callback):
                 lg.save()
         trainer.strategy.barrier("loom-checkpoint-start")
         trainer.save_checkpoint(str(partial))
+        self._pending = final
+        self._last_saved = step
+        if not trainer.strategy.async_checkpoints:
+            self.finish_pending(trainer)
+        return final
+
+    def finish_pending(self, trainer: pl.Trainer) -> None:
+        """Wait until the pending checkpoint is written on every rank, then rename it into place
+        and move `last`. Never runs for a save that failed or was cut short: its `.partial` stays
+        and is ignored on resume."""
+        final, self._pending = self._pending, None
+        if final is None:
+            return
+        trainer.strategy.wait_for_checkpoint()
         trainer.strategy.barrier("loom-checkpoint-written")
         if trainer.is_global_zero:
+            partial = final.with_name(final.name + ".partial")
             if final.exists():
                 checkpoints.remove(final)
             os.replace(partial, final)
@@ -135,8 +160,9 @@ class Checkpointing(pl.Callback):
             for old in checkpoints.complete_checkpoints(self.run_dir)[self.keep_last:]:
                 checkpoints.remove(old)
         trainer.strategy.barrier("loom-checkpoint-done")
-        self._last_saved = step
-        return final
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.finish_pending(trainer)
 
     # ------------------------------------------------------------------ checkpointed state
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

@@ -101,7 +101,7 @@ def _trainer(cfg: DictConfig, layout: ParallelLayout, run_dir: Path, callbacks: 
         devices=hw.devices,
         num_nodes=layout.num_nodes,
         strategy=strategies.build_strategy(cfg, layout),
-        precision=hw.precision,
+        precision=strategies.lightning_precision(cfg),  # one mixed-precision mechanism per strategy
         max_steps=tr.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=tr.accumulate_grad_batches,

@@ -14,6 +14,7 @@ from loom.layout import ParallelLayout
 from loom.models.spec import ModelSpec
 from loom.plan import Plan
 from loom.rundir import checkpoints
+from loom.rundir.safetensors_stream import EXPORT_DTYPES, dtype_name
 from loom.rundir.summary import empty_summary, write_summary
 
 log = logging.getLogger("loom")
@@ -34,15 +35,14 @@ class RunResults:
     def completed(self, trainer, module) -> None:
         """Final weights (a collective under sharding) and every rank's memory figures."""
         self.status = "completed"
-        state = trainer.strategy.full_model_state(trainer, module)
+        trainer.strategy.wait_for_checkpoint()  # a background checkpoint write finishes first
+        self._export_final_weights(trainer, module)
         if self.rank == 0:
-            checkpoints.save_final_weights(
-                state, self.run_dir,
-                {"run_id": str(self.cfg.run.id), "model": self.cfg.model.name, "step": str(trainer.global_step)})
             self.summary["final_weights"] = "final/model.safetensors"
         per_rank = self._gather_rank_stats(trainer, module)
         self.summary["memory"] = {
             "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
+            "build_peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 5]],
             "peak_gpu_mem_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 1]]
                                          if module.device.type == "cuda" else None),
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
@@ -51,6 +51,28 @@ class RunResults:
         # A node restarted because another failed keeps its own count: the run's is the max.
         self.summary["restarts"] = int(per_rank[:, 4].max())
 
+    def _export_final_weights(self, trainer, module) -> None:
+        """final/model.safetensors in `checkpoint.export_dtype` (integer tensors keep theirs),
+        whatever the strategy: each entry is gathered whole (a collective under sharding, so
+        every rank walks the same list), cast on rank 0 and streamed to the file, so no rank
+        ever holds the consolidated model, let alone two copies of it."""
+        import torch
+
+        strategy, ckpt = trainer.strategy, self.cfg.checkpoint
+        dtype = getattr(torch, EXPORT_DTYPES[ckpt.export_dtype])
+        entries = strategy.model_state_entries(trainer, module)
+        specs = [(k, strategy.full_shape(t), dtype_name(dtype if t.is_floating_point() else t.dtype))
+                 for k, t in entries]
+        tensors = ((k, strategy.gather_full_tensor(trainer, t)) for k, t in entries)
+        if self.rank != 0:
+            for _ in tensors:  # take part in every gather
+                pass
+            return
+        meta = {"run_id": str(self.cfg.run.id), "model": self.cfg.model.name,
+                "step": str(trainer.global_step), "dtype": str(ckpt.export_dtype)}
+        checkpoints.write_final_weights(
+            self.run_dir, specs, ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in tensors), meta)
+
     def _gather_rank_stats(self, trainer, module):
         import torch
 
@@ -58,7 +80,7 @@ class RunResults:
         held_params, held_optim = trainer.strategy.local_state_bytes(trainer, module)
         stats = torch.tensor(
             [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
-             self.recorder.attempt()["restarts"]],
+             self.recorder.attempt()["restarts"], getattr(module, "build_peak_rss_gb", None) or 0.0],
             dtype=torch.float64,
         )
         world = self.layout.world
