@@ -143,9 +143,10 @@ def test_activation_checkpointing_changes_no_loss(strategy, strategy_runs, tmp_p
 
 @pytest.mark.slow
 def test_activation_checkpointing_lowers_peak_memory(tmp_path):
-    """One process, activations dominating (4 layers, 16 x 256 tokens): measured peak RSS."""
+    """One process, activations dominating (4 layers, 64 x 256 tokens:
+    about 0.6 GB of fp32 activations without checkpointing, measured 1.23 vs 0.91 GB peak): measured peak RSS."""
     args = ["strategy=single", "hardware=cpu", "hardware.devices=1", *FAST, "trainer.max_steps=2",
-            "model.n_layer=4", "dataset.batch_size=16", "dataset.seq_len=256", "trainer.limit_val_batches=1"]
+            "model.n_layer=4", "dataset.batch_size=64", "dataset.seq_len=256", "trainer.limit_val_batches=1"]
     peaks = {}
     for mode in ("none", "full"):
         (tmp_path / mode).mkdir()
@@ -153,4 +154,4 @@ def test_activation_checkpointing_lowers_peak_memory(tmp_path):
         assert r.rc == 0, r.out[-3000:] + r.err[-3000:]
         peaks[mode] = max(r.summary()["memory"]["peak_rss_gb_per_rank"])
     print("peak RSS GB", peaks)
-    assert peaks["full"] < peaks["none"] - 0.05, peaks
+    assert peaks["full"] < peaks["none"] - 0.1, peaks

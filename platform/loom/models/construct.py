@@ -56,7 +56,8 @@ def _construct(module: Any, strategy: Any | None) -> str:
         model = meta_model
         how = f"built on the meta device, materialized shard by shard on {device.type}"
     module.model = model
-    _activation_checkpointing(module, model)
+    with _outside_zero_init(zero3):  # the wrapper holds no parameters; zero.Init's hooks break it
+        _activation_checkpointing(module, model)
     parallelize = getattr(strategy, "parallelize", None)
     if parallelize is not None:
         parallelize(module)
