@@ -443,3 +443,55 @@ def test_report_of_a_path_that_is_not_a_run(tmp_path):
         r = run_loom("report", str(path), root=tmp_path)
         assert r.rc == 2, r.out + r.err
         assert str(path) in r.err and "Traceback" not in r.err
+
+
+# ----------------------------------------------------------------------------- NVML identifiers
+
+
+def test_nvml_pci_bus_id_is_the_string_nvml_expects():
+    from loom.tracking.system import pci_bus_id
+
+    # torch gives the numbers (pci_domain_id, pci_bus_id, pci_device_id); NVML wants a string
+    assert pci_bus_id(0, 0x1B, 0) == "00000000:1B:00.0"
+    assert pci_bus_id(1, 0xC3, 0x1F, 2) == "00000001:C3:1F.2"
+
+
+def test_nvml_targets_map_through_cuda_visible_devices():
+    from loom.tracking.system import nvml_targets, visible_entry
+
+    uuid = "8932f937-d72c-4106-c12f-20bd9faed9f6"
+    assert nvml_targets(0, None, uuid, (0, 0x1B, 0)) == [
+        ("uuid", f"GPU-{uuid}"), ("pci", "00000000:1B:00.0"), ("index", 0)]
+    # integer entries: torch index 1 is physical (NVML) device 5
+    assert visible_entry(1, "3,5") == ("index", 5)
+    assert nvml_targets(1, "3,5") == [("index", 5)]
+    # UUID entries, with or without the GPU- prefix; MIG devices keep theirs
+    assert visible_entry(0, f"GPU-{uuid},0") == ("uuid", f"GPU-{uuid}")
+    assert visible_entry(1, f"0, {uuid}") == ("uuid", f"GPU-{uuid}")
+    assert visible_entry(0, "MIG-abc") == ("uuid", "MIG-abc")
+    # CUDA stops at an invalid entry; an index past the list has no mapping
+    assert visible_entry(1, "2,-1,3") is None
+    assert visible_entry(2, "0,1") is None
+    assert nvml_targets(0, "", None) == []
+
+
+def test_nvml_failure_degrades_to_no_gpu_utilization(caplog):
+    """nvmlInit really fails on this GPU-less machine: one warning, zeros, no crash."""
+    import torch
+
+    import pynvml
+
+    from loom.tracking.system import GpuStats
+
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML works on this machine: the failure path needs a host without it")
+    except pynvml.NVMLError:
+        pass
+    with caplog.at_level("WARNING", logger="loom"):
+        stats = GpuStats(cuda=True)  # as on a CUDA host whose NVML is broken
+    assert not stats.available
+    assert [r.levelname for r in caplog.records if "NVML" in r.getMessage()] == ["WARNING"]
+    assert stats.sample(torch.device("cuda", 0)) == {"util": 0.0, "mem_gb": 0.0, "power_w": 0.0}
+    assert GpuStats().available is False  # no CUDA: NVML is not even tried
