@@ -1,16 +1,16 @@
-"""Optimizers (conf/optim/): the schema and checks here (torch-free); `build.py` builds the
-optimizer and its schedule in the worker."""
+"""Optimizers (conf/optim/: one yaml per optimizer, `optim=adamw|sgd`): the schemas and checks
+here (torch-free); `build.py` builds the optimizer and its schedule in the worker."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.errors import require
 from loom.layout import ParallelLayout
 from loom.schema import nothing_to_fill as normalize  # noqa: F401  (the group interface)
-
 
 @dataclass
 class AdamWConfig:
@@ -21,10 +21,47 @@ class AdamWConfig:
     eps: float = 1e-8
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    fused: Any = "auto"         # auto | true | false: torch's fused kernel (auto: where torch has one)
 
 
-SCHEMAS: dict[str, type] = {"adamw": AdamWConfig}
+@dataclass
+class SGDConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9       # 0: plain SGD, no state
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    fused: Any = "auto"
+
+
+SCHEMAS: dict[str, type] = {"adamw": AdamWConfig, "sgd": SGDConfig}
+
+
+def state_slots(optim: DictConfig | None) -> int:
+    """Per-parameter state tensors the optimizer keeps (the plan's optimizer bytes follow):
+    AdamW m and v; SGD its momentum buffer, none without momentum. None: AdamW."""
+    if optim is None or optim.name == "adamw":
+        return 2
+    if optim.name == "sgd":
+        return 1 if optim.momentum > 0 else 0
+    raise ValueError(f"optim.name={optim.name!r} has no state model")
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    require(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    o = cfg.optim
+    require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    require(isinstance(o.fused, bool) or o.fused == "auto", "optim.fused", o.fused,
+            "valid choices: auto, true, false (auto: torch's fused kernel where it has one)")
+    require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be between 0 and 1")
+    if o.name == "adamw":
+        require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
+                "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    if o.name == "sgd":
+        require(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0 (0: no momentum)")
+        require(not o.nesterov or o.momentum > 0, "optim.nesterov", o.nesterov,
+                "Nesterov momentum needs optim.momentum > 0")

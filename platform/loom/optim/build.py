@@ -1,11 +1,14 @@
-"""Optimizer and LR schedule shared by every model."""
+"""Optimizer and LR schedule shared by every model (and every strategy: DeepSpeed gets this
+torch optimizer object too, `zero_allow_untested_optimizer`)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 
 def _ndim(p: torch.Tensor) -> int:
@@ -13,21 +16,43 @@ def _ndim(p: torch.Tensor) -> int:
     return len(getattr(p, "ds_shape", p.shape))
 
 
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch has a fused kernel for every parameter: floating point, on a device torch
+    lists for fused optimizers (cuda, cpu, xpu, mps, ...; torch's own `fused=True` check)."""
+    devices = _get_fused_kernels_supported_devices()
+    return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
+
+
+def use_fused(setting: Any, params: list[torch.Tensor]) -> bool:
+    """`optim.fused`: true/false as given; auto: fused wherever torch supports it. (torch's own
+    default stays on foreach, and never picks fused for DTensors, which fused handles.)"""
+    return fused_supported(params) if setting == "auto" else bool(setting)
+
+
+def _groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay on matrices only (not biases, norms' gains)."""
+    decay = [p for _, p in named_params if p.requires_grad and _ndim(p) >= 2]
+    no_decay = [p for _, p in named_params if p.requires_grad and _ndim(p) < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig) -> torch.optim.Optimizer:
+    """The torch optimizer `optim.name` names (adamw | sgd), fused per `optim.fused`."""
+    groups = _groups(named_params, optim.weight_decay)
+    fused = use_fused(optim.fused, [p for g in groups for p in g["params"]])
+    if optim.name == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov,
+                               fused=fused)
+    raise ValueError(f"optim.name={optim.name!r}: valid choices: adamw, sgd")
+
+
 def build_optimizer(
     named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig, max_steps: int
 ) -> dict:
-    """AdamW (decay on matrices only) + linear warmup and cosine decay, stepped per step."""
-    decay = [p for _, p in named_params if p.requires_grad and _ndim(p) >= 2]
-    no_decay = [p for _, p in named_params if p.requires_grad and _ndim(p) < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": optim.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-    )
+    """The optimizer + linear warmup and cosine decay, stepped per step."""
+    opt = make_optimizer(named_params, optim)
     warmup, floor = optim.warmup_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
