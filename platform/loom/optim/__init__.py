@@ -12,6 +12,7 @@ from loom.errors import require
 from loom.layout import ParallelLayout
 from loom.schema import nothing_to_fill as normalize  # noqa: F401  (the group interface)
 
+
 @dataclass
 class AdamWConfig:
     name: str = "adamw"

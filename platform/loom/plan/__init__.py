@@ -126,7 +126,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         non_embedding_params=spec.non_embedding_params, flops_per_token=spec.flops_per_token,
         flops_per_step=spec.flops_per_token * tokens if spec.flops_per_token is not None else None,
         peak_flops_per_device=peak, precision=hw.precision,
-        bytes_per_param=dict(zip(("params", "grads", "optimizer"), per_param_bytes(s.name, hw.precision),
+        bytes_per_param=dict(zip(("params", "grads", "optimizer"), per_param_bytes(s.name, hw.precision, cfg.optim),
                                  strict=True)),
         memory_per_device_bytes={**dataclasses.asdict(mem), "states": mem.states, "total": mem.total},
         capacity_per_device_bytes=cap, capacity_source=where,

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
+from loom.optim import state_slots
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
 GB = 1e9
@@ -62,16 +63,17 @@ class MemoryEstimate:
         return self.states + self.activations
 
 
-def per_param_bytes(strategy: str, precision: str) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per parameter for a strategy at a precision."""
+def per_param_bytes(strategy: str, precision: str, optim: DictConfig | None = None) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter for a strategy at a precision, with the
+    optimizer's state following `optim` (None: AdamW): AdamW m and v, SGD its momentum (none
+    without), each a tensor of the parameter's size in the parameter's dtype."""
+    slots = state_slots(optim)
     if zero_stage(strategy) is not None:
-        # fp32 master partition (a copy even when the model is fp32), momentum, variance
-        return (4.0, 4.0, 12.0) if precision == "32-true" else (2.0, 2.0, 12.0)
-    if precision == "32-true":
-        return 4.0, 4.0, 8.0
+        # fp32 master partition (a copy even when the model is fp32) + fp32 optimizer state
+        return (4.0, 4.0, 4.0 + 4.0 * slots) if precision == "32-true" else (2.0, 2.0, 4.0 + 4.0 * slots)
     if precision == "bf16-true":
-        return 2.0, 2.0, 4.0
-    return 4.0, 4.0, 8.0        # autocast / FSDP2 policy: fp32 params and grads, fp32 Adam moments
+        return 2.0, 2.0, 2.0 * slots
+    return 4.0, 4.0, 4.0 * slots  # fp32, autocast, FSDP2 policy: fp32 params, grads and state
 
 
 def wire_bytes(cfg: DictConfig, name: str) -> tuple[float, float]:
@@ -191,7 +193,7 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
     hw, s = cfg.hardware, cfg.strategy
     own = name == s.name
     kw = dict(
-        per_param=per_param_bytes(name, hw.precision),
+        per_param=per_param_bytes(name, hw.precision, cfg.optim),
         offload_optimizer=bool(s.offload_optimizer) if own and "offload_optimizer" in s else None,
         offload_params=bool(s.get("offload_params", False)) if own else False,
     )
@@ -329,7 +331,7 @@ def build_host_bytes(cfg: DictConfig, name: str, layout: ParallelLayout, params:
         return runtime + 4.0 * params, f"{where} + the whole model in fp32, built on the host"
     if gpu:
         return runtime + 4.0 * largest_param(cfg), f"{where} + the largest parameter in fp32, meta build"
-    p = per_param_bytes(name, hw.precision)[0]
+    p = per_param_bytes(name, hw.precision, cfg.optim)[0]
     n = layout.dp_shard if strategies.option(name).states == "all" else 1
     rep = min(params, tp_replicated_params(cfg)) if layout.tp > 1 else 0.0
     shard = p * ((params - rep) / (layout.tp * n) + rep / n)
