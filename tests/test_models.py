@@ -184,3 +184,70 @@ def test_gpt_125m_trains_for_real(loom):
     m = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "gpt_125m.yaml")
     assert s["status"] == "completed" and s["global_step"] == 2
     assert s["memory"]["param_bytes_per_rank"] == [4 * gpt_spec(m, 32).params]
+
+
+# ---------------------------------------------------------------- fused q/k/v (loom.models.gpt)
+def _attention_by_parts(x: torch.Tensor, q, k, v, proj, head_dim: int) -> torch.Tensor:
+    """Causal attention from separate q/k/v Linears: what the fused projection must compute."""
+    import torch.nn.functional as F
+
+    B, T, _ = x.shape
+    heads = [lin(x).view(B, T, -1, head_dim).transpose(1, 2) for lin in (q, k, v)]
+    y = F.scaled_dot_product_attention(*heads, is_causal=True)
+    return proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def test_fused_qkv_computes_the_separate_projections_and_loads_their_weights():
+    from loom.models.gpt import CausalSelfAttention, split_qkv
+
+    torch.manual_seed(0)
+    d, H = 32, 4
+    q, k, v, proj = (torch.nn.Linear(d, d) for _ in range(4))
+    fused = CausalSelfAttention(d, H, 0.0)
+    assert [n for n, _ in fused.named_parameters()] == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
+    # weights saved with separate q/k/v (older Loom) load into the fused layout
+    old = {f"{n}.{a}": getattr(lin, a).detach() for n, lin in zip("qkv", (q, k, v)) for a in ("weight", "bias")}
+    fused.load_state_dict({**old, "proj.weight": proj.weight.detach(), "proj.bias": proj.bias.detach()})
+    x = torch.randn(2, 8, d)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), _attention_by_parts(x, q, k, v, proj, d // H))
+    parts = split_qkv(fused.qkv.weight.detach(), d // H)
+    assert all(torch.equal(p, lin.weight) for p, lin in zip(parts, (q, k, v)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_colwise_split_of_the_fused_qkv_holds_whole_heads(tp):
+    """Each tensor-parallel rank's contiguous rows of qkv (ColwiseParallel) and columns of proj
+    (RowwiseParallel) compute its heads; the sum over ranks (the all-reduce) is the full output."""
+    from loom.models.gpt import CausalSelfAttention
+
+    torch.manual_seed(1)
+    d, H = 32, 4
+    full = CausalSelfAttention(d, H, 0.0)
+    x = torch.randn(2, 8, d)
+    total = torch.zeros(2, 8, d)
+    with torch.no_grad():
+        for r in range(tp):
+            rank = CausalSelfAttention(d, H, 0.0)  # local heads: -1 in the view picks H / tp
+            rows, cols = slice(r * 3 * d // tp, (r + 1) * 3 * d // tp), slice(r * d // tp, (r + 1) * d // tp)
+            rank.qkv, rank.proj = torch.nn.Linear(d, 3 * d // tp), torch.nn.Linear(d // tp, d)
+            rank.qkv.weight.copy_(full.qkv.weight[rows])
+            rank.qkv.bias.copy_(full.qkv.bias[rows])
+            rank.proj.weight.copy_(full.proj.weight[:, cols])
+            rank.proj.bias.copy_(full.proj.bias / tp)
+            total += rank(x)
+        torch.testing.assert_close(total, full(x))
+
+
+def test_attention_runs_on_the_flash_kernel_up_to_the_block_size():
+    """SDPA's flash kernel accepts the q/k/v views (it refuses a last dim that is not
+    contiguous); on CPU this is its CPU flash kernel, on GPU the same checks pick flash/cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from loom.models.gpt import GPT
+
+    model = GPT(n_layer=1, n_head=4, d_model=64, vocab_size=64, block_size=128)
+    idx = torch.randint(0, 64, (2, 128))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        model(idx).sum().backward()
+    assert model.blocks[0].attn.qkv.weight.grad is not None

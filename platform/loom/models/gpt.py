@@ -1,7 +1,13 @@
 """A byte-level GPT you can read in one sitting (after nanoGPT and torchtitan).
 
-Separate q/k/v projections (not one fused qkv) so a tensor-parallel plan can split heads
-column-wise; untied embeddings so FSDP/TP shard the head and the embedding independently.
+One fused q/k/v projection (`attn.qkv`, one GEMM instead of three) under every strategy. Its
+output rows are grouped by head, Megatron's layout: head 0's q, k, v rows, then head 1's, ...
+(`qkv.weight` is (n_head, 3, head_dim, d_model) flattened to (3 d_model, d_model)). So a
+tensor-parallel plan that splits `attn.qkv` column-wise (torch's ColwiseParallel: contiguous
+row blocks) gives each rank whole heads of q, k and v, and the parameter names, final weights
+and checkpoint keys are the same with and without tensor parallelism. Weights saved with
+separate `attn.q/k/v` (Loom before the fused layout) still load: `_load_from_state_dict`
+interleaves them. Untied embeddings so FSDP/TP shard the head and the embedding independently.
 Shapes use -1 for the head count, so the same code runs on a TP rank's local heads.
 """
 
@@ -16,21 +22,41 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.head_dim = d_model // n_head
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (
-            lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
-        )
+        # (B, T, heads, 3, head_dim) -> q, k, v of (B, heads, T, head_dim): the last dim stays
+        # contiguous, which the flash / cuDNN / memory-efficient SDPA kernels require.
+        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        """Accept the separate `q`, `k`, `v` entries of older weights: interleave them by head."""
+        for kind in ("weight", "bias"):
+            parts = [f"{prefix}{n}.{kind}" for n in ("q", "k", "v")]
+            if f"{prefix}qkv.{kind}" not in state_dict and all(p in state_dict for p in parts):
+                state_dict[f"{prefix}qkv.{kind}"] = fuse_qkv(*(state_dict.pop(p) for p in parts),
+                                                             head_dim=self.head_dim)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Separate q/k/v weights (d_out, ...) or biases (d_out,) -> the fused, head-grouped `qkv` one."""
+    rest = q.shape[1:]
+    return torch.stack([t.reshape(-1, head_dim, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `fuse_qkv`: a fused `qkv` weight or bias -> (q, k, v), heads in order."""
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(-1, 3, head_dim, *rest).unbind(1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 class MLP(nn.Module):

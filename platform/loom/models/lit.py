@@ -82,11 +82,11 @@ class CausalLMModule(LoomModule):
 
     sharding_units = (Block,)
     # Tensor parallelism, per unit class: submodule -> colwise | rowwise (Megatron-style:
-    # q/k/v and the MLP's up projection split by output features, i.e. by heads; the two
-    # output projections by input features, so each unit needs one all-reduce per branch).
+    # the fused qkv and the MLP's up projection split by output features, i.e. by heads (qkv's
+    # rows are grouped by head, loom.models.gpt, so a contiguous split holds whole heads of q,
+    # k and v); the two output projections by input features: one all-reduce per branch).
     tensor_parallel_plan = {
-        Block: {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
-                "mlp.fc": "colwise", "mlp.proj": "rowwise"},
+        Block: {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"},
     }
 
     def build_model(self) -> nn.Module:
