@@ -167,11 +167,63 @@ def test_auto_picks_a_known_gpu_profile(monkeypatch):
 
 
 def test_auto_unknown_gpu_gets_nvml_name_and_memory_but_no_peak(monkeypatch):
-    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(2, "NVIDIA H100 PCIe", 85.5))
+    info = hardware.GpuInfo(2, "NVIDIA RTX 6000 Ada Generation", 51.5, (8, 9))
+    monkeypatch.setattr(hardware, "gpu_info", lambda: info)
     cfg = resolve([])
     hw = cfg.hardware
-    assert (hw.name, hw.devices, hw.device_name, hw.device_memory_gb) == ("gpu", 2, "NVIDIA H100 PCIe", 85.5)
+    assert (hw.name, hw.devices, hw.device_name, hw.device_memory_gb) == ("gpu", 2, info.name, 51.5)
+    assert hw.precision == "bf16-mixed"
     assert make_plan(cfg).peak_flops_per_device is None
+
+
+def test_auto_gpu_of_the_peak_table_gets_its_datasheet_peaks(monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(2, "NVIDIA H100 PCIe", 85.5, (9, 0)))
+    cfg = resolve([])
+    assert (cfg.hardware.name, cfg.hardware.devices, cfg.hardware.precision) == ("gpu", 2, "bf16-mixed")
+    assert dict(cfg.hardware.peak_tflops) == {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}
+    assert make_plan(cfg).peak_flops_per_device == pytest.approx(756.5e12)
+
+
+@pytest.mark.parametrize(("name", "cc"), [("Tesla V100-SXM2-32GB", (7, 0)), ("Tesla T4", (7, 5)),
+                                          ("NVIDIA H100 80GB HBM3", (7, 0)), ("Some GPU", None)])
+def test_auto_never_picks_bf16_without_it(name, cc):
+    over = hardware.overrides_for(hardware.GpuInfo(4, name, 16.0, cc), [])
+    assert "hardware=gpu" in over  # not a bf16 profile, even under a known profile's name
+    assert "hardware.bf16_supported=false" in over and "hardware.precision=16-mixed" in over
+    assert not any(o.startswith("hardware.peak_tflops") for o in over)  # cc disagrees: no row
+
+
+def test_auto_strategy_single_uses_one_device(monkeypatch):
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(8, "NVIDIA H200", 150.0, (9, 0)))
+    hw = resolve(["strategy=single"]).hardware
+    assert (hw.name, hw.devices) == ("h200x8", 1)
+    assert resolve(["strategy=ddp"]).hardware.devices == 8
+    assert resolve(["strategy=single", "hardware=auto"]).hardware.devices == 1
+    monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(4, "NVIDIA L40S", 48.0, (8, 9)))
+    assert resolve(["strategy=single"]).hardware.devices == 1
+
+
+def test_peak_table_by_name_and_compute_capability():
+    from loom.hardware.peaks import GPU_PEAKS, bf16_capable, lookup
+
+    assert lookup("NVIDIA H100 80GB HBM3", (9, 0)).bf16 == 989.4
+    assert lookup("NVIDIA H100 NVL", (9, 0)).bf16 == 835.5
+    assert lookup("NVIDIA H800 PCIe", (9, 0)).tf32 == 378.0
+    assert lookup("NVIDIA GH200 480GB", (9, 0)).fp32 == 67.0
+    assert lookup("NVIDIA A100-SXM4-40GB", (8, 0)).memory_gb == 40
+    assert lookup("NVIDIA A100 80GB PCIe", (8, 0)).bf16 == 312.0
+    assert lookup("NVIDIA L40S", (8, 9)).bf16 == 362.05
+    assert lookup("NVIDIA A10G", (8, 6)).fp16 == 125.0
+    assert lookup("NVIDIA GeForce RTX 4090", (8, 9)).bf16 == 165.2
+    assert lookup("NVIDIA B200", (10, 0)).bf16 == 2250.0
+    assert lookup("NVIDIA H200", None).bf16 == 989.4
+    assert lookup("NVIDIA H200", (8, 0)) is None  # the name says Hopper, the device does not
+    assert lookup("NVIDIA H100", (9, 0)) is None  # no prefix matching: PCIe vs SXM differ by 30%
+    assert lookup(None) is None
+    for row in GPU_PEAKS:  # dense numbers: fp16 >= tf32 >= fp32 / 2 or so, never sparse (2x)
+        assert row.bf16 == row.fp16 and row.tf32 <= row.bf16 and row.fp32 <= row.bf16 and row.bf16 < 2500
+        assert bf16_capable(row.cc)
+    assert not bf16_capable((7, 5)) and not bf16_capable(None) and bf16_capable((8, 0))
 
 
 def test_auto_user_overrides_still_win(monkeypatch):

@@ -174,11 +174,16 @@ def test_peak_flops_from_profile_only():
     assert peak_flops(OmegaConf.create({"precision": "32-true", "peak_tflops": {}})) is None
 
 
-def test_mfu_null_unknown_correct_known_never_over_one():
+def test_mfu_null_unknown_correct_known_over_one_an_error():
+    from loom.hardware.peaks import mfu_error
+
     # 8 devices at 989.4 TFLOP/s; 1e5 tokens/s at 40 GFLOP/token = 4 PFLOP/s -> 0.505
     assert mfu(1e5, 40e9, 989.4e12, 8) == pytest.approx(4e15 / (989.4e12 * 8))
+    assert mfu_error(mfu(1e5, 40e9, 989.4e12, 8), 989.4e12) is None
     assert mfu(1e5, 40e9, None, 8) is None
-    assert mfu(1e9, 40e9, 989.4e12, 8) is None  # 5000%: the peak is wrong, report none
+    # 5054x the peak: the peak is wrong; kept, and turned into an error naming the peak
+    assert mfu(1e9, 40e9, 989.4e12, 8) == pytest.approx(4e19 / (989.4e12 * 8))
+    assert "989.4 TFLOP/s" in mfu_error(mfu(1e9, 40e9, 989.4e12, 8), 989.4e12)
 
 
 def test_recorder_mfu_math_matches():

@@ -449,7 +449,7 @@ def test_report_of_a_path_that_is_not_a_run(tmp_path):
 
 
 def test_nvml_pci_bus_id_is_the_string_nvml_expects():
-    from loom.tracking.system import pci_bus_id
+    from loom.hardware.nvml import pci_bus_id
 
     # torch gives the numbers (pci_domain_id, pci_bus_id, pci_device_id); NVML wants a string
     assert pci_bus_id(0, 0x1B, 0) == "00000000:1B:00.0"
@@ -457,7 +457,7 @@ def test_nvml_pci_bus_id_is_the_string_nvml_expects():
 
 
 def test_nvml_targets_map_through_cuda_visible_devices():
-    from loom.tracking.system import nvml_targets, visible_entry
+    from loom.hardware.nvml import nvml_targets, visible_count, visible_entry
 
     uuid = "8932f937-d72c-4106-c12f-20bd9faed9f6"
     assert nvml_targets(0, None, uuid, (0, 0x1B, 0)) == [
@@ -473,13 +473,14 @@ def test_nvml_targets_map_through_cuda_visible_devices():
     assert visible_entry(1, "2,-1,3") is None
     assert visible_entry(2, "0,1") is None
     assert nvml_targets(0, "", None) == []
+    assert visible_count(None, 8) == 8 and visible_count("3,5", 8) == 2 and visible_count("0,-1,2", 8) == 1
+    assert visible_count("", 8) == 0 and visible_count("0,1,2", 2) == 2
 
 
 def test_nvml_failure_degrades_to_no_gpu_utilization(caplog):
     """nvmlInit really fails on this GPU-less machine: one warning, zeros, no crash."""
-    import torch
-
     import pynvml
+    import torch
 
     from loom.tracking.system import GpuStats
 
@@ -495,3 +496,21 @@ def test_nvml_failure_degrades_to_no_gpu_utilization(caplog):
     assert [r.levelname for r in caplog.records if "NVML" in r.getMessage()] == ["WARNING"]
     assert stats.sample(torch.device("cuda", 0)) == {"util": 0.0, "mem_gb": 0.0, "power_w": 0.0}
     assert GpuStats().available is False  # no CUDA: NVML is not even tried
+
+
+def test_mfu_over_one_is_an_error_naming_the_peak(caplog):
+    peak = 1e12  # a log window at 61x the claimed 1 TFLOP/s: the profile's peak is wrong
+    rec = _recorder(peak)
+    with caplog.at_level("ERROR", logger="loom"):
+        row: dict[str, float] = {}
+        rec._mfu(row, 61.44)
+        rec._mfu(row, 70.0)  # the next log step: no second error line
+        out = rec.throughput_summary(SimpleNamespace(global_step=14), peak)  # overall 0.06, window > 1
+    assert "perf/mfu" not in row
+    assert out["mfu"] is None  # flagged, not a number
+    assert "MFU 61.44 > 1" in out["mfu_error"] and "peak 1.0 TFLOP/s" in out["mfu_error"]
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    row = {}
+    _recorder(1e12)._mfu(row, 0.06)
+    assert row["perf/mfu"] == 0.06
+    assert _recorder(1e12).throughput_summary(SimpleNamespace(global_step=14), 1e12)["mfu_error"] is None

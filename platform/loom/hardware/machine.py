@@ -14,14 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
+from loom.hardware.nvml import visible_count, visible_entry
+from loom.hardware.peaks import bf16_capable, lookup
 
 # NVML device names whose datasheet numbers a shipped profile holds. Exact names only: an
-# H100 PCIe (756 dense bf16) must not borrow the SXM peak, so anything else stays `gpu`
-# with an unknown peak (MFU null) rather than a guessed one.
+# H100 PCIe (756 dense bf16) must not borrow the SXM peak. Other devices become `gpu` with the
+# peaks of `hardware.peaks.GPU_PEAKS` when their name and compute capability are there, else an
+# unknown peak (MFU null) rather than a guessed one.
 KNOWN_GPUS = {
     "NVIDIA A100-SXM4-80GB": "a100x8",
     "NVIDIA H100 80GB HBM3": "h100x8",
@@ -34,6 +38,7 @@ class GpuInfo:
     count: int
     name: str | None = None
     memory_gb: float | None = None
+    cc: tuple[int, int] | None = None   # compute capability (major, minor)
 
 
 def gpu_info() -> GpuInfo:
@@ -44,21 +49,37 @@ def gpu_info() -> GpuInfo:
 
         pynvml.nvmlInit()
         try:
-            count = pynvml.nvmlDeviceGetCount()
-            name = mem = None
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            count = visible_count(visible, pynvml.nvmlDeviceGetCount())
+            name = mem = cc = None
             if count:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+                handle = _first_visible(pynvml, visible)
                 name = pynvml.nvmlDeviceGetName(handle)
                 name = name.decode() if isinstance(name, bytes) else str(name)
                 mem = round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9, 1)
+                cc = _compute_capability(pynvml, handle)
         finally:
             pynvml.nvmlShutdown()
     except Exception:
         return GpuInfo(0)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = min(count, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
-    return GpuInfo(count, name, mem) if count else GpuInfo(0)
+    return GpuInfo(count, name, mem, cc) if count else GpuInfo(0)
+
+
+def _first_visible(pynvml: Any, visible: str | None) -> Any:
+    """NVML handle of CUDA device 0 (NVML's index 0 is the first *physical* device)."""
+    kind, value = visible_entry(0, visible) or ("index", 0)
+    if kind == "uuid":
+        return pynvml.nvmlDeviceGetHandleByUUID(value)
+    return pynvml.nvmlDeviceGetHandleByIndex(value)
+
+
+def _compute_capability(pynvml: Any, handle: Any) -> tuple[int, int] | None:
+    """(major, minor), or None when this driver's NVML cannot say (then no bf16 is assumed)."""
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+    except Exception:
+        return None
 
 
 def usable_cores() -> int:
@@ -72,23 +93,40 @@ def visible_gpus() -> int:
 
 
 def auto_overrides(overrides: list[str]) -> list[str]:
-    """Overrides that turn `hardware=auto` into a concrete profile for this machine.
+    """Overrides that turn `hardware=auto` into a concrete profile for this machine (NVML)."""
+    return overrides_for(gpu_info(), overrides)
 
-    Every visible GPU: the shipped profile of a known device (datasheet peak), else `gpu`
-    with NVML's name and memory (peak unknown: MFU null). No GPU: `cpu`.
-    The concrete profile comes first so the user's own `hardware.*` overrides still win.
+
+def overrides_for(info: GpuInfo, overrides: list[str]) -> list[str]:
+    """`hardware=auto` for the GPUs `info` describes (a pure function of it).
+
+    Every visible GPU: the shipped profile of a known device, else `gpu` with NVML's name and
+    memory and the datasheet peaks of `GPU_PEAKS` (none found: MFU null). Never bf16 on a device
+    without it (compute capability < 8.0, or unknown): fp16 mixed precision there. `strategy=single`
+    gets one device. No GPU: `cpu`. The concrete profile comes first so the user's own
+    `hardware.*` overrides still win.
     """
-    info = gpu_info()
     rest = [o for o in overrides if not o.startswith("hardware=")]
+    devices = 1 if _single(overrides) and not user_set(overrides, "hardware.devices") else info.count
     if not info.count:
         return ["hardware=cpu", *rest]
     profile = KNOWN_GPUS.get(info.name or "")
-    if profile:
-        return [f"hardware={profile}", f"hardware.devices={info.count}", *rest]
+    if profile and bf16_capable(info.cc or (8, 0)):
+        return [f"hardware={profile}", f"hardware.devices={devices}", *rest]
     found = [f"hardware.device_name='{info.name}'"] if info.name else []
     if info.memory_gb:
         found.append(f"hardware.device_memory_gb={info.memory_gb}")
-    return ["hardware=gpu", f"hardware.devices={info.count}", *found, *rest]
+    row = lookup(info.name, info.cc)
+    if row:
+        found += [f"hardware.peak_tflops.{k}={v}" for k, v in row.tflops().items()]
+    if not bf16_capable(info.cc or (row.cc if row else None)):  # unknown: no bf16 either
+        found += ["hardware.bf16_supported=false", "hardware.precision=16-mixed"]
+    return ["hardware=gpu", f"hardware.devices={devices}", *found, *rest]
+
+
+def _single(overrides: list[str]) -> bool:
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")]
+    return bool(chosen) and chosen[-1] == "single"
 
 
 def user_set(overrides: list[str], key: str) -> bool:

@@ -1,10 +1,93 @@
-"""Datasheet peaks and MFU: never a guess (no peak for the precision in use: MFU is null)."""
+"""Datasheet peaks and MFU: never a guess (no peak for the precision in use: MFU is null).
+
+`GPU_PEAKS` holds dense (no sparsity) Tensor Core peaks per device, TFLOP/s: datasheets print
+the sparse figure with an asterisk, half of it is the dense one. A device is found by its
+NVML/torch name *and* compute capability; an unknown name gets no peak (never borrowed from a
+neighbour: a wrong peak is how MFU above 100% gets reported).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 PRECISION_KEY = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "32-true": "fp32"}
+
+
+@dataclass(frozen=True)
+class GpuPeak:
+    names: tuple[str, ...]      # exact device names, as NVML and torch.cuda.get_device_name print them
+    cc: tuple[int, int]         # compute capability
+    bf16: float
+    fp16: float
+    tf32: float
+    fp32: float
+    memory_gb: float
+
+    def tflops(self) -> dict[str, float]:
+        return {"bf16": self.bf16, "fp16": self.fp16, "tf32": self.tf32, "fp32": self.fp32}
+
+
+# (H100) below: the H100 Tensor Core GPU datasheet,
+# resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+GPU_PEAKS: tuple[GpuPeak, ...] = (
+    # H100 SXM5: H100 datasheet (H100), BF16/FP16 1,979*, TF32 989*, FP32 67 (* sparse)
+    GpuPeak(("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 80GB"), (9, 0), 989.4, 989.4, 494.7, 66.9, 80),
+    # H100 PCIe: H100 datasheet (H100), BF16/FP16 1,513*, TF32 756*, FP32 51
+    GpuPeak(("NVIDIA H100 PCIe",), (9, 0), 756.5, 756.5, 378.0, 51.2, 80),
+    # H100 NVL (per GPU): H100 datasheet (H100), BF16/FP16 1,671*, TF32 835*, FP32 60
+    GpuPeak(("NVIDIA H100 NVL",), (9, 0), 835.5, 835.5, 417.5, 60.0, 94),
+    # H200 SXM: H200 datasheet (nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446),
+    # BF16/FP16 1,979*, TF32 989*, FP32 67
+    GpuPeak(("NVIDIA H200",), (9, 0), 989.4, 989.4, 494.7, 67.0, 141),
+    # H200 NVL: same H200 datasheet, BF16/FP16 1,671*, TF32 835*, FP32 60
+    GpuPeak(("NVIDIA H200 NVL",), (9, 0), 835.5, 835.5, 417.5, 60.0, 141),
+    # H800 SXM5 / PCIe: NVIDIA H800 datasheet (export variant of H100: same compute, NVLink 400 GB/s),
+    # SXM BF16/FP16 1,979*, TF32 989*, FP32 67; PCIe 1,513*, 756*, 51
+    GpuPeak(("NVIDIA H800", "NVIDIA H800 80GB HBM3"), (9, 0), 989.4, 989.4, 494.7, 66.9, 80),
+    GpuPeak(("NVIDIA H800 PCIe",), (9, 0), 756.5, 756.5, 378.0, 51.2, 80),
+    # GH200: NVIDIA GH200 Grace Hopper Superchip datasheet, GPU: BF16/FP16 990 | 1,979*,
+    # TF32 494 | 989*, FP32 67
+    GpuPeak(("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e", "NVIDIA GH200 96GB HBM3"), (9, 0),
+            989.4, 989.4, 494.7, 67.0, 96),
+    # A100 SXM4 and PCIe, 40 and 80 GB: A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/
+    # Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf): BF16/FP16 312,
+    # TF32 156, FP32 19.5 (dense; 624*/312* sparse)
+    GpuPeak(("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-80GB"), (8, 0),
+            312.0, 312.0, 156.0, 19.5, 80),
+    GpuPeak(("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), (8, 0), 312.0, 312.0, 156.0, 19.5, 40),
+    # L40S: L40S datasheet (resources.nvidia.com/en-us-l40s/l40s-datasheet-28413): BF16/FP16
+    # 362.05 | 733*, TF32 183 | 366*, FP32 91.6
+    GpuPeak(("NVIDIA L40S",), (8, 9), 362.05, 362.05, 183.0, 91.6, 48),
+    # A10G (AWS G5): NVIDIA publishes no A10G datasheet; the A10 datasheet (same GA102, cc 8.6;
+    # nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf): BF16/FP16
+    # 125 | 250*, TF32 62.5 | 125*, FP32 31.2. The A10G clocks lower: MFU reads low, never high.
+    GpuPeak(("NVIDIA A10G",), (8, 6), 125.0, 125.0, 62.5, 31.2, 24),
+    # RTX 4090: Ada architecture whitepaper v2.1, appendix A (images.nvidia.com/aem-dam/Solutions/
+    # Data-Center/l4/nvidia-ada-gpu-architecture-whitepaper-v2.1.pdf): FP16/BF16 Tensor with FP32
+    # accumulate (what mixed precision uses) 165.2 | 330.4*, TF32 82.6 | 165.2*, FP32 82.6
+    GpuPeak(("NVIDIA GeForce RTX 4090",), (8, 9), 165.2, 165.2, 82.6, 82.6, 24),
+    # B200 (HGX B200, per GPU): NVIDIA Blackwell/HGX B200 datasheet (nvidia.com/en-us/data-center/hgx):
+    # 8 GPUs FP16/BF16 36 PF*, TF32 18 PF*, FP32 600 TF -> per GPU dense 2,250 / 1,125 / 75
+    GpuPeak(("NVIDIA B200",), (10, 0), 2250.0, 2250.0, 1125.0, 75.0, 180),
+)
+
+
+def lookup(name: str | None, cc: tuple[int, int] | None = None) -> GpuPeak | None:
+    """The table row of a device by its exact name; a compute capability that disagrees with the
+    row (a renamed or virtualized device) means no row. None: peak unknown, MFU null."""
+    if not name:
+        return None
+    for row in GPU_PEAKS:
+        if name.strip() in row.names and (cc is None or tuple(cc) == row.cc):
+            return row
+    return None
+
+
+def bf16_capable(cc: tuple[int, int] | None) -> bool:
+    """bf16 Tensor Cores need compute capability 8.0 (Ampere) or later: V100 (7.0), T4 (7.5) lack it."""
+    return cc is not None and tuple(cc) >= (8, 0)
 
 
 def peak_flops(hw: DictConfig) -> float | None:
@@ -16,9 +99,18 @@ def peak_flops(hw: DictConfig) -> float | None:
 
 
 def mfu(tokens_per_sec: float, flops_per_token: float, peak: float | None, world: int) -> float | None:
-    """Model FLOPs utilization per device: achieved FLOP/s / (peak x devices); None when the
-    peak is unknown or the ratio is impossible (> 1 means the peak is wrong, not the run)."""
+    """Model FLOPs utilization per device: achieved FLOP/s / (peak x devices); None when the peak
+    is unknown. A value > 1 is returned as is: `mfu_error` turns it into the error to report."""
     if not peak or world < 1:
         return None
-    value = tokens_per_sec * flops_per_token / (peak * world)
-    return value if 0.0 <= value <= 1.0 else None
+    return tokens_per_sec * flops_per_token / (peak * world)
+
+
+def mfu_error(value: float | None, peak: float | None) -> str | None:
+    """The error for an impossible MFU (> 1: the run beat the profile's peak, so the peak is
+    wrong, not the run), naming the peak; None when the value is possible or unknown."""
+    if value is None or not peak or value <= 1.0:
+        return None
+    return (f"MFU {value:.2f} > 1: the achieved {value * peak / 1e12:,.1f} TFLOP/s per device exceeds "
+            f"the profile's peak {peak / 1e12:,.1f} TFLOP/s (hardware.peak_tflops for this precision): "
+            "the peak is wrong for this device; set it from the datasheet (dense, not sparse)")

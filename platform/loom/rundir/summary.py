@@ -33,7 +33,8 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,
-        "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None},
+        "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None,
+                       "mfu_error": None},
         "memory": {
             "peak_rss_gb_per_rank": None,
             "build_peak_rss_gb_per_rank": None,

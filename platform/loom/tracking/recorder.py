@@ -4,7 +4,9 @@ Hand-written rather than Lightning's ThroughputMonitor callback, which synchroni
 after every batch on rank 0. Here the hot path only reads a clock and adds a detached loss
 tensor; the device is synchronized, metrics reduced across ranks (mean/min/max) and logged
 once per `trainer.log_every_n_steps`, by rank 0. Rates and MFU come from Lightning's
-`Throughput` utility over the window of logged steps.
+`Throughput` utility over the window of logged steps. An MFU above 1 means the profile's peak
+is wrong (not the run): it is not logged as perf/mfu; rank 0 logs one ERROR line naming the
+peak, and summary.json has `throughput.mfu: null` with the reason in `throughput.mfu_error`.
 
 Training time (`train_time_s`, the denominator of every rate) is the wall time of the
 training loop of this attempt, from `on_train_start` to `on_train_end`, minus the time
@@ -26,7 +28,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import Throughput
 
-from loom.hardware.peaks import mfu
+from loom.hardware.peaks import mfu, mfu_error
 from loom.tracking.system import GpuStats
 
 log = logging.getLogger("loom")
@@ -52,6 +54,8 @@ class Recorder(pl.Callback):
         self.seq_len = seq_len
         self.flops_per_token = flops_per_token
         self.world_size = world_size
+        self.peak_flops = peak_flops_per_device
+        self.mfu_error: str | None = None  # the first impossible MFU (> 1): the peak is wrong
         self.throughput = Throughput(
             available_flops=peak_flops_per_device, world_size=world_size, window_size=2
         )
@@ -181,13 +185,23 @@ class Recorder(pl.Callback):
         }
         if "device/flops_per_sec" in rates:
             row["perf/tflops_per_device"] = rates["device/flops_per_sec"] / 1e12
-        if "device/mfu" in rates and 0.0 <= rates["device/mfu"] <= 1.0:  # > 1: the peak is wrong
-            row["perf/mfu"] = rates["device/mfu"]
+        if "device/mfu" in rates:
+            self._mfu(row, rates["device/mfu"])
         if self.gpu.available:
             row["sys/gpu_util"] = float(mean[col["gpu_util"]])
             row["sys/gpu_mem_gb"] = float(mean[col["gpu_mem_gb"]])
             row["sys/gpu_power_w"] = float(mean[col["gpu_power_w"]])
         return row
+
+    def _mfu(self, row: dict[str, float], value: float) -> None:
+        """perf/mfu, unless > 1 (the profile's peak is wrong): then no value, and the error is
+        logged once (rank 0) and kept for summary.json `throughput.mfu_error`."""
+        err = mfu_error(value, self.peak_flops)
+        if err is None:
+            row["perf/mfu"] = value
+        elif self.mfu_error is None:
+            self.mfu_error = err
+            log.error(err)
 
     def _publish(self, trainer: pl.Trainer, step: int, row: dict[str, float]) -> None:
         """Rank 0: keep the row, send it to the loggers, print the progress line."""
@@ -241,11 +255,17 @@ class Recorder(pl.Callback):
             "tokens_per_sec": tokens / t if t > 0 else None,
             "tflops_per_device": None,
             "mfu": None,
+            "mfu_error": None,
         }
         if self.flops_per_token and t > 0:
             per_device = tokens * self.flops_per_token / self.world_size / t
             out["tflops_per_device"] = per_device / 1e12
-            out["mfu"] = mfu(tokens / t, self.flops_per_token, peak_flops, self.world_size)
+            value = mfu(tokens / t, self.flops_per_token, peak_flops, self.world_size)
+            err = mfu_error(value, peak_flops)
+            if err and self.mfu_error is None:
+                log.error(err)
+            out["mfu_error"] = err or self.mfu_error
+            out["mfu"] = None if out["mfu_error"] else value  # an impossible MFU is an error, not a number
         return out
 
     def attempt(self) -> dict[str, Any]:
