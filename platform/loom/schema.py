@@ -47,6 +47,7 @@ class TrainerConfig:
     val_every_n_steps: int = 0
     limit_val_batches: int = 8
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
+    compile: bool = False  # torch.compile: each sharding unit (fsdp, fsdp_tp) or the whole model
 
 
 @dataclass

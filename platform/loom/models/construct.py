@@ -59,6 +59,7 @@ def _construct(module: Any, strategy: Any | None) -> str:
     with _outside_zero_init(zero3):  # the wrapper holds no parameters; zero.Init's hooks break it
         _activation_checkpointing(module, model)
     parallelize = getattr(strategy, "parallelize", None)
+    _compile(module, model, per_unit=parallelize is not None)
     if parallelize is not None:
         parallelize(module)
     if init is not None:
@@ -114,3 +115,27 @@ def _activation_checkpointing(module: Any, model: torch.nn.Module) -> None:
     wrapped = apply_activation_checkpointing(model, tuple(module.sharding_units), mode)
     log.info(f"activation checkpointing ({mode}): {wrapped} of the model's "
              f"{', '.join(c.__name__ for c in module.sharding_units) or 'unit'} modules recompute in backward")
+
+
+def _compile(module: Any, model: torch.nn.Module, per_unit: bool) -> None:
+    """`trainer.compile`: torch.compile each sharding unit's `forward` (FSDP2: before
+    `fully_shard`, torchtitan's `apply_compile`), or the whole model's (single, ddp, zero*).
+
+    Only `forward` is compiled, in place, so module hooks stay outside the graph (FSDP2's
+    all-gathers, activation checkpointing's wrapper around the unit) and no `_orig_mod.` enters
+    parameter or state-dict names: name-seeded init, checkpoints and final weights are unchanged.
+    Compilation itself happens at the first forward, when TP/FSDP have already sharded the module.
+    """
+    if not module.cfg.trainer.get("compile", False):
+        return
+    units = [m for m in model.modules() if m is not model and isinstance(m, tuple(module.sharding_units))]
+    units = [u for u in units if not any(u is not o and _contains(o, u) for o in units)]
+    targets = units if per_unit and units else [model]
+    for target in targets:
+        target.forward = torch.compile(target.forward)
+    log.info(f"torch.compile: {len(targets)} {'unit' if targets[0] is not model else 'whole-model'} "
+             f"forward(s) of {type(model).__name__} (compiled at the first step)")
+
+
+def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
