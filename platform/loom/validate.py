@@ -92,6 +92,7 @@ def _check_sections(cfg: DictConfig) -> None:
     require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
             "must be >= 2 so the previous checkpoint survives while the next is written")
     strategies.checks.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
+    strategies.checks.check_compile(cfg)  # trainer.compile where the strategy can run it
     if cfg.run.id is not None:
         rid = str(cfg.run.id)
         require(bool(rid) and all(c.isalnum() or c in "-_." for c in rid) and not rid.startswith("."),

@@ -45,6 +45,24 @@ def check_checkpoint(cfg: DictConfig) -> None:
                 f"async checkpoints: {', '.join(ASYNC_CHECKPOINT_STRATEGIES)}; or set checkpoint.async=false")
 
 
+# trainer.compile: strategies that cannot run a compiled model, and why (the refusal's sentence).
+_NO_COMPILE_WHY = {
+    "zero3": "ZeRO-3 gathers each submodule's parameters in forward hooks that torch.compile traces "
+             "into: on torch 2.13 / DeepSpeed 0.19.8 every layer recompiles until dynamo's recompile "
+             "limit (8) and falls back to eager, so compile only adds time",
+}
+
+
+def check_compile(cfg: DictConfig) -> None:
+    """trainer.compile only where the strategy runs the compiled model (single, ddp, fsdp,
+    fsdp_tp, zero1, zero2: checked by tests/test_compile.py)."""
+    name = cfg.strategy.name
+    if cfg.trainer.get("compile", False) and name.startswith("zero3"):
+        require(False, "trainer.compile", True,
+                f"strategy={name} cannot compile: {_NO_COMPILE_WHY['zero3']}. Use strategy=fsdp "
+                "(per-block compile before FSDP2) or zero2, or set trainer.compile=false")
+
+
 def check_single(cfg: DictConfig, layout: ParallelLayout) -> None:
     require(layout.world == 1, "hardware.devices", cfg.hardware.devices,
             "strategy=single runs one process: set hardware.devices=1 "
