@@ -48,6 +48,7 @@ class TrainerConfig:
     limit_val_batches: int = 8
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
     compile: bool = False  # torch.compile: each sharding unit (fsdp, fsdp_tp) or the whole model
+    gc_every_n_steps: int = 50  # Python GC: off, collected every N steps on every rank (0: Python's own)
 
 
 @dataclass

@@ -75,6 +75,9 @@ def _check_devices(hw: DictConfig) -> None:
     for key in ("device_memory_gb", "host_memory_gb"):
         require(hw[key] is None or hw[key] > 0, f"hardware.{key}", hw[key], "must be > 0 (GB)")
     require(hw.cpu_cores >= 1, "hardware.cpu_cores", hw.cpu_cores, "must be >= 1")
+    for key in ("timeout_init_s", "timeout_train_s"):
+        require(hw[key] > 0, f"hardware.{key}", hw[key],
+                "must be > 0 (seconds a collective may wait before the process group aborts)")
 
 
 def _check_rendezvous(hw: DictConfig) -> None:

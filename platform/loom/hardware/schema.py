@@ -64,6 +64,10 @@ class HardwareConfig:
     pin_memory: bool = False
     prefetch_factor: int = 2          # batches each dataloader worker loads ahead (workers > 0)
     rdzv_endpoint: str | None = None  # host:port of the rendezvous (required for num_nodes > 1)
+    # Collective timeouts (s): generous while ranks build, load and compile; shorter once the first
+    # step ran, so a hung rank fails the job (and NCCL's flight recorder dumps) in minutes.
+    timeout_init_s: float = 600
+    timeout_train_s: float = 300
     slurm: SlurmConfig | None = None
     measured: MeasuredConfig | None = None
     resolved_from: str | None = None

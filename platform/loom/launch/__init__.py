@@ -60,11 +60,37 @@ def multi_node(cfg: DictConfig) -> bool:
     return cfg.hardware.num_nodes > 1 or (cfg.hardware.get("min_nodes") or 1) > 1
 
 
-def worker_env(cfg: DictConfig) -> dict[str, str]:
+# Flight-recorder entries each rank keeps (collectives, with stack and state) for the dump.
+NCCL_TRACE_ENTRIES = 20000
+
+
+def gpu_env(cfg: DictConfig, run_dir: Path | str | None) -> dict[str, str]:
+    """Environment defaults of GPU ranks (none on CPU), as torchtitan sets them: NCCL errors and
+    timeouts abort the process (so torchrun restarts the job instead of a hang), the flight
+    recorder dumps every rank's last collectives into `<run>/logs/nccl_trace_rank_<N>` on a
+    timeout, and the caching allocator grows segments instead of fragmenting. A key the user
+    already set wins (`worker_env` only fills what is missing)."""
+    if cfg.hardware.accelerator != "gpu":
+        return {}
+    env = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",   # abort the communicator and the process on error
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    if run_dir is not None:
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(run_dir) / "logs" / "nccl_trace_rank_")
+    return env
+
+
+def worker_env(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, str]:
+    """The ranks' environment: this process's, plus Loom's defaults where the user set none."""
     env = dict(os.environ)
     env["LOOM_LAUNCH_TIME"] = str(time.time())
     env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // cfg.hardware.devices)))
     env.setdefault("WANDB_MODE", "offline")
+    for key, value in gpu_env(cfg, run_dir).items():
+        env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
     if multi_node(cfg):
         # Without this, the rank-0 agent hosts one worker store for every rendezvous round, and
@@ -103,9 +129,11 @@ def node_banner(cfg: DictConfig) -> str:
 
 def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     """Run all ranks to the end; returns the exit code of the training."""
-    env = worker_env(cfg)
+    env = worker_env(cfg, run_dir)
     if layout.world == 1:
-        os.environ.update({k: v for k, v in env.items() if k in ("LOOM_LAUNCH_TIME", "OMP_NUM_THREADS", "WANDB_MODE")})
+        # In-process: CUDA is not initialized yet here, so the allocator setting still applies.
+        keep = ("LOOM_LAUNCH_TIME", "OMP_NUM_THREADS", "WANDB_MODE", *gpu_env(cfg, run_dir))
+        os.environ.update({k: v for k, v in env.items() if k in keep})
         from loom.worker.main import run
 
         try:

@@ -40,7 +40,7 @@ from omegaconf import DictConfig
 
 from loom.atomic import atomic_write_text
 from loom.errors import EXIT_OK, ConfigError
-from loom.launch import multi_node, torchrun_command
+from loom.launch import gpu_env, multi_node, torchrun_command
 
 # squeue states in which a job still holds (or will hold) the run dir.
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
@@ -112,6 +112,7 @@ def render(cfg: DictConfig, run_dir: Path, python: str = sys.executable) -> str:
         "python": shlex.quote(python),
         "setup": "\n".join(str(line) for line in sl.setup or []) or ":",
         "rdzv_env": rdzv_env,
+        "gpu_env": gpu_env_lines(cfg, run_dir),
         "rdzv_port": str(sl.rdzv_port),
         "rdzv_endpoint": str(hw.rdzv_endpoint) if hw.rdzv_endpoint else "$HEAD_NODE:$RDZV_PORT",
         "srun_options": " ".join(srun),
@@ -123,6 +124,17 @@ def render(cfg: DictConfig, run_dir: Path, python: str = sys.executable) -> str:
         raise ConfigError(f"Invalid config: the SLURM template {template_path()} uses unknown "
                           f"placeholders {', '.join(missing)}; known: {', '.join(sorted(values))}.")
     return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], text)
+
+
+def gpu_env_lines(cfg: DictConfig, run_dir: Path) -> str:
+    """`export KEY="${KEY:-default}"` for loom.launch.gpu_env (NCCL error handling, flight
+    recorder, allocator): the same defaults as torchrun launches, and the user's own env wins."""
+    env = gpu_env(cfg, run_dir)
+    if not env:
+        return ""
+    lines = ["# GPU ranks: NCCL aborts on errors, flight-recorder dump on timeout, expandable segments"]
+    lines += [f'export {k}="${{{k}:-{v}}}"' for k, v in env.items()]
+    return "\n".join(lines)
 
 
 def _groups(cmd: list[str]) -> list[int]:

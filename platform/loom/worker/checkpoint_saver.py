@@ -64,6 +64,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _no_sigterm_broadcast() -> None:
+    """Stands in for Lightning's per-batch SIGTERM broadcast (see Checkpointing.on_train_start)."""
+
+
 class Checkpointing(pl.Callback):
     def __init__(self, run_dir: Path, every_n_steps: int, keep_last: int, agree_every: int = 1) -> None:
         self.run_dir = run_dir
@@ -91,6 +95,10 @@ class Checkpointing(pl.Callback):
         # Replaces Lightning's SIGTERM handler (it restores the originals at teardown).
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._on_signal)
+        # Lightning (2.6) broadcasts a "SIGTERM received" flag from rank 0 before every batch and
+        # reads it with .item(): a blocking collective and a device sync per micro-batch. Its flag
+        # is set only by its own handler, replaced above; this callback's agreement does that job.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
 
     def _stop_requested(self, step: int, last: bool) -> bool:
         if not self._distributed:

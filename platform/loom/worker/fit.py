@@ -30,6 +30,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     from loom.data.position import DataPosition
     from loom.tracking.recorder import Recorder
     from loom.worker.checkpoint_saver import Checkpointing
+    from loom.worker.gc_control import GarbageCollection, TrainTimeout
 
     plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
     # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
@@ -51,7 +52,9 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         world_size=layout.world,
     )
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
-    trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver])
+    housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
+                    TrainTimeout(cfg.hardware.get("timeout_train_s") or 300)]
+    trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
 
     run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
     run.summary["resumed_from_step"] = checkpoints.step_of(resume)

@@ -98,7 +98,7 @@ def run(run_dir: Path) -> int:
         from loom.worker.distributed import init_from_torchrun, shutdown
         from loom.worker.fit import fit
 
-        init_from_torchrun(cfg.hardware.backend)
+        init_from_torchrun(cfg.hardware.backend, cfg.hardware.get("timeout_init_s") or 600)
         rc = fit(cfg, run_dir, rank)
         shutdown()
         return rc
