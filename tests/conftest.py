@@ -93,6 +93,19 @@ def strategy_runs(tmp_path_factory) -> dict:
     return out
 
 
+def refused_fast(loom, tmp_path: Path, *args: str) -> str:
+    """`loom train <args>` must be refused by validation: exit 2 within 3 s (no torch import,
+    no process), no run dir, no traceback. Returns stderr for the message checks."""
+    t0 = time.monotonic()
+    r = loom("train", *args)
+    took = time.monotonic() - t0
+    assert r.rc == 2, r.out + r.err
+    assert took < 3.0, took
+    assert not any(tmp_path.rglob("config.yaml")), "a run dir was created"
+    assert "Traceback" not in r.err
+    return r.err
+
+
 @pytest.fixture
 def loom(tmp_path):
     """Call as loom("train", "k=v", ...) -> LoomResult, with runs under tmp_path."""
