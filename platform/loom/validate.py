@@ -81,7 +81,8 @@ def _check_sections(cfg: DictConfig) -> None:
                 "checkpoint.keep_last"):
         v = OmegaConf.select(cfg, key)
         require(v >= 1, key, v, "must be a positive integer (>= 1)")
-    for key in ("trainer.val_every_n_steps", "checkpoint.every_n_steps", "trainer.limit_val_batches"):
+    for key in ("trainer.val_every_n_steps", "checkpoint.every_n_steps", "trainer.limit_val_batches",
+                "trainer.gc_every_n_steps"):
         v = OmegaConf.select(cfg, key)
         require(v >= 0, key, v, "must be >= 0 (0 disables it)")
     require(cfg.trainer.gradient_clip_val >= 0, "trainer.gradient_clip_val",
