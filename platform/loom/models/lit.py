@@ -28,15 +28,18 @@ class LoomModule(pl.LightningModule):
     sharding_units: tuple[type, ...] = ()
     tensor_parallel_plan: dict[type, dict[str, str]] = {}
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self._make_model = cfg, make_model
         self.optim_cfg, self.max_steps = cfg.optim, cfg.trainer.max_steps
         self.build_peak_rss_gb: float | None = None
         self._built = False
 
     def build_model(self) -> nn.Module:
-        raise NotImplementedError
+        """A new network (called on the meta device first, then for real where needed)."""
+        if self._make_model is None:
+            raise NotImplementedError(f"{type(self).__name__} gives no model factory")
+        return self._make_model()
 
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
         """(how to initialize each parameter by name, None) or (None, why the model cannot be
@@ -134,10 +137,6 @@ class HFCausalLMModule(LoomModule):
 class ClassifierModule(LoomModule):
     """Cross-entropy classification, `model=mlp`; logs val/acc next to val/loss."""
 
-    def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module]) -> None:
-        super().__init__(cfg)
-        self.build_model = make_model
-
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self.model(x).float(), y)
@@ -158,8 +157,8 @@ class WrappedModule(LoomModule):
 
     def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module], loss: nn.Module | None,
                  prebuilt: bool = False) -> None:
-        super().__init__(cfg)
-        self._make_model, self._prebuilt = make_model, prebuilt
+        super().__init__(cfg, make_model)
+        self._prebuilt = prebuilt
         self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
 
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
@@ -168,7 +167,7 @@ class WrappedModule(LoomModule):
         return super().initializer(meta_model)
 
     def build_model(self) -> nn.Module:
-        model = self._make_model()
+        model = super().build_model()
         self.sharding_units = tuple(getattr(model, "sharding_units", ()))
         return model
 
