@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 from loom.compose import conf_dir
 from loom.errors import ConfigError
 from loom.hardware.machine import KNOWN_GPUS, usable_cores
+from loom.hardware.peaks import lookup
 from loom.hardware.schema import HardwareConfig
 from loom.schema import typed
 
@@ -153,7 +154,7 @@ def default_out() -> Path:
 
 
 def _device_profile(processes: int | None) -> tuple[dict[str, Any], str, str, str, int, str | None]:
-    """(profile to fill, matmul dtype, device, backend, all-reduce ranks, known profile name)."""
+    """(profile to fill, matmul dtype, device, backend, all-reduce ranks, where its peaks come from)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -166,11 +167,16 @@ def _device_profile(processes: int | None) -> tuple[dict[str, Any], str, str, st
     profile = _base_profile(known or "gpu")
     profile.update(devices=count, device_name=dev_name,
                    device_memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
-    major, _ = torch.cuda.get_device_capability(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    row = None if known else lookup(dev_name, (major, minor))
+    source = f"conf/hardware/{known}.yaml" if known else None
+    if row:  # no shipped profile, but the datasheet table knows it: MFU gets a real peak
+        profile["peak_tflops"] = row.tflops()
+        source = f"hardware.peaks.GPU_PEAKS ({dev_name}, compute capability {major}.{minor})"
     profile["bf16_supported"] = major >= 8
     if major < 8:
         profile["precision"] = "16-mixed"
-    return profile, ("bfloat16" if major >= 8 else "float16"), "cuda", "nccl", processes or count, known
+    return profile, ("bfloat16" if major >= 8 else "float16"), "cuda", "nccl", processes or count, source
 
 
 def measure(size: int | None, repeats: int, allreduce_mb: float,
@@ -179,7 +185,7 @@ def measure(size: int | None, repeats: int, allreduce_mb: float,
     import psutil
     import torch
 
-    profile, dtype, device, backend, world, known = _device_profile(processes)
+    profile, dtype, device, backend, world, peak_source = _device_profile(processes)
     gpu = device == "cuda"
     n = size or (GPU_SIZE if gpu else CPU_SIZE)
     threads = None
@@ -216,7 +222,7 @@ def measure(size: int | None, repeats: int, allreduce_mb: float,
     if not gpu:
         profile["peak_tflops"] = {**(profile.get("peak_tflops") or {}), "fp32": round(tflops, 4)}
     profile.pop("resolved_from", None)
-    profile["_timings"] = {"matmul_s": t_matmul, "allreduce_s": t_comm, "known": known}
+    profile["_timings"] = {"matmul_s": t_matmul, "allreduce_s": t_comm, "peak_source": peak_source}
     return profile
 
 
@@ -226,7 +232,7 @@ def render_yaml(profile: dict[str, Any], name: str) -> str:
     body = {"name": name, **{k: v for k, v in body.items() if k != "name"}}
     text = OmegaConf.to_yaml(OmegaConf.create(body))
     m = body["measured"]
-    known = profile.get("_timings", {}).get("known")
+    peak_source = profile.get("_timings", {}).get("peak_source")
     cpu = body["accelerator"] == "cpu"
     head = [
         f"# Written by `loom probe` on {m['host']} at {m['probed_at']} (torch {m['torch_version']}).",
@@ -239,8 +245,8 @@ def render_yaml(profile: dict[str, Any], name: str) -> str:
         head += ["# peak_tflops.fp32 is the *measured* matmul rate of one rank (no CPU datasheet peak",
                  f"# is known here) at {m['matmul_threads']} thread(s) = cores / devices: MFU on this machine is",
                  "# relative to a large fp32 matmul, and is valid for this hardware.devices only."]
-    elif known:
-        head += [f"# peak_tflops: datasheet numbers of conf/hardware/{known}.yaml (dense), not measured."]
+    elif peak_source:
+        head += [f"# peak_tflops: datasheet numbers of {peak_source} (dense), not measured."]
     else:
         head += ["# peak_tflops: unknown for this device (MFU stays null). Set it from the datasheet;",
                  "# the measured matmul rate is a lower bound, not a peak."]

@@ -177,7 +177,7 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
 
 def tp_replicated_params(cfg: DictConfig) -> float:
     """Parameters tensor parallelism leaves whole on every TP rank (GPT of loom.models.gpt
-    under models.lit's plan: q/k/v/fc colwise, proj rowwise): embeddings, positions, the
+    under models.lit's plan: qkv/fc colwise, proj rowwise): embeddings, positions, the
     head, every LayerNorm, and the two row-parallel biases per block."""
     m = cfg.model
     if "d_model" not in m:
