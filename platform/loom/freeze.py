@@ -74,6 +74,8 @@ class Frozen:
 
 
 def run_dir_of(cfg: DictConfig, rid: str) -> Path:
+    if cfg.run.get("dir"):  # `run.dir` / `hydra.run.dir`: exactly there (validate refuses it in sweeps)
+        return Path(cfg.run.dir).expanduser().resolve()
     if cfg.run.get("sweep_dir"):
         return (Path(cfg.run.sweep_dir) / rid).resolve()
     return (Path(cfg.run.root) / cfg.experiment / rid).resolve()

@@ -34,14 +34,20 @@ def resolve(overrides: list[str]) -> DictConfig:
     return validate(compose(overrides))
 
 
+_WARNED: set[str] = set()  # plan warnings already printed by this command (a sweep plans every trial)
+
+
 def plan_run(cfg: DictConfig, show: bool) -> Plan:
     """The plan; its table when asked (`loom plan`) or when the run cannot fit; warnings
-    (e.g. MFU null for a device without a known peak) as one line each on stderr."""
+    (e.g. MFU null for a device without a known peak) as one line each on stderr, once per
+    command: a sweep's trials share them."""
     plan = make_plan(cfg)
     if show or not plan.fits:
         render(plan.to_dict())
     for w in plan.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        if w not in _WARNED:
+            _WARNED.add(w)
+            print(f"warning: {w}", file=sys.stderr)
     return plan
 
 

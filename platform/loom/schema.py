@@ -26,6 +26,7 @@ class RunConfig:
     id: str | None = None
     root: str = "runs"
     sweep_dir: str | None = None  # set by a sweep: its trials' run dirs live there
+    dir: str | None = None        # the exact run dir (hydra.run.dir=X sets it); null: <root>/<experiment>/<id>
 
 
 @dataclass
@@ -42,7 +43,7 @@ class SweepConfig:
 class TrainerConfig:
     max_steps: int = 200
     accumulate_grad_batches: int = 1
-    gradient_clip_val: float = 1.0
+    gradient_clip_val: float | None = 1.0  # 0 or null (`~trainer.gradient_clip_val`): no clipping
     log_every_n_steps: int = 10
     val_every_n_steps: int = 0
     limit_val_batches: int = 8

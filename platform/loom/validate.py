@@ -85,8 +85,9 @@ def _check_sections(cfg: DictConfig) -> None:
                 "trainer.gc_every_n_steps"):
         v = OmegaConf.select(cfg, key)
         require(v >= 0, key, v, "must be >= 0 (0 disables it)")
-    require(cfg.trainer.gradient_clip_val >= 0, "trainer.gradient_clip_val",
-            cfg.trainer.gradient_clip_val, "must be >= 0 (0 disables clipping)")
+    clip = cfg.trainer.gradient_clip_val
+    require(clip is None or clip >= 0, "trainer.gradient_clip_val", clip,
+            "must be >= 0 (0 or null disables clipping)")
     ac, modes = cfg.trainer.activation_checkpointing, ("none", "selective", "full")
     require(ac in modes, "trainer.activation_checkpointing", ac,
             f"valid choices: {', '.join(modes)} (selective: every other block, full: every block)")
@@ -98,8 +99,23 @@ def _check_sections(cfg: DictConfig) -> None:
         rid = str(cfg.run.id)
         require(bool(rid) and all(c.isalnum() or c in "-_." for c in rid) and not rid.startswith("."),
                 "run.id", rid, "use letters, digits, '-', '_' and '.' only")
+    _check_run_dir(cfg)
     require(bool(cfg.experiment) and "/" not in cfg.experiment and not cfg.experiment.startswith("."),
             "experiment", cfg.experiment, "must be a plain directory name")
+
+
+def _check_run_dir(cfg: DictConfig) -> None:
+    """`run.dir` (hydra.run.dir) names one run's dir: a fixed path, and never a sweep's trials,
+    which each need their own (they live under <run.root>/<experiment>/sweeps/<id>/)."""
+    d = cfg.run.dir
+    if d is None:
+        return
+    require(bool(str(d).strip()), "run.dir", d, "give a directory, or null for <run.root>/<experiment>/<run id>")
+    if cfg.run.sweep_dir is not None or cfg.sweep.params:
+        raise ConfigError(
+            f"Invalid config: run.dir={d} (hydra.run.dir) names a single run's dir, but this is a sweep whose "
+            "trials each need their own run dir. Drop it; set run.root=<dir> (and experiment=<name>): the "
+            "trials then live under <run.root>/<experiment>/sweeps/<id>/.")
 
 
 def _refuse_targets(cfg: DictConfig) -> None:

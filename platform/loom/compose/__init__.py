@@ -15,9 +15,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom import data, hardware, models, optim, strategies, tracking
-from loom.compose import recipes
+from loom.compose import hydra_options, recipes, removal
 from loom.compose.paths import conf_dir, group_options
 from loom.errors import ConfigError
+from loom.hardware.derive import rederive_for_cpu
 from loom.hardware.machine import auto_overrides, user_set
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names, unknown_key_message
 
@@ -32,12 +33,21 @@ GROUP_PACKAGES: dict[str, ModuleType] = {
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """The composed (not yet validated) config of one run."""
-    overrides, recipe_dirs = recipes.split_searchpath(list(overrides))
+    """The composed (not yet validated) config of one run: Hydra's own options done or refused
+    (`hydra_options`), `~key` given the schema's meaning (`removal`), a GPU profile run on
+    `hardware.accelerator=cpu` re-derived (`loom.hardware.derive`)."""
+    overrides = hydra_options.translate(list(overrides))
+    overrides, recipe_dirs = recipes.split_searchpath(overrides)
+    overrides, removed = removal.split_removals(overrides)
     found = recipes.discover(recipe_dirs)
     if recipes.chosen(overrides, found):
         recipes.register(found)
-    return hydra_compose(_concrete(overrides))
+    cfg = hydra_compose(_concrete(overrides))
+    removal.apply_removals(cfg, removed)
+    user_hw = {o.lstrip("+").partition("=")[0].removeprefix("hardware.") for o in overrides
+               if o.lstrip("+").startswith("hardware.")}
+    rederive_for_cpu(cfg.hardware, conf_dir() / "hardware", user_hw)
+    return cfg
 
 
 def _concrete(overrides: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom import strategies
 from loom.compose import group_options
+from loom.hardware.machine import usable_cores
 from loom.hardware.peaks import PRECISION_KEY, peak_flops
 from loom.layout import ParallelLayout
 from loom.models import model_spec
@@ -151,7 +152,7 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
     per_sample = mem.activations / micro if micro else 0.0
     if cap is None or not per_sample:
         return None
-    room = cap - mem.states - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
+    room = cap - mem.states - mem.runtime - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
     return max(0, int(room // per_sample))
 
 
@@ -173,6 +174,11 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
     if cap is None:
         out.append(f"hardware={hw.name}: device memory unknown, the fit is not checked "
                    "(set hardware.device_memory_gb).")
+    cores = usable_cores()
+    if hw.accelerator == "cpu" and hw.launcher != "slurm" and hw.devices > cores:  # ranks run here
+        out.append(f"hardware.devices={hw.devices} CPU processes on this machine's {cores} usable core(s): "
+                   f"the ranks share the cores and each step is slower than with hardware.devices<={cores}"
+                   + (f" (`loom train` refuses more than {4 * cores})" if hw.devices > 4 * cores else "") + ".")
     return out
 
 

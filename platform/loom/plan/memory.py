@@ -41,8 +41,11 @@ GPU_USABLE = 0.90
 HOST_USABLE = 0.80
 # Host memory of one rank's Python + torch + Lightning runtime before its model is built.
 # CPU: measured, 0.44 GB peak RSS after `import torch, pytorch_lightning` (torch 2.13 CPU
-# build). GPU: assumed, the usual 2-3 GB RSS of a CUDA process once the CUDA context,
-# cuBLAS/cuDNN/NCCL libraries and pinned staging buffers are loaded.
+# build); a whole gpt_tiny rank (gloo group, Lightning, data) peaks at 0.47-0.63 GB RSS in
+# training (summary.json memory.peak_rss_gb_per_rank of single/ddp/fsdp/zero runs, 0.5M
+# params), i.e. this runtime plus the states and activations the plan adds. GPU: assumed, the
+# usual 2-3 GB RSS of a CUDA process once the CUDA context, cuBLAS/cuDNN/NCCL libraries and
+# pinned staging buffers are loaded.
 RUNTIME_HOST_BYTES = {"gpu": 2.5 * GB, "cpu": 0.5 * GB}
 
 
@@ -53,6 +56,7 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     host_offload: float = 0.0    # optimizer (and params) moved to host memory
+    runtime: float = 0.0         # CPU: the rank's own runtime, in the same (host) memory
 
     @property
     def states(self) -> float:
@@ -60,7 +64,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.states + self.activations
+        return self.states + self.activations + self.runtime
 
 
 def per_param_bytes(strategy: str, precision: str, optim: DictConfig | None = None) -> tuple[float, float, float]:
@@ -211,6 +215,8 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
         # compute precision on every rank.
         mem.params += (2.0 if mixed else 4.0) * params / tp
     mem.activations = activation_bytes(cfg, tp, mixed, ac)
+    if hw.accelerator != "gpu":  # the device is the host: each process's runtime shares it
+        mem.runtime = RUNTIME_HOST_BYTES["cpu"]
     return mem
 
 

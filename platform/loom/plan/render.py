@@ -42,9 +42,13 @@ def render(plan: dict[str, Any]) -> None:
     if mem["host_offload"]:
         rows.append(("offloaded to host", f"{mem['host_offload'] / GB:,.2f} GB per device"))
     cap = plan["capacity_per_device_bytes"]
+    runtime = mem.get("runtime", 0.0)
     rows.append(("total", f"{mem['total'] / GB:,.2f} GB of "
                           + (f"{cap / GB:,.2f} GB" if cap is not None else "? GB")
-                          + f" ({plan['capacity_source']})"))
+                          + f" ({plan['capacity_source']})"
+                          + (f", incl. {runtime / GB:,.2f} GB runtime per process" if runtime else "")))
+    if plan["accelerator"] != "gpu" and plan.get("host_capacity_bytes"):
+        rows.append(("host memory", _cpu_host_line(plan)))
     if plan["max_micro_batch"] is not None:
         rows.append(("max micro batch", f"{plan['max_micro_batch']} (activations permitting)"))
     if plan.get("build_host_source"):
@@ -63,13 +67,36 @@ def render(plan: dict[str, Any]) -> None:
     verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
     if not plan["fits"]:
         fix = _fix(plan)
-        verdict += (f"; {fix} would fit" if fix
-                    else "; no strategy fits this hardware: use more devices, a smaller model or "
-                         "a smaller dataset.batch_size")
+        verdict += f"; {fix} would fit" if fix else f"; no strategy fits this hardware: {_no_fit_hint(plan)}"
     rows.append(("verdict", verdict))
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
+
+
+def _cpu_host_need(plan: dict[str, Any]) -> float:
+    """One CPU rank's host memory: runtime, states, activations (offload is the same memory)."""
+    mem = plan["memory_per_device_bytes"]
+    return mem["total"] + mem["host_offload"]
+
+
+def _cpu_host_line(plan: dict[str, Any]) -> str:
+    """CPU: ranks per node x one rank's memory against the node's usable host memory."""
+    need, ranks, host = _cpu_host_need(plan), plan["devices_per_node"], plan["host_capacity_bytes"]
+    line = (f"{ranks} processes x {need / GB:,.2f} GB = {ranks * need / GB:,.2f} GB of {host / GB:,.1f} GB "
+            f"({HOST_USABLE:.0%} of hardware.host_memory_gb) per node")
+    return line if ranks * need <= host else line + " [red]does not fit[/red]"
+
+
+def _no_fit_hint(plan: dict[str, Any]) -> str:
+    """What to change when no strategy fits: on CPU every process costs host memory, so fewer
+    of them (more devices would make it worse); on GPUs more devices shard the states."""
+    if plan["accelerator"] != "gpu" and plan.get("host_capacity_bytes"):
+        most = int(plan["host_capacity_bytes"] // _cpu_host_need(plan))
+        fewer = f"hardware.devices<={most}, " if 1 <= most < plan["devices_per_node"] else ""
+        return (f"use fewer processes per node ({fewer}each holds its own runtime), more host memory "
+                "(hardware.host_memory_gb), a smaller model or a smaller dataset.batch_size")
+    return "use more devices, a smaller model or a smaller dataset.batch_size"
 
 
 def _deepspeed_precision(ds: dict[str, Any]) -> str:
@@ -96,12 +123,12 @@ def _fix(plan: dict[str, Any]) -> str | None:
 def infeasible_message(plan: dict[str, Any]) -> str:
     """One paragraph: what the run needs, what the hardware has, and what would fit."""
     fix = _fix(plan)
-    hint = (f" {fix} would fit." if fix
-            else " No strategy fits: use more devices, a smaller model or a smaller dataset.batch_size.")
+    hint = f" {fix} would fit." if fix else f" No strategy fits: {_no_fit_hint(plan)}."
     if plan.get("max_micro_batch") and plan["max_micro_batch"] < plan["micro_batch"]:
         hint += f" With strategy={plan['strategy']}, dataset.batch_size<={plan['max_micro_batch']} fits."
     short = [_device_shortfall(plan)]
-    if not plan.get("build_host_ok", True):
+    cpu_host_short = short[0] is not None and plan["accelerator"] != "gpu"  # says it all on CPU
+    if not plan.get("build_host_ok", True) and not cpu_host_short:
         per_rank, ranks = plan["build_host_bytes_per_rank"], plan["devices_per_node"]
         host = plan.get("host_capacity_bytes")
         short.append(f"building the model needs {per_rank / GB:,.1f} GB of host memory per rank "
@@ -123,4 +150,10 @@ def _device_shortfall(plan: dict[str, Any]) -> str | None:
     need = mem["total"] + (mem["host_offload"] if plan["accelerator"] != "gpu" else 0.0)
     if cap is None or need <= cap:
         return None
+    if plan["accelerator"] != "gpu" and plan.get("host_capacity_bytes"):
+        ranks = plan["devices_per_node"]
+        return (f"each process needs {need / GB:,.2f} GB of host memory ({mem.get('runtime', 0.0) / GB:g} GB "
+                f"runtime + states + activations) x {ranks} processes per node = {need * ranks / GB:,.1f} GB, "
+                f"but the host has {plan['host_capacity_bytes'] / GB:,.1f} GB ({HOST_USABLE:.0%} of "
+                "hardware.host_memory_gb)")
     return f"needs {mem['total'] / GB:,.1f} GB per device but has {cap / GB:,.1f} GB ({plan['capacity_source']})"
