@@ -20,7 +20,9 @@ from loom.rundir.config_file import frozen_yaml
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    cfg = resolve(args.overrides)
+    from loom.sweep import translate
+
+    cfg = resolve(translate(args.overrides))
     plan = plan_run(cfg, show=True)
     if args.json:
         import json
@@ -47,11 +49,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from loom.sweep import split_sweep, translate
 
+    if args.help or args.info:
+        from loom.compose.help import info_text, train_help
+
+        print(train_help(args.parser.format_help(), args.overrides) if args.help else info_text(args.overrides))
+        return EXIT_OK
     overrides = translate(args.overrides)
     cfg = resolve(split_sweep(overrides)[0] if args.multirun else overrides)
     if args.cfg:
         print(frozen_yaml(cfg), end="")
         return EXIT_OK
+    if args.dry_run and cfg.hardware.launcher != "slurm":
+        raise ConfigError(
+            f"Invalid usage: --dry-run writes the sbatch script of a hardware.launcher=slurm run, but "
+            f"hardware={cfg.hardware.name} runs here (hardware.launcher={cfg.hardware.launcher}): it would "
+            "train for real. Drop --dry-run, or use `loom plan ...` to see the plan without training, or "
+            "`loom train --cfg job ...` for the composed config.")
     if args.multirun or cfg.sweep.params:
         return _sweep(overrides, cfg, dry_run=args.dry_run)
     rc, _, _ = train_one(overrides, cfg, dry_run=args.dry_run)
@@ -117,15 +130,19 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom", description="Declarative distributed training.")
     sub = p.add_subparsers(dest="verb", required=True)
-    t = sub.add_parser("train", help="compose, validate, plan, freeze and launch a run")
+    t = sub.add_parser("train", help="compose, validate, plan, freeze and launch a run", add_help=False)
+    t.add_argument("-h", "--help", action="store_true",
+                   help="show this help, the config groups and their options, and exit")
+    t.add_argument("--info", action="store_true",
+                   help="print the config search path and the config sources, and exit")
     t.add_argument("--cfg", choices=["job"], help="print the composed config and exit")
     t.add_argument("--dry-run", action="store_true",
                    help="hardware.launcher=slurm: write <run>/slurm/job.sbatch and print the sbatch "
                         "command instead of submitting")
     t.add_argument("-m", "--multirun", action="store_true",
                    help="sweep: every combination (or optuna trial) is a full distributed run")
-    t.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")
-    t.set_defaults(func=cmd_train)
+    t.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option, ~key")
+    t.set_defaults(func=cmd_train, parser=t)
     pl = sub.add_parser("plan", help="world size, batch math, memory per device, fits or not")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (as plan.json)")
     pl.add_argument("overrides", nargs="*")

@@ -8,28 +8,19 @@ otherwise. Hydra's errors become one-paragraph ConfigErrors naming the key and t
 
 from __future__ import annotations
 
-import dataclasses
-from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig
 
-from loom import data, hardware, models, optim, strategies, tracking
 from loom.compose import hydra_options, recipes, removal
+from loom.compose.groups import GROUP_PACKAGES, valid_keys
 from loom.compose.paths import conf_dir, group_options
 from loom.errors import ConfigError
 from loom.hardware.derive import rederive_for_cpu
 from loom.hardware.machine import auto_overrides, user_set
-from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names, unknown_key_message
+from loom.schema import unknown_key_message
 
 __all__ = ["GROUP_PACKAGES", "compose", "conf_dir", "group_options", "valid_keys"]
-
-# The package of each config group (conf/<group>/ -> loom/<package>/): each has SCHEMAS (option
-# name -> schema; "*" when every option shares one), normalize(cfg) and check(cfg, layout).
-GROUP_PACKAGES: dict[str, ModuleType] = {
-    "hardware": hardware, "strategy": strategies, "dataset": data,
-    "model": models, "optim": optim, "tracking": tracking,
-}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -100,17 +91,3 @@ def _override_value(overrides: list[str], key: str) -> Any:
         if k == key:
             return v
     return None
-
-
-def valid_keys(parent: str) -> list[str]:
-    """The keys a config node may hold: the top level, a section, or any option of a group."""
-    if not parent:
-        return sorted([*TOP_LEVEL, *SECTIONS, *GROUPS])
-    if parent in SECTIONS:
-        return field_names(SECTIONS[parent])
-    if parent in GROUP_PACKAGES:
-        names: dict[str, None] = {}
-        for schema in GROUP_PACKAGES[parent].SCHEMAS.values():
-            names.update((f.name, None) for f in dataclasses.fields(schema))
-        return list(names)
-    return []

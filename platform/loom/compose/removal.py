@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from loom.compose.groups import GROUP_PACKAGES, valid_keys
 from loom.errors import ConfigError
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names, unknown_key_message
 
@@ -80,8 +81,6 @@ def _kind(cfg: DictConfig, key: str) -> str | None:
     elif head in GROUPS:
         schema = _group_schema(cfg, head)
     else:
-        from loom.compose import valid_keys
-
         raise ConfigError(unknown_key_message(key, None, valid_keys("")))
     walked = head
     for i, part in enumerate(path):
@@ -102,8 +101,6 @@ def _kind(cfg: DictConfig, key: str) -> str | None:
 
 
 def _group_schema(cfg: DictConfig, group: str) -> type:
-    from loom.compose import GROUP_PACKAGES
-
     schemas = GROUP_PACKAGES[group].SCHEMAS
     name = OmegaConf.select(cfg, f"{group}.name")
     schema = schemas.get(name) or schemas.get("*")

@@ -127,8 +127,8 @@ def infeasible_message(plan: dict[str, Any]) -> str:
     if plan.get("max_micro_batch") and plan["max_micro_batch"] < plan["micro_batch"]:
         hint += f" With strategy={plan['strategy']}, dataset.batch_size<={plan['max_micro_batch']} fits."
     short = [_device_shortfall(plan)]
-    cpu_host_short = short[0] is not None and plan["accelerator"] != "gpu"  # says it all on CPU
-    if not plan.get("build_host_ok", True) and not cpu_host_short:
+    cpu_host_short = short[0] is not None and plan["accelerator"] != "gpu"  # its hint covers the build's
+    if not plan.get("build_host_ok", True):
         per_rank, ranks = plan["build_host_bytes_per_rank"], plan["devices_per_node"]
         host = plan.get("host_capacity_bytes")
         short.append(f"building the model needs {per_rank / GB:,.1f} GB of host memory per rank "
@@ -136,7 +136,7 @@ def infeasible_message(plan: dict[str, Any]) -> str:
                      f"but the host has " + (f"{host / GB:,.1f} GB" if host is not None else "less")
                      + f" ({HOST_USABLE:.0%} of hardware.host_memory_gb)")
         host_hint = " Give each node more host memory (hardware.host_memory_gb) or fewer ranks (hardware.devices)."
-        hint = host_hint if short[0] is None and not fix else hint + host_hint
+        hint = host_hint if short[0] is None and not fix else hint if cpu_host_short else hint + host_hint
     why = "; ".join(x for x in short if x) or "more memory than the hardware has"
     return f"Plan infeasible: strategy={plan['strategy']} on hardware={plan['hardware']}: {why}.{hint}"
 

@@ -14,6 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from loom.compose.hydra_options import apply_verbose
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
 
@@ -55,6 +56,7 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         lg.addHandler(file_handler)
         lg.propagate = False
         lg.setLevel(logging.INFO)
+    apply_verbose([file_handler])  # hydra.verbose: those loggers at DEBUG
     if rank == 0:
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(logging.Formatter("%(message)s"))
