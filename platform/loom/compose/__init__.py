@@ -4,6 +4,8 @@ Composition also makes the choices the overrides leave open concrete, as overrid
 frozen config then shows: `hardware=auto` becomes this machine's profile (with
 `hardware.resolved_from=auto`), and `strategy=single` gets one device unless the user said
 otherwise. Hydra's errors become one-paragraph ConfigErrors naming the key and the choices.
+Hydra's own options (`hydra.*`) are done or refused (`hydra_options`), `~key` removes what the
+schema lets go (`removal`), and `loom train --help`/`--info` describe the groups (`help`).
 """
 
 from __future__ import annotations

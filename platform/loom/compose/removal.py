@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from loom.compose.groups import GROUP_PACKAGES, valid_keys
+from loom.compose.paths import group_options
 from loom.errors import ConfigError
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names, unknown_key_message
 
@@ -42,8 +43,6 @@ def split_removals(overrides: list[str]) -> tuple[list[str], list[str]]:
             if OPTIONAL_GROUPS[key]:
                 rest.append(OPTIONAL_GROUPS[key])
         elif key in GROUPS:
-            from loom.compose.paths import group_options
-
             raise ConfigError(
                 f"Invalid config: ~{key}: the {key} group is required (a run needs one); it cannot be "
                 f"removed. Choose another option with {key}=<option>. Valid choices for {key}: "
