@@ -33,7 +33,7 @@ from loom.plan.memory import (
     offloads_optimizer,
     per_param_bytes,
 )
-from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
+from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
 
 # Order in which `loom plan` suggests a strategy that fits: least communication first.
 CHEAPEST_FIRST = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
@@ -116,7 +116,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     build_ok = build_host_ok(cfg, build)
     plan = Plan(
         strategy=s.name, strategy_config=OmegaConf.to_container(s, resolve=True),
-        deepspeed_config=resolved_deepspeed_config(cfg) if zero_stage(s.name) else None,
+        deepspeed_config=resolved_deepspeed_config(cfg, layout) if zero_stage(s.name) else None,
         hardware=hw.name, resolved_from=hw.get("resolved_from"), accelerator=hw.accelerator,
         device_name=hw.device_name, backend=hw.backend, interconnect=hw.interconnect,
         world_size=layout.world, num_nodes=layout.num_nodes, devices_per_node=hw.devices,
@@ -173,6 +173,8 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
     if cap is None:
         out.append(f"hardware={hw.name}: device memory unknown, the fit is not checked "
                    "(set hardware.device_memory_gb).")
+    if zero_stage(cfg.strategy.name):  # e.g. a JSON scheduler whose shape is not Loom's schedule
+        out += resolve_deepspeed(cfg, strategies.layout_of(cfg)).warnings
     return out
 
 
