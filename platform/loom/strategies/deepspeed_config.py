@@ -161,7 +161,7 @@ def resolve_deepspeed(cfg: DictConfig, layout: ParallelLayout) -> Resolved:
             _set(out, key, own.value)
         else:
             name = own.source.split("=")[0].split(" ")[0]
-            res.problems.append(f"{key}={theirs!r}, but Loom uses {own.value!r} from {own.source}: "
+            res.problems.append(f"{key}={theirs!r}, but Loom sets {key}={own.value!r} from {own.source}: "
                                 f"set it to \"auto\" (or remove it) or change {name}")
     for key, value in _derived(cfg, user).items():
         _set(out, key, value)

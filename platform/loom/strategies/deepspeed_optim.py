@@ -71,7 +71,8 @@ def _params(block: dict, where: str, values: dict[str, tuple[Any, str]], same, f
         if theirs == AUTO or not source:
             filled[key] = value
         elif not same(theirs, value):
-            problems.append(f"{where}.params.{key}={theirs!r}, but Loom uses {value!r} from {source}: "
+            problems.append(f"{where}.params.{key}={theirs!r}, but Loom sets {where}.params.{key}={value!r} "
+                            f"from {source}: "
                             f"set it to \"auto\" or change {source.split('=')[0].split(' ')[0]}")
         else:
             filled[key] = value
@@ -85,11 +86,13 @@ def optimizer_block(block: Any, cfg: DictConfig, same, problems: list[str]) -> d
         problems.append(f"optimizer={block!r}: must be an object")
         return None
     kind = str(block.get("type", ""))
-    if _OPTIMIZER_TYPES.get(kind.lower()) != cfg.optim.name:
+    described = _OPTIMIZER_TYPES.get(kind.lower())
+    if described != cfg.optim.name:
+        fix = f"set optim={described} to match it" if described else "only AdamW/Adam describe one (optim=adamw)"
         problems.append(
             f"optimizer.type={kind!r}: Loom builds the optimizer from optim (optim={cfg.optim.name}) under "
             f"every strategy and counts its state in the plan; DeepSpeed's {kind or 'optimizer'} cannot "
-            "replace it. Remove the optimizer block, or describe optim=adamw with type AdamW")
+            f"replace it. Remove the optimizer block, or {fix}")
         return None
     filled: dict = {}
     _params(block, "optimizer", _optimizer_values(cfg), same, filled, problems)
