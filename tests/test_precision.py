@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from loom.errors import ConfigError
 from loom.pipeline import resolve
 from loom.plan.render import _deepspeed_precision
-from loom.strategies import lightning_precision
+from loom.strategies import layout_of, lightning_precision
 from loom.strategies.deepspeed_config import resolved_deepspeed_config
 from loom.strategies.model_parallel import _clip_grad_by_norm
 
@@ -48,11 +48,15 @@ def test_trainer_precision_is_one_mechanism(strategy, precision, expected):
     assert lightning_precision(_cfg(strategy, precision)) == expected
 
 
+def _resolved_ds(overrides: list[str]) -> dict:
+    cfg = resolve(overrides)
+    return resolved_deepspeed_config(cfg, layout_of(cfg))
+
+
 def test_deepspeed_precision_defaults(tmp_path):
     """overlap_comm and fp32 reduction/accumulation by default; the user's JSON may override them."""
     for strategy in ZERO:
-        ds = resolved_deepspeed_config(resolve([f"strategy={strategy}", "hardware=cpu",
-                                                "hardware.precision=bf16-mixed"]))
+        ds = _resolved_ds([f"strategy={strategy}", "hardware=cpu", "hardware.precision=bf16-mixed"])
         assert ds["zero_optimization"]["overlap_comm"] is True
         assert ds["communication_data_type"] == "fp32"
         assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
@@ -60,8 +64,8 @@ def test_deepspeed_precision_defaults(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"overlap_comm": False}, "communication_data_type": "bf16",
                                 "data_types": {"grad_accum_dtype": "bf16"}}))
-    ds = resolved_deepspeed_config(resolve(["strategy=zero2", "hardware=cpu", "hardware.precision=bf16-mixed",
-                                            f"strategy.deepspeed_config={user}"]))
+    ds = _resolved_ds(["strategy=zero2", "hardware=cpu", "hardware.precision=bf16-mixed",
+                       f"strategy.deepspeed_config={user}"])
     assert ds["zero_optimization"] == {"overlap_comm": False, "stage": 2}
     assert ds["communication_data_type"] == "bf16" and ds["data_types"] == {"grad_accum_dtype": "bf16"}
     row = _deepspeed_precision(ds)
@@ -69,7 +73,7 @@ def test_deepspeed_precision_defaults(tmp_path):
 
 
 def test_plan_row_shows_resolved_deepspeed_precision():
-    ds = resolved_deepspeed_config(resolve(["strategy=zero3", "hardware=cpu", "hardware.precision=bf16-mixed"]))
+    ds = _resolved_ds(["strategy=zero3", "hardware=cpu", "hardware.precision=bf16-mixed"])
     assert _deepspeed_precision(ds) == ("ZeRO-3, bf16 model, overlap_comm true, communication fp32, "
                                         "grad accumulation fp32")
     # A key left null is DeepSpeed's own default: the model dtype; overlap_comm only at stage 3.

@@ -177,13 +177,14 @@ def test_bad_strategy_input_fails_fast(loom, tmp_path):
 def test_user_deepspeed_json_passes_through(tmp_path):
     """Keys Loom does not set reach DeepSpeed; agreeing values are fine (no processes)."""
     from loom.pipeline import resolve
+    from loom.strategies import layout_of
     from loom.strategies.deepspeed_config import resolved_deepspeed_config
 
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7},
                                 "gradient_clipping": 1.0}))
     cfg = resolve(["strategy=zero3", f"strategy.deepspeed_config={user}", "dataset.batch_size=8"])
-    ds = resolved_deepspeed_config(cfg)
+    ds = resolved_deepspeed_config(cfg, layout_of(cfg))
     # overlap_comm: Loom's default (strategies.deepspeed_config.PRECISION_DEFAULTS) fills the JSON's gap
     assert ds["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 5e7, "overlap_comm": True}
     assert ds["train_micro_batch_size_per_gpu"] == 8 and ds["gradient_clipping"] == 1.0

@@ -38,12 +38,49 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     return data
 
 
-def run_id(cfg: DictConfig) -> str:
-    """The user's `run.id`, else a hash of everything that shapes the result."""
+def input_fingerprints(cfg: DictConfig) -> dict[str, str]:
+    """The content of what the config only names, by the key that names it: the DeepSpeed JSON
+    (its bytes), the dataset's files and tokenizer (list, sizes, mtimes), a local model config.
+    Recipes need nothing here: their content is composed into the config itself."""
+    from loom.data.fingerprint import dataset_fingerprint
+
+    out: dict[str, str] = {}
+    files = {"strategy.deepspeed_config": cfg.strategy.get("deepspeed_config"),
+             "model.config": cfg.model.get("config")}
+    for key, path in files.items():
+        p = Path(str(path or "")).expanduser()
+        p = p / "config.json" if path and p.is_dir() else p
+        if path and p.is_file():
+            out[key] = f"{p} sha1 {hashlib.sha1(p.read_bytes()).hexdigest()[:16]}"
+    data = dataset_fingerprint(cfg)
+    if data:
+        out["dataset"] = data
+    return out
+
+
+def run_id(cfg: DictConfig, inputs: dict[str, str] | None = None) -> str:
+    """The user's `run.id`, else a hash of everything that shapes the result: the config and
+    the content of the files it names (`input_fingerprints`)."""
     if cfg.run.id:
         return str(cfg.run.id)
-    blob = json.dumps(identity(cfg), sort_keys=True, separators=(",", ":"))
+    inputs = input_fingerprints(cfg) if inputs is None else inputs
+    data = {**identity(cfg), **({"inputs": inputs} if inputs else {})}
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def inputs_diff(run_dir: Path, inputs: dict[str, str]) -> list[str]:
+    """`key: file content changed (frozen -> now)` for each named file whose content differs from
+    what plan.json recorded at freeze (run dirs frozen before this record: nothing to compare)."""
+    try:
+        old = json.loads((run_dir / "plan.json").read_text()).get("inputs")
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict):
+        return []
+    return [f"{k}: the content changed since the run was frozen ({old.get(k, '<none>')} -> "
+            f"{inputs.get(k, '<none>')}; restore it to resume)"
+            for k in sorted(set(old) | set(inputs)) if old.get(k) != inputs.get(k)]
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -84,14 +121,15 @@ def run_dir_of(cfg: DictConfig, rid: str) -> Path:
 def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     """Create the run dir and write config.yaml + plan.json once; an existing run is resumed
     (same config) or refused (a different config under the same run.id)."""
-    rid = run_id(cfg)
+    inputs = input_fingerprints(cfg)
+    rid = run_id(cfg, inputs)
     cfg = copy.deepcopy(cfg)
     cfg.run.id = rid
     run_dir = run_dir_of(cfg, rid)
     frozen_path = run_dir / "config.yaml"
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
-        diff = config_diff(identity(old), identity(cfg))
+        diff = config_diff(identity(old), identity(cfg)) + inputs_diff(run_dir, inputs)
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -107,7 +145,8 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         # Every node of a multi-node run freezes the same run dir at about the same time: each
         # writes its own temporary files and renames them (same content; the last rename wins).
         # config.yaml goes last: once it exists, the run dir is complete.
-        atomic_write_text(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
+        record = {**plan.to_dict(), "inputs": inputs}  # what the named files held (inputs_diff)
+        atomic_write_text(run_dir / "plan.json", json.dumps(record, indent=2) + "\n")
         atomic_write_text(frozen_path, frozen_yaml(cfg))
     except OSError as e:
         raise ConfigError(

@@ -34,7 +34,7 @@ from loom.plan.memory import (
     offloads_optimizer,
     per_param_bytes,
 )
-from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
+from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
 
 # Order in which `loom plan` suggests a strategy that fits: least communication first.
 CHEAPEST_FIRST = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
@@ -117,7 +117,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     build_ok = build_host_ok(cfg, build)
     plan = Plan(
         strategy=s.name, strategy_config=OmegaConf.to_container(s, resolve=True),
-        deepspeed_config=resolved_deepspeed_config(cfg) if zero_stage(s.name) else None,
+        deepspeed_config=resolved_deepspeed_config(cfg, layout) if zero_stage(s.name) else None,
         hardware=hw.name, resolved_from=hw.get("resolved_from"), accelerator=hw.accelerator,
         device_name=hw.device_name, backend=hw.backend, interconnect=hw.interconnect,
         world_size=layout.world, num_nodes=layout.num_nodes, devices_per_node=hw.devices,
@@ -179,6 +179,8 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
         out.append(f"hardware.devices={hw.devices} CPU processes on this machine's {cores} usable core(s): "
                    f"the ranks share the cores and each step is slower than with hardware.devices<={cores}"
                    + (f" (`loom train` refuses more than {4 * cores})" if hw.devices > 4 * cores else "") + ".")
+    if zero_stage(cfg.strategy.name):  # e.g. a JSON scheduler whose shape is not Loom's schedule
+        out += resolve_deepspeed(cfg, strategies.layout_of(cfg)).warnings
     return out
 
 

@@ -90,7 +90,7 @@ def wire_bytes(cfg: DictConfig, name: str) -> tuple[float, float]:
     hw, s = cfg.hardware, cfg.strategy
     half = hw.precision != "32-true"
     if zero_stage(name) is not None:
-        comm = (resolved_deepspeed_config(cfg) if name == s.name else {}).get("communication_data_type", "fp32")
+        comm = (resolved_deepspeed_config(cfg, strategies.layout_of(cfg)) if name == s.name else {}).get("communication_data_type", "fp32")
         return (2.0 if half else 4.0), (4.0 if comm in ("fp32", "float32") else 2.0)
     grads = 2.0 if hw.precision == "bf16-true" else 4.0
     if name == s.name and s.get("comm_hook") in ("fp16_compress", "bf16_compress"):

@@ -130,7 +130,7 @@ def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
     require(cfg.hardware.accelerator != "cpu" or cfg.hardware.precision != "16-mixed", "hardware.precision",
             cfg.hardware.precision, f"strategy={s.name} on CPU: DeepSpeed's CPU accelerator has no fp16; "
             "use hardware.precision=bf16-mixed or 32-true")
-    resolved_deepspeed_config(cfg)  # raises ConfigError for a missing, malformed or conflicting JSON
+    resolved_deepspeed_config(cfg, layout)  # one ConfigError listing every problem of the user's JSON
     if s.offload_optimizer or s.offload_params:
         _check_offload_memory(cfg, layout)
 

@@ -148,9 +148,13 @@ class CPUDeepSpeedStrategy(LoomDeepSpeedStrategy):
 
 def build(cfg: DictConfig, layout: ParallelLayout):
     hw = cfg.hardware
-    ds_config = resolved_deepspeed_config(cfg)
+    ds_config = resolved_deepspeed_config(cfg, layout)
     # Lightning fills this in from Trainer(accumulate_grad_batches) and refuses it in the dict.
     ds_config.pop("gradient_accumulation_steps", None)
+    # Checked against `optim` and shown in plan.json, but not DeepSpeed's to build: with an
+    # optimizer block Lightning would let DeepSpeed replace Loom's optimizer (and schedule).
+    ds_config.pop("optimizer", None)
+    ds_config.pop("scheduler", None)
     if hw.accelerator == "cpu":
         use_cpu_accelerator()
         return CPUDeepSpeedStrategy(config=ds_config, process_group_backend="gloo")
