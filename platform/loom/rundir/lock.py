@@ -43,9 +43,12 @@ LOCK_NAME = ".lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def _records(fd: int) -> list[dict[str, Any]]:
+    """The holder records, read through `fd`: opening the file again and closing it would
+    release this process's lock (a POSIX lock goes with any closed descriptor of the file)."""
     try:
-        lines = path.read_text().splitlines()
+        size = os.fstat(fd).st_size
+        lines = os.pread(fd, size, 0).decode(errors="replace").splitlines()
     except OSError:
         return []
     out = []
@@ -144,11 +147,11 @@ def run_lock(run_dir: Path, run_id: str, shared: bool = False) -> Iterator[None]
         yield
         return
     if not got:
-        holders = _records(path)
+        holders = _records(fd)
         os.close(fd)
         raise ConfigError(refusal(Path(run_dir), run_id, holders))
     try:
-        stale = [] if shared else _records(path)  # sharers append; the last one out clears
+        stale = [] if shared else _records(fd)  # sharers append; the last one out clears
         if stale:
             print(f"note: the previous launcher of this run ({describe(stale[-1])}) ended without "
                   "releasing its lock (killed?); the lock is free and taken over", file=sys.stderr)
