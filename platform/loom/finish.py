@@ -29,7 +29,7 @@ SUMMARY_GRACE_S = 10.0
 def launch_mark(run_dir: Path) -> str:
     """Taken before the ranks start: summary.json's fingerprint and the launcher's clock, so
     `finish` knows whether rank 0 wrote a summary, and which failure records are this launch's."""
-    return f"{summary_mark(run_dir) or '-'}@{time.time():.3f}"
+    return f"{summary_mark(run_dir) or 'none'}@{time.time():.3f}"  # no leading '-': an argparse value
 
 
 def _parse_mark(mark: str | None) -> tuple[str | None, float | None]:
@@ -37,7 +37,7 @@ def _parse_mark(mark: str | None) -> tuple[str | None, float | None]:
     if not mark or mark == "-":
         return None, None
     sha, _, since = mark.partition("@")
-    return (None if sha in ("", "-") else sha), (float(since) if since else None)
+    return (None if sha in ("", "-", "none") else sha), (float(since) if since else None)
 
 
 def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
