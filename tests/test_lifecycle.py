@@ -130,6 +130,7 @@ def test_run_lock_is_exclusive_shared_for_nodes_and_freed_by_the_kernel(tmp_path
     node.communicate("\n")
 
 
+@pytest.mark.slow
 def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched(root):
     args = _gated(root, "once")
     first = _start(root, args)
@@ -152,6 +153,7 @@ def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched
     assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1
 
 
+@pytest.mark.slow
 def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_resumes(root):
     args = _gated(root, "ctrlc")
     run = _start(root, args)
@@ -183,6 +185,7 @@ def test_a_typo_in_a_constructor_argument_is_refused_at_validation(root, loom):
     assert "model.module.widht" in err and "did you mean 'width'" in err and "accepts: width" in err
 
 
+@pytest.mark.slow
 def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
     """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise ValueError
     while the model is built; exit 1 after one attempt, the console holds one paragraph."""

@@ -62,7 +62,8 @@ def failure_paragraph(record: dict[str, Any]) -> str:
     when = "before the first training step" if record.get("before_first_step") else f"at step {step}"
     where = f" at {record['where']}" if record.get("where") else ""  # file:line, in function
     phase = f" while {record['phase']}" if record.get("phase") else ""
-    text = (f"Training failed on rank {record.get('rank')} {when}{phase}: {record.get('type')}: "
+    retried = f" after {record['attempt']} restart(s)" if record.get("attempt") else ""
+    text = (f"Training failed on rank {record.get('rank')} {when}{phase}{retried}: {record.get('type')}: "
             f"{record.get('message')} (raised{where}).")
     if record.get("deterministic"):
         text += (f" Not restarted: a {record.get('type')} before the first step is a configuration or code "

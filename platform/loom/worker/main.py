@@ -66,6 +66,15 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     logging.getLogger("py.warnings").addHandler(file_handler)
 
 
+def quiet_progress_bars() -> None:
+    """Third-party progress bars (tqdm: Hugging Face datasets' map, hub downloads, ...) stay off
+    the console, where Loom logs its own progress line; Lightning's bar and model summary are off
+    in the Trainer. Set before those libraries are imported (they read it then); a user's own
+    setting wins."""
+    for key in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(key, "1")
+
+
 def die_with_parent() -> None:
     """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
     training on as an orphan (torchrun starts workers in their own sessions)."""
@@ -89,6 +98,7 @@ def run(run_dir: Path) -> int:
     cfg = load_frozen(run_dir / "config.yaml")
     rank = int(os.environ.get("RANK", 0))
     setup_logging(run_dir, rank)
+    quiet_progress_bars()
     progress = Progress()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # The user's OMP_NUM_THREADS wins (the launcher sets cores // processes when it is unset).
