@@ -16,7 +16,9 @@ from omegaconf import DictConfig
 from loom import strategies
 from loom.errors import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_PREEMPTED
 from loom.launch import multi_node
+from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
+from loom.rundir.failures import failure_paragraph, read_failures, root_failure, summary_error
 from loom.rundir.summary import empty_summary, read_summary, summary_mark, write_summary
 
 # The multi-node failure-summary grace: how long a launcher whose ranks failed waits for global
@@ -24,23 +26,46 @@ from loom.rundir.summary import empty_summary, read_summary, summary_mark, write
 SUMMARY_GRACE_S = 10.0
 
 
+def launch_mark(run_dir: Path) -> str:
+    """Taken before the ranks start: summary.json's fingerprint and the launcher's clock, so
+    `finish` knows whether rank 0 wrote a summary, and which failure records are this launch's."""
+    return f"{summary_mark(run_dir) or 'none'}@{time.time():.3f}"  # no leading '-': an argparse value
+
+
+def _parse_mark(mark: str | None) -> tuple[str | None, float | None]:
+    """(summary fingerprint, launch time) of a `launch_mark` (a bare fingerprint: no time)."""
+    if not mark or mark == "-":
+        return None, None
+    sha, _, since = mark.partition("@")
+    return (None if sha in ("", "-", "none") else sha), (float(since) if since else None)
+
+
 def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
                    wait_for_rank0: bool) -> dict | None:
-    """The run's summary once this launch's ranks exited (`mark`: `summary_mark` before launch).
+    """The run's summary once this launch's ranks exited (`mark`: `launch_mark` before launch).
 
     Rank 0's, when it wrote one during the launch (summary.json changed since `mark`); else, if
     the ranks failed, a `failed` one written here. Multi-node, global rank 0 may run on another
     node and still be in its `finally`: wait up to SUMMARY_GRACE_S for it before writing, so a
-    node without rank 0 does not replace a good (e.g. `preempted`) summary with `failed`.
+    node without rank 0 does not replace a good (e.g. `preempted`) summary with `failed`. A
+    failed run's summary gets `error` from the ranks' failure records (loom.rundir.failures);
+    ranks that failed deterministically exit 0 (no torchrun restart), so records count as a
+    failure whatever `rc` says.
     """
-    if rc != 0:
+    before, since = _parse_mark(mark)
+    failures = read_failures(run_dir, since)
+    if rc != 0 or failures:
         deadline = time.monotonic() + (SUMMARY_GRACE_S if wait_for_rank0 else 0.0)
-        while summary_mark(run_dir) == mark and time.monotonic() < deadline:
+        while summary_mark(run_dir) == before and time.monotonic() < deadline:
             time.sleep(0.2)
-        if summary_mark(run_dir) == mark:
+        if summary_mark(run_dir) == before:
             # The workers died before rank 0 could write it: record the failure here.
             write_summary(run_dir, empty_summary(cfg, str(cfg.run.id), strategies.layout_of(cfg)))
-    return read_summary(run_dir)
+    summary = read_summary(run_dir)
+    if summary is not None and failures and summary["status"] == "failed" and not summary.get("error"):
+        summary["error"] = summary_error(root_failure(failures))
+        write_summary(run_dir, summary)
+    return summary
 
 
 def finish(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None, *, in_job: bool = False) -> int:
@@ -52,7 +77,7 @@ def finish(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None, *, in_job:
     summary = settle_summary(cfg, run_dir, rc, mark, wait_for_rank0=multi_node(cfg) and not in_job)
     if summary is not None:
         print_summary(run_dir, summary)
-    print(f"run dir: {run_dir}")
+    print(f"run dir: {run_dir}", flush=True)
     status = summary["status"] if summary else None
     if status == "preempted":
         start, step = summary.get("resumed_from_step"), summary.get("global_step", 0)
@@ -61,12 +86,25 @@ def finish(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None, *, in_job:
                   file=sys.stderr)
             return EXIT_FAILED
         if not in_job:
-            print("Run preempted: a checkpoint was saved. Run the same command again to resume.", file=sys.stderr)
+            print(f"Run stopped at step {step}: a checkpoint was saved ({checkpoints.step_path(run_dir, step)}).\n"
+                  "Run the same command again to resume.", file=sys.stderr)
         return EXIT_PREEMPTED
     if rc != 0 or status != "completed":
-        print(f"Training failed (exit {rc}); see {run_dir / 'logs'}", file=sys.stderr)
+        print(_failure_message(run_dir, rc, summary), file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _failure_message(run_dir: Path, rc: int, summary: dict | None) -> str:
+    """One paragraph: the root failure's record, or (no rank recorded one) where to look."""
+    error = (summary or {}).get("error")
+    if error:
+        records = [r for r in read_failures(run_dir, None) if r.get("rank") == error.get("rank")]
+        return failure_paragraph(records[0] if records else error)
+    from loom.launch.console import agent_log
+
+    return (f"Training failed (exit {rc}) without a rank recording an error (killed, or out of memory?); "
+            f"see {run_dir / 'logs'} (rank-N.log, and {agent_log(run_dir).name}: the torchrun agent's output).")
 
 
 def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
@@ -95,6 +133,9 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
         ("peak memory", f"{_fmt(peak_rss, '.2f', ' GB')} RSS per rank (max)"),
         ("time", f"{_fmt(s['train_time_s'], ',.1f', ' s')} training, {_fmt(s['wall_time_s'], ',.1f', ' s')} wall"),
     ]
+    if s.get("error"):
+        e = s["error"]
+        rows.append(("error", f"{e['type']}: {e['message']} (rank {e['rank']}, step {e['step']}; {e['log']})"))
     if s.get("resumed_from_step") is not None:
         rows.append(("resumed from", f"step {s['resumed_from_step']}"))
     if s.get("final_weights"):
@@ -119,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0) and EXIT_INVALID
     if args.verb == "mark":
-        print(summary_mark(Path(args.run_dir)) or "-")
+        print(launch_mark(Path(args.run_dir)))
         return EXIT_OK
     run_dir = Path(args.run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")

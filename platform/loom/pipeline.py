@@ -15,14 +15,15 @@ from omegaconf import DictConfig
 from loom import strategies
 from loom.compose import compose
 from loom.errors import EXIT_INFEASIBLE, EXIT_OK, ConfigError
-from loom.finish import finish
+from loom.finish import finish, launch_mark
 from loom.freeze import freeze
 from loom.hardware.machine import check_machine
-from loom.launch import launch
+from loom.launch import launch, multi_node
 from loom.plan import Plan, make_plan
 from loom.plan.render import infeasible_message, render
 from loom.rundir.checkpoints import UnsafeCheckpoint, newest_checkpoint
-from loom.rundir.summary import summary_mark
+from loom.rundir.lock import run_lock
+from loom.rundir.summary import read_summary, summary_mark
 from loom.tracking.checks import tracking_checks
 from loom.validate import validate
 
@@ -69,17 +70,30 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
         print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\n"
               "Nothing to do. Change an override or set run.id=<new id> to train a new run.")
         return EXIT_OK, frozen.run_dir, None
-    try:
-        newest_checkpoint(frozen.run_dir)
-    except UnsafeCheckpoint as e:
-        raise ConfigError(str(e)) from None
     cfg.run.id = frozen.run_id
     if cfg.hardware.launcher == "slurm":  # submitted (exit 0): the job trains later, in the allocation
         from loom.launch.slurm import submit
 
+        _check_newest_checkpoint(frozen.run_dir)
         return submit(cfg, frozen.run_dir, dry_run), frozen.run_dir, None
-    print(f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} in {frozen.run_dir}",
-          flush=True)
-    mark = summary_mark(frozen.run_dir)  # did rank 0 write summary.json during this launch?
-    rc = launch(cfg, strategies.layout_of(cfg), frozen.run_dir)
-    return finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None
+    # One launcher per run dir (every node of a multi-node run shares it): a second launch of a
+    # running run exits 2 here, before it touches a file of the run.
+    seen = summary_mark(frozen.run_dir)
+    with run_lock(frozen.run_dir, frozen.run_id, shared=multi_node(cfg)):
+        if summary_mark(frozen.run_dir) != seen and (read_summary(frozen.run_dir) or {}).get("status") == "completed":
+            # Another launcher completed it between freeze and the lock, and just let go.
+            print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\nNothing to do.")
+            return EXIT_OK, frozen.run_dir, None
+        _check_newest_checkpoint(frozen.run_dir)
+        print(f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} in {frozen.run_dir}",
+              flush=True)
+        mark = launch_mark(frozen.run_dir)  # what rank 0 and failing ranks write during this launch
+        rc = launch(cfg, strategies.layout_of(cfg), frozen.run_dir)
+        return finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None
+
+
+def _check_newest_checkpoint(run_dir: Path) -> None:
+    try:
+        newest_checkpoint(run_dir)
+    except UnsafeCheckpoint as e:
+        raise ConfigError(str(e)) from None

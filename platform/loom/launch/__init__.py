@@ -26,6 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.hardware.machine import usable_cores
+from loom.launch.console import StderrFilter, agent_log
 from loom.layout import ParallelLayout
 
 
@@ -92,6 +93,8 @@ def worker_env(cfg: DictConfig, run_dir: Path | str | None = None) -> dict[str, 
     for key, value in gpu_env(cfg, run_dir).items():
         env.setdefault(key, value)
     env["PYTHONUNBUFFERED"] = "1"
+    # How long torchrun waits for SIGTERMed workers (saving their checkpoint) before SIGKILL (30 s).
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
     if multi_node(cfg):
         # Without this, the rank-0 agent hosts one worker store for every rendezvous round, and
         # loom.worker.distributed keys it by the restart count, which differs between nodes (a node
@@ -136,20 +139,49 @@ def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
         os.environ.update({k: v for k, v in env.items() if k in keep})
         from loom.worker.main import run
 
-        try:
+        try:  # run() records its own failures; SIGINT/SIGTERM are a checkpointed stop (loom.worker.fit)
             return run(run_dir)
-        except Exception:
+        except (Exception, KeyboardInterrupt):  # before the rank could record anything (Ctrl-C at startup)
             return 1
     cmd = torchrun_command(cfg, run_dir)
     if multi_node(cfg):
         print(node_banner(cfg), flush=True)
         print(f"node {socket.gethostname()}: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    rc = _run_agent(cmd, env, run_dir)
+    if multi_node(cfg):
+        print(f"node {socket.gethostname()}: torchrun exited with {rc}", flush=True)
+    return rc
+
+
+def _die_with_launcher() -> None:
+    """In the agent, before exec: SIGTERM (a checkpointed stop) when the launcher dies, so a
+    killed launcher, whose run-dir lock is then gone, leaves no run training behind it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+    """torchrun in its own session (the terminal's Ctrl-C reaches the launcher only, which stops
+    the agent once, with SIGTERM: its workers save a checkpoint at the next step boundary and
+    exit, `preempted`), its stderr through `StderrFilter` (no agent traceback on the console)."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_die_with_launcher if sys.platform.startswith("linux") else None)
+    output = StderrFilter(proc.stderr, agent_log(run_dir)).start()
+    stopping: list[int] = []
 
     def forward(signum, frame) -> None:
         # torchrun handles SIGTERM (it stops its workers with it, and Loom's workers then
         # checkpoint and exit); SIGUSR1 would kill the agent outright, so it becomes SIGTERM.
-        if proc.poll() is None:
+        # Once: a second SIGTERM would make the agent abandon its workers mid-checkpoint.
+        if stopping:
+            print(f"loom: already stopping: the ranks are saving a checkpoint (kill -9 {proc.pid} aborts)",
+                  file=sys.stderr, flush=True)
+        elif proc.poll() is None:
+            stopping.append(signum)
             proc.send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -158,6 +190,5 @@ def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if multi_node(cfg):
-        print(f"node {socket.gethostname()}: torchrun exited with {rc}", flush=True)
+    output.join()
     return rc

@@ -126,6 +126,7 @@ def check_custom(cfg: DictConfig, layout: ParallelLayout) -> None:
         kind = custom.kind_of(obj)
         if key == "model.loss._target_":
             _require(callable(obj), key, tgt, "is not callable; name a loss class such as torch.nn.CrossEntropyLoss")
+            _check_arguments("model.loss", tgt, obj, m.loss)
             continue
         _require(kind != "lightning_unified", key, tgt,
                  "subclasses lightning.pytorch.LightningModule, but Loom's trainer is pytorch_lightning: "
@@ -133,3 +134,16 @@ def check_custom(cfg: DictConfig, layout: ParallelLayout) -> None:
         _require(kind is not None, key, tgt,
                  "is not a LightningModule or a torch.nn.Module subclass (nor a function returning one); "
                  f"its bases: {', '.join(c.__name__ for c in getattr(obj, '__mro__', [type(obj)]))}")
+        _check_arguments("model.module", tgt, obj, m.module)
+
+
+def _check_arguments(key: str, target: str, obj, node: DictConfig) -> None:
+    """The node's keys bind to the target's signature (names only: values may be secrets)."""
+    from loom.errors import ConfigError
+    from loom.models import custom
+
+    problem = custom.signature_problem(obj, node)
+    if problem:
+        arg, why = problem
+        raise ConfigError(f"Invalid config: {key}{'.' + arg if arg else ''}: {why.format(target=target)}; "
+                          f"set arguments as {key}.NAME=VALUE (+{key}.NAME=VALUE adds one).")

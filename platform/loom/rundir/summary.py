@@ -43,6 +43,8 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
             "optim_state_bytes_per_rank": None,
         },
         "utilization": {"cpu_percent_mean": None, "gpu_util_mean": None},
+        # A failed run's root failure {type, message, rank, step, log, where} (loom.rundir.failures).
+        "error": None,
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,12 +20,14 @@ from loom.layout import ParallelLayout
 from loom.plan import Plan
 from loom.rundir import checkpoints
 from loom.worker import results
+from loom.worker.failure import Progress
 
 log = logging.getLogger("loom")
 
 
-def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
-    """Train this rank to the end (or to a preemption); rank 0 writes the run's results."""
+def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = None) -> int:
+    """Train this rank to the end (or to a preemption); rank 0 writes the run's results.
+    `progress` says how far it got, for the failure record if it raises."""
     import pytorch_lightning as pl
 
     quiet_library_consoles()
@@ -32,6 +36,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     from loom.worker.checkpoint_saver import Checkpointing
     from loom.worker.gc_control import GarbageCollection, TrainTimeout
 
+    progress = progress or Progress()
     plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
     # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
     # smaller than the profile's devices x num_nodes.
@@ -39,37 +44,71 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
     layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     resume = _resume_point(run_dir, rank)
-
-    datamodule = data.build_datamodule(cfg, layout, rank)
-    module = models.build_module(cfg)
-    spec = models.model_spec(cfg)
-    recorder = Recorder(
-        log_every=cfg.trainer.log_every_n_steps,
-        samples_per_step=layout.global_batch(cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches),
-        seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
-        flops_per_token=spec.flops_per_token,
-        peak_flops_per_device=plan.peak_flops_per_device,
-        world_size=layout.world,
-    )
+    progress.start_step = checkpoints.step_of(resume) or 0
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
-    housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
-                    TrainTimeout(cfg.hardware.get("timeout_train_s") or 300)]
-    trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
+    with stop_signals(saver):
+        progress.phase = "building the data"
+        datamodule = data.build_datamodule(cfg, layout, rank)
+        progress.phase = "building the model"
+        module = models.build_module(cfg)
+        spec = models.model_spec(cfg)
+        recorder = Recorder(
+            log_every=cfg.trainer.log_every_n_steps,
+            samples_per_step=layout.global_batch(cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches),
+            seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
+            flops_per_token=spec.flops_per_token,
+            peak_flops_per_device=plan.peak_flops_per_device,
+            world_size=layout.world,
+        )
+        housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
+                        TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress)]
+        progress.phase = "building the trainer"
+        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
+        progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
 
-    run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
-    run.summary["resumed_from_step"] = checkpoints.step_of(resume)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
-                    weights_only=True if resume and resume.is_file() else None)
-        if saver.preempted:
-            # Exit 0: a non-zero exit would make torchrun restart the ranks (max_restarts), racing
-            # its own shutdown. summary.json says `preempted`; the launcher exits 143 from it.
-            run.status = "preempted"
-            return 0
-        run.completed(trainer, module)
-    finally:
-        run.write(trainer)
+        run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
+        run.summary["resumed_from_step"] = checkpoints.step_of(resume)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
+                        weights_only=True if resume and resume.is_file() else None)
+            if saver.preempted:
+                # Exit 0: a non-zero exit would make torchrun restart the ranks (max_restarts), racing
+                # its own shutdown. summary.json says `preempted`; the launcher exits 143 from it.
+                run.status = "preempted"
+                return 0
+            progress.phase = "writing the results"
+            run.completed(trainer, module)
+        finally:
+            run.write(trainer)
     return 0
+
+
+@contextmanager
+def stop_signals(saver) -> Iterator[None]:
+    """SIGINT and SIGTERM, on every strategy and in a 1-process run alike (the launcher runs
+    that one in-process), ask for a stop: the ranks save a checkpoint at the next step boundary
+    and the run ends `preempted` (exit 143). Lightning would turn SIGINT into a failed run
+    without a checkpoint. The previous handlers come back afterwards (an in-process sweep's
+    next trial, the launcher itself)."""
+    import signal
+
+    previous = {sig: signal.signal(sig, saver._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _phase_callback(progress: Progress):
+    """A callback marking the start of the training loop in `progress`."""
+    import pytorch_lightning as pl
+
+    class TrainingStarted(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            progress.phase = "training"
+
+    return TrainingStarted()
 
 
 def quiet_library_consoles() -> None:

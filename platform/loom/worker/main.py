@@ -17,6 +17,7 @@ from pathlib import Path
 from loom.compose.hydra_options import apply_verbose
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
+from loom.worker.failure import Progress, record_failure
 
 log = logging.getLogger("loom")
 
@@ -67,6 +68,15 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     logging.getLogger("py.warnings").addHandler(file_handler)
 
 
+def quiet_progress_bars() -> None:
+    """Third-party progress bars (tqdm: Hugging Face datasets' map, hub downloads, ...) stay off
+    the console, where Loom logs its own progress line; Lightning's bar and model summary are off
+    in the Trainer. Set before those libraries are imported (they read it then); a user's own
+    setting wins."""
+    for key in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(key, "1")
+
+
 def die_with_parent() -> None:
     """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
     training on as an orphan (torchrun starts workers in their own sessions)."""
@@ -82,31 +92,43 @@ def die_with_parent() -> None:
 
 
 def run(run_dir: Path) -> int:
-    """Train the frozen run in `run_dir` on this rank; returns the process exit code."""
+    """Train the frozen run in `run_dir` on this rank; returns the process exit code. An
+    exception is logged in full to logs/rank-N.log and recorded (loom.worker.failure), not
+    printed: the launcher prints one paragraph from the record."""
     die_with_parent()
     run_dir = Path(run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")
     rank = int(os.environ.get("RANK", 0))
     setup_logging(run_dir, rank)
+    quiet_progress_bars()
+    progress = Progress()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     # The user's OMP_NUM_THREADS wins (the launcher sets cores // processes when it is unset).
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, usable_cores() // local_world))
     os.environ["OMP_NUM_THREADS"] = str(threads)
-
-    import torch
-
-    torch.set_num_threads(threads)
     try:
+        import torch
+
+        torch.set_num_threads(threads)
         from loom.worker.distributed import init_from_torchrun, shutdown
         from loom.worker.fit import fit
 
+        _file_log(f"rank {rank} (pid {os.getpid()}) started, attempt "
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
         init_from_torchrun(cfg.hardware.backend, cfg.hardware.get("timeout_init_s") or 600)
-        rc = fit(cfg, run_dir, rank)
+        rc = fit(cfg, run_dir, rank, progress)
         shutdown()
         return rc
-    except Exception:
-        log.exception(f"rank {rank} failed")
-        raise
+    except Exception as e:
+        return record_failure(run_dir, rank, e, progress)
+
+
+def _file_log(message: str) -> None:
+    """An INFO line for the rank's log file only (not rank 0's console)."""
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def main(argv: list[str] | None = None) -> int:

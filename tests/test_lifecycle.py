@@ -1,0 +1,209 @@
+"""A run's lifecycle with real processes: one launcher per run dir, deterministic failures
+reported in one paragraph without a restart, and Ctrl-C as a checkpointed stop (exit 143).
+
+The models are written into the runs' root (the launcher's and the ranks' working directory,
+on `python -m`'s path): `Gated` trains digits and holds every step after the first until a gate
+file exists, so a test decides when a run may go on; `Broken` raises in its constructor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LOOM, LoomResult, refused_fast, run_loom
+
+MODELS = '''
+import os
+import time
+
+import pytorch_lightning as pl
+import torch.nn.functional as F
+from torch import nn
+
+
+class Gated(pl.LightningModule):
+    """A digits classifier whose steps after the first wait for the file `gate`."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.gate = gate
+
+    def training_step(self, batch, batch_idx):
+        while self.global_step >= 1 and not os.path.exists(self.gate):
+            time.sleep(0.05)
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+class Broken(nn.Module):
+    """A configuration error only the constructor knows about."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        raise ValueError(f"width={width} must be a multiple of 64")
+'''
+# No torch at import: validation binds the arguments of `make_net` in well under a second.
+FACTORY = "def make_net(width: int = 16):\n    from torch import nn\n\n    return nn.Linear(width, width)\n"
+
+STEPS = 6
+BASE = ["tracking=csv", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=0", "dataset=digits",
+        "model=custom", "security.allow_targets=[lifecycle_models.,lifecycle_factory.]",
+        f"trainer.max_steps={STEPS}"]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "lifecycle_models.py").write_text(MODELS)
+    (tmp_path / "lifecycle_factory.py").write_text(FACTORY)
+    return tmp_path
+
+
+def _gated(root: Path, run_id: str) -> list[str]:
+    return [*BASE, "strategy=single", "model.module._target_=lifecycle_models.Gated",
+            f"+model.module.gate={root / ('gate-' + run_id)}", f"run.id={run_id}"]
+
+
+def _start(root: Path, args: list[str]) -> subprocess.Popen:
+    """`loom train` in the background, in its own process group (as a terminal's job)."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.Popen([*LOOM, "train", *args, f"run.root={root}"], cwd=root, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_for_step_1(proc: subprocess.Popen, timeout: float = 150) -> str:
+    """Read the launcher's output until step 1 is logged (the run holds at step 2's gate)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"exited early ({proc.wait()}): {''.join(seen)}{proc.stderr.read()}"
+        seen.append(line)
+        if line.startswith(f"step 1/{STEPS}"):
+            return "".join(seen)
+    raise AssertionError(f"no step 1 within {timeout} s: {''.join(seen)}")
+
+
+def _steps(run_dir: Path) -> list[int]:
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+def test_run_lock_is_exclusive_shared_for_nodes_and_freed_by_the_kernel(tmp_path, capfd):
+    """A holder in another process refuses an exclusive and a shared taker, naming its pid; two
+    nodes' shared locks coexist; a holder killed with -9 leaves a stale record, taken over."""
+    from loom.errors import ConfigError
+    from loom.rundir.lock import run_lock
+
+    def holder(shared: bool) -> subprocess.Popen:
+        code = (f"import sys\nfrom loom.rundir.lock import run_lock\nwith run_lock({str(tmp_path)!r}, 'r', "
+                f"shared={shared}):\n    print('held', flush=True)\n    sys.stdin.readline()\n")
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "held"
+        return p
+
+    exclusive = holder(shared=False)
+    for shared in (False, True):
+        with pytest.raises(ConfigError) as e, run_lock(tmp_path, "r", shared=shared):
+            pass
+        assert f"pid {exclusive.pid}" in str(e.value) and "tail -f" in str(e.value)
+    exclusive.kill()
+    exclusive.wait()
+    with run_lock(tmp_path, "r"):  # the kernel freed it; the dead holder's record is reported
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    assert f"pid {exclusive.pid}" in capfd.readouterr().err
+    assert (tmp_path / ".lock").read_text() == ""  # released cleanly: nothing stale for the next one
+
+    node = holder(shared=True)  # a node of a multi-node run: a single-node launch is refused ...
+    with pytest.raises(ConfigError, match=f"pid {node.pid}"), run_lock(tmp_path, "r"):
+        pass
+    with run_lock(tmp_path, "r", shared=True):  # ... and another node of the same run joins it
+        pass
+    node.communicate("\n")
+
+
+@pytest.mark.slow
+def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched(root):
+    args = _gated(root, "once")
+    first = _start(root, args)
+    try:
+        _wait_for_step_1(first)
+        t0 = time.monotonic()
+        second = run_loom("train", *args, root=root, timeout=120)
+        assert second.rc == 2, second.out + second.err
+        assert f"pid {first.pid}" in second.err and "tail -f" in second.err and "rank-0.log" in second.err
+        assert "Traceback" not in second.err and "Resuming" not in second.out
+        print(f"second launch refused in {time.monotonic() - t0:.1f} s")
+    finally:
+        (root / "gate-once").touch()
+    out, err = first.communicate(timeout=150)
+    assert first.returncode == 0, out + err
+    run_dir = root / "gpt" / "once"
+    r = LoomResult(0, out, err, run_dir)
+    assert r.summary()["status"] == "completed" and r.summary()["error"] is None
+    assert _steps(run_dir) == list(range(1, STEPS + 1))  # no row written twice
+    assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1
+
+
+@pytest.mark.slow
+def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_resumes(root):
+    args = _gated(root, "ctrlc")
+    run = _start(root, args)
+    _wait_for_step_1(run)
+    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
+    time.sleep(0.5)
+    (root / "gate-ctrlc").touch()  # step 1 or 2 ends: the boundary where the run saves and stops
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 143, out + err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    message = [line for line in err.splitlines() if not line.startswith("warning:")]
+    assert len(message) == 2 and "checkpoint was saved" in message[0] and "same command" in message[1], err
+    run_dir = root / "gpt" / "ctrlc"
+    s = json.loads((run_dir / "summary.json").read_text())
+    stopped = s["global_step"]
+    assert s["status"] == "preempted" and stopped in (1, 2)  # the signal may beat step 1's boundary
+    assert (run_dir / "checkpoints" / f"step-{stopped:07d}.ckpt").exists()
+
+    again = run_loom("train", *args, root=root, timeout=150)
+    assert again.rc == 0 and "Resuming run ctrlc" in again.out, again.out + again.err
+    s = again.summary()
+    assert s["status"] == "completed" and s["resumed_from_step"] == stopped and s["global_step"] == STEPS
+    assert _steps(run_dir) == list(range(1, STEPS + 1))
+
+
+def test_a_typo_in_a_constructor_argument_is_refused_at_validation(root, loom):
+    err = refused_fast(loom, root, *BASE, "model.module._target_=lifecycle_factory.make_net",
+                       "+model.module.widht=32")
+    assert "model.module.widht" in err and "did you mean 'width'" in err and "accepts: width" in err
+
+
+@pytest.mark.slow
+def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
+    """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise ValueError
+    while the model is built; exit 1 after one attempt, the console holds one paragraph."""
+    r = run_loom("train", *BASE, "hardware=cpu", "hardware.max_restarts=1",
+                 "model.module._target_=lifecycle_models.Broken", "run.id=broken", root=root, timeout=240)
+    assert r.rc == 1, r.out + r.err
+    assert "Traceback" not in r.out + r.err and "ChildFailedError" not in r.err
+    paragraph = [line for line in r.err.splitlines() if not line.startswith("warning:")]
+    assert len(paragraph) == 1, r.err
+    assert "ValueError: width=16 must be a multiple of 64" in paragraph[0] and "rank 0" in paragraph[0]
+    assert "lifecycle_models.py:" in paragraph[0] and "Not restarted" in paragraph[0]
+    logs = r.run_dir / "logs"
+    assert f"Full traceback: {logs / 'rank-0.log'}" in paragraph[0]
+    error = r.summary()["error"]
+    assert r.summary()["status"] == "failed"
+    assert error["type"] == "ValueError" and error["rank"] == 0 and error["step"] == 0
+    assert error["message"] == "width=16 must be a multiple of 64" and error["log"] == str(logs / "rank-0.log")
+    for rank in (0, 1):  # one attempt per rank, its traceback in its own log
+        text = (logs / f"rank-{rank}.log").read_text()
+        assert text.count("started, attempt") == 1 and "attempt 1" not in text
+        assert "Traceback" in text and "ValueError" in text
