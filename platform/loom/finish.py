@@ -73,6 +73,14 @@ def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
     return "n/a" if v is None else f"{v:{spec}}{unit}"
 
 
+def validation_text(v: dict[str, Any] | None) -> str:
+    """`loss 1.2345, acc 0.9120 at step 200`, or why there is none."""
+    if not v:
+        return "none (no validation ran)"
+    metrics = ", ".join(f"{k} {x:.4f}" for k, x in v.items() if k != "step" and isinstance(x, (int, float)))
+    return f"{metrics} at step {v['step']}" if v.get("step") is not None else metrics
+
+
 def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     """The one-screen summary the launcher prints at the end of `loom train`."""
     from rich.console import Console
@@ -89,7 +97,8 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
                                 f"({s['num_nodes']} node(s))"),
         ("steps", f"{s['global_step']:,} ({s['tokens']:,} tokens, {s['samples']:,} samples)"),
         ("loss", f"{_fmt(s.get('first_loss'), '.4f')} -> {_fmt(s['final_loss'], '.4f')}"),
-        ("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f")),
+        ("validation", validation_text(s.get("validation"))),
+        *([("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f"))] if tp["tokens_per_sec"] is not None else []),
         ("samples/s", _fmt(tp["samples_per_sec"], ",.1f")),
         ("MFU", _fmt(tp["mfu"], ".1%") if tp["mfu"] is not None else "n/a (device peak unknown)"),
         ("peak memory", f"{_fmt(peak_rss, '.2f', ' GB')} RSS per rank (max)"),

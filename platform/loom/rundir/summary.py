@@ -30,6 +30,7 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "train_time_s": None,
         "final_loss": None,
         "first_loss": None,
+        "validation": None,  # the last validation's val/* metrics: {"loss": ..., "acc": ..., "step": N}
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,

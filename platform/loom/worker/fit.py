@@ -50,6 +50,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int) -> int:
         flops_per_token=spec.flops_per_token,
         peak_flops_per_device=plan.peak_flops_per_device,
         world_size=layout.world,
+        token_data=data.is_token_data(cfg.dataset),
     )
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
     housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
