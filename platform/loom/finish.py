@@ -73,18 +73,12 @@ def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
     return "n/a" if v is None else f"{v:{spec}}{unit}"
 
 
-def validation_text(v: dict[str, Any] | None) -> str:
-    """`loss 1.2345, acc 0.9120 at step 200`, or why there is none."""
-    if not v:
-        return "none (no validation ran)"
-    metrics = ", ".join(f"{k} {x:.4f}" for k, x in v.items() if k != "step" and isinstance(x, (int, float)))
-    return f"{metrics} at step {v['step']}" if v.get("step") is not None else metrics
-
-
 def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     """The one-screen summary the launcher prints at the end of `loom train`."""
     from rich.console import Console
     from rich.table import Table
+
+    from loom.rundir.summary import validation_text
 
     t = Table(title=f"loom run {s['run_id']}: {s['status']}", show_header=False)
     t.add_column(style="bold")
