@@ -81,6 +81,20 @@ def test_report_of_run_dirs_goes_to_the_current_directory(sweep, tmp_path):
     assert not (Path(a).parent / "report.md").read_text().startswith("# Comparison")
 
 
+def test_report_says_why_a_run_failed(sweep, tmp_path):
+    """summary.json `error` (written by the worker when it fails) is the report's "why it failed"."""
+    run = tmp_path / "failed-run"
+    shutil.copytree(sweep.manifest["trials"][0]["run_dir"], run)
+    s = json.loads((run / "summary.json").read_text())
+    s.update(status="failed", error={"type": "TypeError", "message": "unexpected keyword argument 'widht'",
+                                     "rank": 0, "step": 0, "log": str(run / "logs" / "rank-0.log")})
+    (run / "summary.json").write_text(json.dumps(s))
+    r = run_loom("report", str(run), root=tmp_path)
+    why = f"TypeError: unexpected keyword argument 'widht' (rank 0, step 0); full traceback: {run}/logs/rank-0.log"
+    assert r.rc == 0 and f"| why it failed | {why} |" in (run / "report.md").read_text()
+    assert "why it failed" in r.out and "TypeError" in r.out
+
+
 def test_validation_is_logged_at_the_last_step_and_in_the_summary(sweep):
     (t, *_) = sweep.manifest["trials"]
     run_dir = Path(t["run_dir"])

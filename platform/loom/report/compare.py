@@ -5,11 +5,11 @@ one column per swept parameter, the final train and validation losses, the sweep
 and a ★ on the best trial; then strategy, hardware, world size, throughput in the task's unit
 (tokens/s, or samples/s for classifiers), MFU and peak memory.
 
-Scaling efficiency, only when the world sizes differ: a run's tokens/s per device / the
-baseline's, where the baseline is a run at the smallest world size in the set: the one with
+Scaling efficiency, only when the world sizes differ: a run's tokens/s (samples/s) per device /
+the baseline's, where the baseline is a run at the smallest world size in the set: the one with
 the same strategy if there is one, else the fastest per device at that size (1.0 is linear
-scaling). Then `scaling.png` plots throughput against world size; a sweep plots its objective
-against each swept parameter instead (`objective_vs_<param>.png`).
+scaling); `scaling.png` plots throughput against world size. A sweep also plots its objective
+against each swept parameter (`objective_vs_<param>.png`).
 """
 
 from __future__ import annotations
@@ -105,16 +105,19 @@ def _order(v: Any) -> tuple[int, float, str]:
 
 def scaling(runs: list[Run]) -> None:
     """Set each run's scaling efficiency against a smallest-world-size baseline (see module doc)."""
-    measured = [r for r in runs if r.tokens_per_sec_per_device]
+    def per_device(r: Run) -> float:
+        return r.rate / r.world
+
+    measured = [r for r in runs if r.rate]
     if not measured:
         return
     smallest = min(r.world for r in measured)
     base_runs = [r for r in measured if r.world == smallest]
-    fastest = max(base_runs, key=lambda r: r.tokens_per_sec_per_device)
+    fastest = max(base_runs, key=per_device)
     for r in measured:
         same = [b for b in base_runs if b.summary.get("strategy") == r.summary.get("strategy")]
-        base = max(same, key=lambda b: b.tokens_per_sec_per_device) if same else fastest
-        r.efficiency = r.tokens_per_sec_per_device / base.tokens_per_sec_per_device
+        base = max(same, key=per_device) if same else fastest
+        r.efficiency = per_device(r) / per_device(base)
         r.baseline = str(base.summary.get("run_id"))
 
 
@@ -125,7 +128,7 @@ def worlds_differ(runs: list[Run]) -> bool:
 def columns(runs: list[Run], sweep: Sweep | None, short: bool) -> list[str]:
     """The table's header: long names for report.md, short ones for the console."""
     unit = "samples/s" if all(r.classifier for r in runs) else "tokens/s"
-    per_dev = f"{unit[:3]}/s/dev" if short else f"{unit} per device"
+    per_dev = ("tok/s/dev" if unit == "tokens/s" else "samples/s/dev") if short else f"{unit} per device"
     head = ["run", "status"]
     if sweep is not None:
         arrow = "↑" if sweep.direction == "maximize" else "↓"
@@ -166,10 +169,12 @@ def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> 
 
 
 def scaling_plot(runs: list[Run], path: Path) -> Path | None:
-    measured = [r for r in runs if r.tokens_per_sec]
+    measured = [r for r in runs if r.rate]
     if not measured:
         return None
     from matplotlib.figure import Figure
+
+    unit = "samples/s" if all(r.classifier for r in measured) else "tokens/s"
 
     fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
     ax = fig.subplots()
@@ -178,14 +183,14 @@ def scaling_plot(runs: list[Run], path: Path) -> Path | None:
         by_strategy.setdefault(str(r.summary.get("strategy")), []).append(r)
     for name, group in sorted(by_strategy.items()):
         group.sort(key=lambda r: r.world)
-        ax.plot([r.world for r in group], [r.tokens_per_sec for r in group], "o-", label=name)
+        ax.plot([r.world for r in group], [r.rate for r in group], "o-", label=name)
     worlds = sorted({r.world for r in measured})
     smallest = worlds[0]
-    base = max((r for r in measured if r.world == smallest), key=lambda r: r.tokens_per_sec_per_device)
-    ax.plot(worlds, [base.tokens_per_sec_per_device * w for w in worlds], "--", color="gray",
+    base = max((r for r in measured if r.world == smallest), key=lambda r: r.rate / r.world)
+    ax.plot(worlds, [base.rate / base.world * w for w in worlds], "--", color="gray",
             label=f"linear from world size {smallest}")
     ax.set_xlabel("world size (devices)")
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel(unit)
     ax.set_xticks(worlds)
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)

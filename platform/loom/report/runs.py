@@ -197,13 +197,10 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     mem = s.get("memory") or {}
     util = s.get("utilization") or {}
     why = error_text(s.get("error"))
-    tokens = [] if run.classifier else [
-        ("tokens", _num(s.get("tokens"), ",d")),
-    ]
-    rates = [] if run.classifier else [
-        ("tokens/s", _num(tp.get("tokens_per_sec"), ",.0f")),
-        ("tokens/s per device", _num(run.tokens_per_sec_per_device, ",.0f")),
-    ]
+    # A classifier's items are samples: no token count, no tokens/s.
+    tokens = [] if run.classifier else [("tokens", _num(s.get("tokens"), ",d"))]
+    rates = [] if run.classifier else [("tokens/s", _num(tp.get("tokens_per_sec"), ",.0f")),
+                                       ("tokens/s per device", _num(run.tokens_per_sec_per_device, ",.0f"))]
     rows = [
         ("run id", str(s.get("run_id"))),
         ("status", str(s.get("status"))),
