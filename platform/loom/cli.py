@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a run dir, a sweep dir (holding run dirs), or several run dirs")
     rp.add_argument("--out", metavar="DIR",
                     help="where a comparison's report.md and scaling.png go "
-                         "(default: the sweep dir, else the first run's parent)")
+                         "(default: the sweep dir; for run dirs given one by one, the current directory)")
     rp.set_defaults(func=cmd_report)
     rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
     rc.add_argument("action", choices=["list", "show", "copy"])

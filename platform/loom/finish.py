@@ -116,6 +116,8 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from loom.rundir.summary import validation_text
+
     t = Table(title=f"loom run {s['run_id']}: {s['status']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
@@ -127,7 +129,8 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
                                 f"({s['num_nodes']} node(s))"),
         ("steps", f"{s['global_step']:,} ({s['tokens']:,} tokens, {s['samples']:,} samples)"),
         ("loss", f"{_fmt(s.get('first_loss'), '.4f')} -> {_fmt(s['final_loss'], '.4f')}"),
-        ("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f")),
+        ("validation", validation_text(s.get("validation"))),
+        *([("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f"))] if tp["tokens_per_sec"] is not None else []),
         ("samples/s", _fmt(tp["samples_per_sec"], ",.1f")),
         ("MFU", _fmt(tp["mfu"], ".1%") if tp["mfu"] is not None else "n/a (device peak unknown)"),
         ("peak memory", f"{_fmt(peak_rss, '.2f', ' GB')} RSS per rank (max)"),

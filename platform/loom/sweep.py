@@ -29,8 +29,9 @@ ALIASES = {
     "hydra.sweeper.direction": "sweep.direction",
     "hydra.sweeper.sampler.seed": "sweep.seed",
 }
-SUMMARY_METRICS = ("final_loss", "throughput.tokens_per_sec", "throughput.samples_per_sec",
-                   "throughput.mfu", "throughput.tflops_per_device", "train_time_s", "wall_time_s")
+SUMMARY_METRICS = ("final_loss", "validation.loss", "validation.acc", "throughput.tokens_per_sec",
+                   "throughput.samples_per_sec", "throughput.mfu", "throughput.tflops_per_device",
+                   "train_time_s", "wall_time_s")
 
 
 def translate(overrides: list[str]) -> list[str]:
@@ -88,17 +89,23 @@ class Trial:
 
 
 class Manifest:
-    def __init__(self, path: Path, sweep_id: str, command: list[str]) -> None:
+    """manifest.json: the sweep's command, its objective (what `loom report` ranks the trials
+    by) and every trial's overrides, swept values (`params`), state and objective value."""
+
+    def __init__(self, path: Path, sweep_id: str, command: list[str], objective: str = "final_loss",
+                 direction: str = "minimize") -> None:
         self.path = path
         self.sweep_id = sweep_id
         self.command = command
+        self.objective, self.direction = objective, direction
         self.trials: list[Trial] = []
         if path.exists():
             data = json.loads(path.read_text())
             self.trials = [Trial(**t) for t in data["trials"]]
 
     def save(self) -> None:
-        data = {"sweep_id": self.sweep_id, "command": self.command, "trials": [t.__dict__ for t in self.trials]}
+        data = {"sweep_id": self.sweep_id, "command": self.command, "objective": self.objective,
+                "direction": self.direction, "trials": [t.__dict__ for t in self.trials]}
         atomic_write_text(self.path, json.dumps(data, indent=2) + "\n")
 
     def trial(self, index: int, overrides: list[str], params: dict | None = None) -> Trial:
@@ -141,7 +148,7 @@ def run_sweep(
             "Invalid config: sweep.sampler=optuna with hardware=slurm: Optuna needs each trial's result "
             "before it picks the next, and SLURM trials finish later. Use a grid sweep on SLURM."
         )
-    if sampler == "optuna" and base.sweep.objective not in SUMMARY_METRICS:
+    if base.sweep.objective not in SUMMARY_METRICS:  # the grid's best trial is ranked by it too
         raise ConfigError(
             f"Invalid config: sweep.objective={base.sweep.objective!r} is not a summary.json metric. "
             f"Valid choices: {', '.join(SUMMARY_METRICS)}."
@@ -154,7 +161,7 @@ def run_sweep(
     sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
     sweep_dir = (Path(base.run.root) / base.experiment / "sweeps" / sweep_id).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides)
+    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides, base.sweep.objective, base.sweep.direction)
     pin = [f"run.sweep_dir={sweep_dir}"]
 
     def own_id(i: int) -> list[str]:
@@ -166,7 +173,9 @@ def run_sweep(
         for i, trial_overrides in enumerate(trials):  # validate all before running any
             resolve([*fixed, *trial_overrides, *own_id(i), *pin])
         for i, trial_overrides in enumerate(trials):
-            t = manifest.trial(i, [*fixed, *trial_overrides, *own_id(i)])
+            params = dict(o.partition("=")[::2] for o in trial_overrides)  # the swept values
+            t = manifest.trial(i, [*fixed, *trial_overrides, *own_id(i)], params)
+            t.params = t.params or params  # a manifest written before params were recorded
             _run(t, manifest, pin, run_trial, base.sweep.objective)
     else:
         _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)

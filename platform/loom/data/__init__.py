@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom.data.checks import check_common, normalize_tokenizer, tokenizer_vocab
+from loom.data.checks import check_common, check_val_split, normalize_tokenizer, tokenizer_vocab
 from loom.data.registry import DATASETS
 from loom.layout import ParallelLayout
 
@@ -55,6 +55,7 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     if DATASETS[cfg.dataset.name].tokenized and cfg.dataset.get("tokenizer"):
         data_vocab_size(cfg)
     DATASETS[cfg.dataset.name].check(cfg, layout)
+    check_val_split(cfg, layout)
 
 
 def build_datamodule(cfg: DictConfig, layout: ParallelLayout, global_rank: int) -> Any:

@@ -160,3 +160,46 @@ def check_synthetic(cfg: DictConfig, layout: ParallelLayout) -> None:
     if ds.num_samples < need:
         fail("dataset.num_samples", ds.num_samples,
              f"fewer than one global batch ({need} = dataset.batch_size x {layout.dp} ranks)")
+
+
+DIGITS_SAMPLES = 1797  # loom.data.digits.N_SAMPLES (that module imports torch)
+
+
+def val_size(cfg: DictConfig) -> int | None:
+    """The validation split's samples (token windows for a corpus) where it is known without
+    tokenizing; None where only the workers can tell (a tokenizer, a hub dataset)."""
+    ds = cfg.dataset
+    every = ds.get("val_every")
+    if every is not None and every <= 1:
+        return 0
+    if ds.name == "digits":
+        return DIGITS_SAMPLES // every
+    if ds.name == "synthetic":
+        return max(1, ds.num_samples // 16)  # loom.data.synthetic
+    if ds.name in ("text_files", "tinycode"):
+        from loom.data.files import split
+        from loom.data.text_files import corpus_files as text_corpus
+        from loom.data.tinycode import corpus_files as code_corpus
+
+        files = text_corpus(list(ds.paths), ds.max_bytes) if ds.name == "text_files" else code_corpus(ds.max_bytes)
+        _, val = split(files, every)
+        if not val or ds.tokenizer:
+            return 0 if not val else None
+        n_bytes = sum(f.stat().st_size + 1 for f in val)  # byte level: each file and a newline
+        return (n_bytes - 1) // ds.seq_len if n_bytes > ds.seq_len else 0
+    return None
+
+
+def check_val_split(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Periodic validation (trainer.val_every_n_steps > 0) over a split that yields no batch is
+    refused here when its size is known; the workers check the rest, and warn otherwise."""
+    from loom.data.describe import val_problem
+
+    every = cfg.trainer.val_every_n_steps
+    n = val_size(cfg) if every > 0 else None
+    problem = val_problem(cfg, n, layout.dp) if n is not None else None
+    if problem:
+        raise ConfigError(
+            f"Invalid config: trainer.val_every_n_steps={every} asks for validation, but {problem}. Add data, "
+            "lower dataset.val_every (every Nth file/sample is validation) or dataset.batch_size, or set "
+            "trainer.val_every_n_steps=0.")

@@ -19,6 +19,7 @@ is wrapped to note each index it serves, in order), matched to trained batches b
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections import deque
 from pathlib import Path
@@ -31,6 +32,7 @@ from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
 
 RECORD_ENV = "LOOM_RECORD_SAMPLE_IDS"
+log = logging.getLogger("loom")
 
 
 class _Noting(Dataset):
@@ -79,6 +81,22 @@ class LoomDataModule(pl.LightningDataModule):
                 f"dataset={self.cfg.dataset.name}: the training split has {len(self.train_set)} samples, "
                 f"fewer than one global batch (dataset.batch_size={self.cfg.dataset.batch_size} x "
                 f"{self.dp_size} data-parallel ranks); use more data or a smaller batch")
+        self._announce()
+
+    def _announce(self) -> None:
+        """The dataset line (the console shows rank 0's), and a validation split that validates
+        nothing: a warning, or an error when validation is asked for periodically."""
+        from loom.data.describe import summary_line, val_problem
+
+        log.info(summary_line(self.cfg, self.train_set, self.val_set, self.dp_size))
+        off = self.cfg.dataset.get("val_every", 2) <= 1  # the user turned the split off
+        problem = val_problem(self.cfg, 0 if self.val_set is None else len(self.val_set), self.dp_size)
+        if problem and self.cfg.trainer.val_every_n_steps > 0:
+            raise ValueError(f"{problem}, but trainer.val_every_n_steps={self.cfg.trainer.val_every_n_steps} "
+                             "asks for it; add data, lower dataset.val_every or dataset.batch_size, or set "
+                             "trainer.val_every_n_steps=0")
+        if problem and not off:
+            log.warning(f"warning: {problem}; the run reports no validation loss")
 
     # ------------------------------------------------------------------ loaders
     def _loader(self, dataset, sampler) -> DataLoader:

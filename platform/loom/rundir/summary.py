@@ -30,6 +30,7 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "train_time_s": None,
         "final_loss": None,
         "first_loss": None,
+        "validation": None,  # the last validation's val/* metrics: {"loss": ..., "acc": ..., "step": N}
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,
@@ -46,6 +47,14 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         # A failed run's root failure {type, message, rank, step, log, where} (loom.rundir.failures).
         "error": None,
     }
+
+
+def validation_text(v: dict[str, Any] | None) -> str:
+    """summary.json's `validation` in words: `loss 1.2345, acc 0.9120 at step 200`."""
+    if not v:
+        return "none (no validation ran)"
+    metrics = ", ".join(f"{k} {x:.4f}" for k, x in v.items() if k != "step" and isinstance(x, (int, float)))
+    return f"{metrics} at step {v['step']}" if v.get("step") is not None else metrics
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:

@@ -157,3 +157,42 @@ def write_plots(run_dir: Path) -> list[Path]:
         _throughput(rows, title, out / "throughput.png"),
         _utilization(rows, title, out / "utilization.png"),
     ]
+
+
+def _as_float(v: object) -> float | None:
+    try:
+        x = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def objective_plot(points: list[tuple[object, float, bool]], param: str, objective: str, path: Path) -> Path:
+    """A sweep's objective against one swept parameter: (value, objective, is best) per trial.
+    Numeric values on a log axis when they are positive and span a decade or more (a learning
+    rate), else linear; other values (strategy=ddp,zero2) as categories. The best is starred."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    xs = [_as_float(v) for v, _, _ in points]
+    numeric = all(x is not None for x in xs)
+    if not numeric:  # categories in the order given
+        names = list(dict.fromkeys(str(v) for v, _, _ in points))
+        xs = [float(names.index(str(v))) for v, _, _ in points]
+        ax.set_xticks(range(len(names)), names)
+    elif min(xs) > 0 and max(xs) / min(xs) >= 10:
+        ax.set_xscale("log")
+    order = sorted(range(len(points)), key=lambda i: xs[i])
+    ax.plot([xs[i] for i in order], [points[i][1] for i in order], "o-" if numeric else "o", color="tab:blue")
+    for x, (v, y, best) in zip(xs, points, strict=True):
+        if best:
+            ax.plot([x], [y], "*", markersize=16, color="tab:orange", label=f"best: {param}={v}")
+    ax.set_xlabel(param)
+    ax.set_ylabel(objective)
+    ax.grid(True, alpha=0.3, which="both")
+    if any(b for _, _, b in points):
+        ax.legend()
+    ax.set_title(f"{objective} vs {param}")
+    return _save(fig, path)
+

@@ -48,8 +48,10 @@ class Recorder(pl.Callback):
         flops_per_token: float | None,
         peak_flops_per_device: float | None,
         world_size: int,
+        token_data: bool = True,        # False: a classifier, whose rate is samples/s (no tokens)
     ) -> None:
         self.log_every = log_every
+        self.token_data = token_data
         self.samples_per_step = samples_per_step
         self.seq_len = seq_len
         self.flops_per_token = flops_per_token
@@ -76,6 +78,7 @@ class Recorder(pl.Callback):
         self.loss_count = 0
         self.first_loss: float | None = None
         self.final_loss: float | None = None
+        self.validation: dict[str, float] | None = None  # the last validation's val/* metrics
         self.history: list[dict[str, float]] = []   # rank 0: the logged rows
         self.cpu_samples: list[float] = []
         self.gpu_util_samples: list[float] = []
@@ -111,7 +114,16 @@ class Recorder(pl.Callback):
         self._sync(pl_module)
         self.val_start = time.perf_counter()
 
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """Validation runs after the optimizer step it follows, but Lightning would log it at the
+        step before (its logger step is incremented after validation): log it at global_step."""
+        if not trainer.sanity_checking:
+            pl_module.log("step", float(trainer.global_step), logger=True)
+
     def on_validation_end(self, trainer, pl_module) -> None:
+        metrics = {k[len("val/"):]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics and not trainer.sanity_checking:
+            self.validation = {**metrics, "step": trainer.global_step}
         if self.val_start is None:
             return
         self._sync(pl_module)
@@ -183,6 +195,8 @@ class Recorder(pl.Callback):
             "sys/rss_gb": float(mean[col["rss_gb"]]),
             "sys/rss_gb_max": float(gathered[:, col["rss_gb"]].max()),
         }
+        if not self.token_data:  # a classifier: its items are samples, there are no tokens
+            del row["perf/tokens_per_sec"]
         if "device/flops_per_sec" in rates:
             row["perf/tflops_per_device"] = rates["device/flops_per_sec"] / 1e12
         if "device/mfu" in rates:
@@ -215,9 +229,11 @@ class Recorder(pl.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(row, step=step)
         eta_s = max(0, trainer.max_steps - step) * row["perf/step_time_ms"] / 1000
+        rate = (f"{row['perf/tokens_per_sec']:,.0f} tok/s" if self.token_data
+                else f"{row['perf/samples_per_sec']:,.1f} samples/s")
         log.info(
             f"step {step}/{trainer.max_steps}  loss {row['train/loss']:.4f}  "
-            f"{row['perf/tokens_per_sec']:,.0f} tok/s  {row['perf/step_time_ms']:.1f} ms/step  "
+            f"{rate}  {row['perf/step_time_ms']:.1f} ms/step  "
             f"ETA {int(eta_s // 60)}:{int(eta_s % 60):02d}",
         )
 
@@ -252,7 +268,7 @@ class Recorder(pl.Callback):
         tokens = samples * self.seq_len
         out: dict[str, Any] = {
             "samples_per_sec": samples / t if t > 0 else None,
-            "tokens_per_sec": tokens / t if t > 0 else None,
+            "tokens_per_sec": tokens / t if t > 0 and self.token_data else None,
             "tflops_per_device": None,
             "mfu": None,
             "mfu_error": None,

@@ -59,6 +59,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             flops_per_token=spec.flops_per_token,
             peak_flops_per_device=plan.peak_flops_per_device,
             world_size=layout.world,
+            token_data=data.is_token_data(cfg.dataset),
         )
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress)]

@@ -53,19 +53,27 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     file_handler.setFormatter(fmt)
     for name in ("loom", "pytorch_lightning", "lightning", "lightning_fabric", "deepspeed", "DeepSpeed"):
         lg = logging.getLogger(name)
-        lg.handlers = [h for h in lg.handlers if not isinstance(h, logging.FileHandler)]
+        for h in [h for h in lg.handlers if isinstance(h, logging.FileHandler)]:
+            lg.removeHandler(h)
+            h.close()  # the previous in-process run's log file
         lg.addHandler(file_handler)
         lg.propagate = False
         lg.setLevel(logging.INFO)
     apply_verbose([file_handler])  # hydra.verbose: those loggers at DEBUG
+    # A sweep runs its 1-process trials in this process: drop the previous trial's console
+    # handler, or every line is printed once per trial so far.
+    log.handlers = [h for h in log.handlers if not getattr(h, "loom_console", False)]
     if rank == 0:
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(logging.Formatter("%(message)s"))
+        console.loom_console = True
         log.addHandler(console)
     for pattern in _QUIET:
         warnings.filterwarnings("ignore", message=pattern)
     logging.captureWarnings(True)
-    logging.getLogger("py.warnings").addHandler(file_handler)
+    warn_log = logging.getLogger("py.warnings")
+    warn_log.handlers = [h for h in warn_log.handlers if not isinstance(h, logging.FileHandler)]
+    warn_log.addHandler(file_handler)
 
 
 def quiet_progress_bars() -> None:

@@ -15,7 +15,7 @@ from loom.models.spec import ModelSpec
 from loom.plan import Plan
 from loom.rundir import checkpoints
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, dtype_name
-from loom.rundir.summary import empty_summary, write_summary
+from loom.rundir.summary import empty_summary, read_summary, write_summary
 
 log = logging.getLogger("loom")
 
@@ -30,6 +30,7 @@ class RunResults:
         self.recorder, self.plan, self.spec = recorder, plan, spec
         self.status = "failed"
         self.summary = empty_summary(cfg, str(cfg.run.id), layout)
+        self.previous = read_summary(run_dir) or {}  # an earlier attempt's, when this one resumes
         self.launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
 
     def completed(self, trainer, module) -> None:
@@ -73,6 +74,22 @@ class RunResults:
         checkpoints.write_final_weights(
             self.run_dir, specs, ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in tensors), meta)
 
+    def _earlier(self, key: str):
+        """A resumed run's value from the attempts before this one (None for a fresh run)."""
+        return self.previous.get(key) if self.summary.get("resumed_from_step") is not None else None
+
+    def _first_loss(self) -> float | None:
+        """The run's first logged loss: on resume, the earlier attempts' (summary.json, else the
+        first train/loss row of metrics.csv, which a resume keeps), not this attempt's."""
+        if self.summary.get("resumed_from_step") is None:
+            return self.recorder.first_loss
+        earlier = self._earlier("first_loss")
+        if earlier is None:
+            from loom.tracking.plots import read_metrics
+
+            earlier = next((r["train/loss"] for r in read_metrics(self.run_dir) if "train/loss" in r), None)
+        return earlier if earlier is not None else self.recorder.first_loss
+
     def _gather_rank_stats(self, trainer, module):
         import torch
 
@@ -103,7 +120,8 @@ class RunResults:
             wall_time_s=round(time.time() - self.launch_time, 3),
             train_time_s=round(rec.loop_time, 3),
             final_loss=rec.final_loss,
-            first_loss=rec.first_loss,
+            first_loss=self._first_loss(),
+            validation=rec.validation or self._earlier("validation"),
             restarts=max(self.summary["restarts"], attempt["restarts"]),
             throughput=rec.throughput_summary(trainer, self.plan.peak_flops_per_device),
             utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},

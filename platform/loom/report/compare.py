@@ -1,0 +1,255 @@
+"""A comparison of several runs (a sweep dir, runs/<experiment>/, or run dirs given one by one).
+
+One row per run: status, and for a sweep (a dir with the manifest.json `loom train -m` writes)
+one column per swept parameter, the final train and validation losses, the sweep's objective
+and a ★ on the best trial; then strategy, hardware, world size, throughput in the task's unit
+(tokens/s, or samples/s for classifiers), MFU and peak memory.
+
+Scaling efficiency, only when the world sizes differ: a run's tokens/s (samples/s) per device /
+the baseline's, where the baseline is a run at the smallest world size in the set: the one with
+the same strategy if there is one, else the fastest per device at that size (1.0 is linear
+scaling); `scaling.png` plots throughput against world size. A sweep also plots its objective
+against each swept parameter (`objective_vs_<param>.png`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.atomic import atomic_path
+from loom.report.runs import Run, _md_table, _num, _pct, _write, error_text
+
+
+@dataclass
+class Sweep:
+    """What manifest.json says about the runs: the objective and each run's swept values."""
+
+    objective: str = "final_loss"
+    direction: str = "minimize"
+    params: dict[Path, dict[str, Any]] = field(default_factory=dict)  # run dir -> {key: value}
+
+    @property
+    def keys(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for p in self.params.values():
+            seen.update(dict.fromkeys(p))
+        return list(seen)
+
+
+def read_sweep(sweep_dir: Path | None) -> Sweep | None:
+    """The sweep's manifest (None: not a sweep dir, or a manifest that cannot be read)."""
+    path = sweep_dir / "manifest.json" if sweep_dir else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        trials = [t for t in data["trials"] if t.get("run_dir")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    out = Sweep(data.get("objective") or "final_loss", data.get("direction") or "minimize")
+    for t in trials:
+        params = t.get("params") or {}
+        if not params:  # a manifest from before params were recorded: the overrides that differ
+            params = _differing(trials, t)
+        out.params[Path(t["run_dir"]).resolve()] = params
+    return out
+
+
+def _differing(trials: list[dict], t: dict) -> dict[str, Any]:
+    split = [dict(o.partition("=")[::2] for o in x.get("overrides", [])) for x in trials]
+    mine = dict(o.partition("=")[::2] for o in t.get("overrides", []))
+    keys = {k for d in split for k in d if any(d2.get(k) != d.get(k) for d2 in split)}
+    return {k: mine.get(k) for k in sorted(keys) if not k.startswith("run.")}
+
+
+def objective_of(summary: dict[str, Any], name: str) -> float | None:
+    node: Any = summary
+    for part in name.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def best_run(runs: list[Run], sweep: Sweep) -> Run | None:
+    """The completed run with the best objective (None: no completed run has a value)."""
+    scored = [(objective_of(r.summary, sweep.objective), r) for r in runs if r.summary.get("status") == "completed"]
+    scored = [(v, r) for v, r in scored if v is not None and math.isfinite(v)]
+    if not scored:
+        return None
+    pick = max if sweep.direction == "maximize" else min
+    return pick(scored, key=lambda vr: vr[0])[1]
+
+
+def best_line(runs: list[Run], sweep: Sweep) -> str:
+    best = best_run(runs, sweep)
+    if best is None:
+        return f"best trial: none (no completed trial has {sweep.objective})"
+    params = sweep.params.get(best.path) or {}
+    value = objective_of(best.summary, sweep.objective)
+    what = " ".join(f"{k}={v}" for k, v in params.items()) or best.path.name
+    extreme = "highest" if sweep.direction == "maximize" else "lowest"
+    return f"best trial: {what} ({sweep.objective} {value:.4f}, the {extreme}): {best.path}"
+
+
+def _order(v: Any) -> tuple[int, float, str]:
+    """Numbers by value, then anything else by text."""
+    try:
+        return (0, float(v), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(v))
+
+
+def scaling(runs: list[Run]) -> None:
+    """Set each run's scaling efficiency against a smallest-world-size baseline (see module doc)."""
+    def per_device(r: Run) -> float:
+        return r.rate / r.world
+
+    measured = [r for r in runs if r.rate]
+    if not measured:
+        return
+    smallest = min(r.world for r in measured)
+    base_runs = [r for r in measured if r.world == smallest]
+    fastest = max(base_runs, key=per_device)
+    for r in measured:
+        same = [b for b in base_runs if b.summary.get("strategy") == r.summary.get("strategy")]
+        base = max(same, key=per_device) if same else fastest
+        r.efficiency = per_device(r) / per_device(base)
+        r.baseline = str(base.summary.get("run_id"))
+
+
+def worlds_differ(runs: list[Run]) -> bool:
+    return len({r.world for r in runs}) > 1
+
+
+def columns(runs: list[Run], sweep: Sweep | None, short: bool) -> list[str]:
+    """The table's header: long names for report.md, short ones for the console."""
+    unit = "samples/s" if all(r.classifier for r in runs) else "tokens/s"
+    per_dev = ("tok/s/dev" if unit == "tokens/s" else "samples/s/dev") if short else f"{unit} per device"
+    head = ["run", "status"]
+    if sweep is not None:
+        arrow = "↑" if sweep.direction == "maximize" else "↓"
+        head += [*sweep.keys, "train loss", "val loss", f"{sweep.objective} {arrow}", "best"]
+    head += ["strategy", "hardware", "world" if short else "world size", unit, per_dev]
+    if worlds_differ(runs):
+        head.append("eff." if short else "scaling eff.")
+    head += ["MFU", "peak mem" if short else "peak memory / rank"]
+    if sweep is None:
+        head += ["train loss", "val loss"]
+    return head
+
+
+def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> list[list[str]]:
+    best = best_run(runs, sweep) if sweep is not None else None
+    rows = []
+    for r in runs:
+        mem, kind = r.peak_memory()
+        try:
+            name = str(r.path.relative_to(base))
+        except ValueError:
+            name = r.path.name  # the run id; the full paths are listed under the table
+        losses = [_num(r.summary.get("final_loss"), ".4f"), _num(r.val_loss, ".4f")]
+        row = [name, str(r.summary.get("status"))]
+        if sweep is not None:
+            params = sweep.params.get(r.path) or {}
+            row += [str(params.get(k, "")) for k in sweep.keys]
+            row += [*losses, _num(objective_of(r.summary, sweep.objective), ".4f"), "★" if r is best else ""]
+        rate = r.rate
+        row += [str(r.summary.get("strategy")), str(r.summary.get("hardware")), str(r.world),
+                _num(rate, ",.1f" if r.classifier else ",.0f"),
+                _num(rate / r.world if rate is not None else None, ",.1f" if r.classifier else ",.0f")]
+        if worlds_differ(runs):
+            row.append(_num(r.efficiency, ".2f"))
+        row += [_pct(r.mfu), _num(mem, ".2f", f" GB {kind}")]
+        rows.append(row if sweep is not None else [*row, *losses])
+    return rows
+
+
+def scaling_plot(runs: list[Run], path: Path) -> Path | None:
+    measured = [r for r in runs if r.rate]
+    if not measured:
+        return None
+    from matplotlib.figure import Figure
+
+    unit = "samples/s" if all(r.classifier for r in measured) else "tokens/s"
+
+    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    by_strategy: dict[str, list[Run]] = {}
+    for r in measured:
+        by_strategy.setdefault(str(r.summary.get("strategy")), []).append(r)
+    for name, group in sorted(by_strategy.items()):
+        group.sort(key=lambda r: r.world)
+        ax.plot([r.world for r in group], [r.rate for r in group], "o-", label=name)
+    worlds = sorted({r.world for r in measured})
+    smallest = worlds[0]
+    base = max((r for r in measured if r.world == smallest), key=lambda r: r.rate / r.world)
+    ax.plot(worlds, [base.rate / base.world * w for w in worlds], "--", color="gray",
+            label=f"linear from world size {smallest}")
+    ax.set_xlabel("world size (devices)")
+    ax.set_ylabel(unit)
+    ax.set_xticks(worlds)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title("throughput vs world size")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path
+
+
+def objective_plots(runs: list[Run], sweep: Sweep, out: Path) -> list[Path]:
+    """One `objective_vs_<param>.png` per swept parameter (completed trials with a value)."""
+    from loom.tracking.plots import objective_plot
+
+    best = best_run(runs, sweep)
+    paths = []
+    for key in sweep.keys:
+        points = [(sweep.params.get(r.path, {}).get(key), objective_of(r.summary, sweep.objective), r is best)
+                  for r in runs]
+        points = [p for p in points if p[0] is not None and p[1] is not None]
+        if points:
+            safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key)
+            paths.append(objective_plot(points, key, sweep.objective, out / f"objective_vs_{safe}.png"))
+    return paths
+
+
+def comparison_report(runs: list[Run], out: Path, skipped: list[Path],
+                      sweep: Sweep | None = None) -> tuple[Path, list[Path]]:
+    """report.md (and its plots) in `out`; returns (report.md, the plots)."""
+    plots: list[Path] = []
+    if worlds_differ(runs):
+        scaling(runs)
+    if sweep is not None:  # in the order of the swept values
+        runs.sort(key=lambda r: [_order(sweep.params.get(r.path, {}).get(k)) for k in sweep.keys] + [str(r.path)])
+    else:
+        runs.sort(key=lambda r: (str(r.summary.get("strategy")), r.world, str(r.path)))
+    parts = [f"# {'Sweep' if sweep else 'Comparison'} of {len(runs)} runs", ""]
+    if sweep is not None:
+        parts += [best_line(runs, sweep), ""]
+    parts += [_md_table(columns(runs, sweep, short=False), comparison_rows(runs, out, sweep)), ""]
+    notes = []
+    if worlds_differ(runs):
+        notes.append("Scaling efficiency: tokens/s per device / that of the baseline run at the smallest world "
+                     "size (same strategy if there is one, else the fastest per device); 1.00 is linear scaling.")
+    notes.append("Peak memory: the most loaded rank (GPU memory on GPUs, process RSS on CPUs). "
+                 "MFU is n/a where the device's peak FLOP/s is unknown.")
+    parts += [" ".join(notes), ""]
+    if sweep is not None:
+        plots += objective_plots(runs, sweep, out)
+    if worlds_differ(runs) and scaling_plot(runs, out / "scaling.png"):
+        plots.append(out / "scaling.png")
+    parts += [f"![{p.stem}]({p.name})\n" for p in plots]
+    failed = [(r, error_text(r.summary.get("error"))) for r in runs]
+    parts += [f"- {r.path.name} failed: {why}" for r, why in failed if why]
+    parts += ["## Runs", ""]
+    for r in runs:
+        rel = os.path.relpath(r.path, out)
+        parts.append(f"- [{rel}]({rel}/report.md)" if (r.path / "report.md").is_file() else f"- {rel}")
+    if skipped:
+        parts += ["", "Not included (no summary.json yet: running, or stopped before the end): "
+                  + ", ".join(os.path.relpath(p, out) for p in skipped)]
+    return _write(out / "report.md", "\n".join(parts) + "\n"), plots

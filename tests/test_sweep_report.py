@@ -1,0 +1,178 @@
+"""Sweeps that name the winner, and validation shown: one 1-process lr sweep, one classifier run
+(resumed once) and a text corpus too small for a validation split serve every check here."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import FAST, refused_fast, run_loom
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STEPS = 3
+SWEEP = ("train", "-m", "optim.lr=1e-4,1e-2", "strategy=single", *FAST, f"trainer.max_steps={STEPS}")
+DIGITS = ("train", "dataset=digits", "model=mlp", "strategy=single", "tracking=csv", "trainer.max_steps=5",
+          "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("lr_sweep")
+    r = run_loom(*SWEEP, root=root, timeout=300)
+    assert r.rc == 0, r.out + r.err
+    (manifest_path,) = root.glob("gpt/sweeps/*/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    summaries = {float(t["params"]["optim.lr"]): json.loads((Path(t["run_dir"]) / "summary.json").read_text())
+                 for t in manifest["trials"]}
+    return SimpleNamespace(r=r, root=root, dir=manifest_path.parent, manifest=manifest, summaries=summaries)
+
+
+def _table_header(out: str) -> list[str]:
+    line = next(line for line in out.splitlines() if "┃ run" in line)
+    return [c.strip() for c in line.split("┃")[1:-1]]
+
+
+def test_sweep_table_has_the_lr_column_losses_and_the_best_trial(sweep):
+    header = _table_header(sweep.r.out)
+    assert header[:7] == ["run", "status", "optim.lr", "train loss", "val loss", "final_loss ↓", "best"], header
+    assert "eff." not in header  # both trials have world size 1: no scaling efficiency
+    best_lr = min(sweep.summaries, key=lambda lr: sweep.summaries[lr]["final_loss"])
+    best = sweep.summaries[best_lr]
+    line = next(x for x in sweep.r.out.splitlines() if x.startswith("best trial: "))
+    assert line.startswith(f"best trial: optim.lr={best_lr:g} (final_loss {best['final_loss']:.4f}, the lowest)")
+    rows = [[c.strip() for c in x.split("│")[1:-1]] for x in sweep.r.out.splitlines() if x.startswith("│")]
+    table = {row[2]: row for row in rows if len(row) == len(header)}
+    assert set(table) == {"0.0001", "0.01"}
+    for lr, s in sweep.summaries.items():
+        row = table[f"{lr:g}"]
+        assert row[3] == f"{s['final_loss']:.4f}" and row[4] == f"{s['validation']['loss']:.4f}"
+        assert row[6] == ("★" if lr == best_lr else "")
+    assert sweep.manifest["objective"] == "final_loss" and sweep.manifest["direction"] == "minimize"
+
+
+def test_each_log_line_is_printed_once_in_a_one_process_sweep(sweep):
+    out = sweep.r.out
+    assert out.count("training loop started at step 0") == 2  # once per trial, not once per trial so far
+    assert len(re.findall(r"^dataset tinycode: ", out, re.M)) == 2
+    lines = out.splitlines()
+    assert not [a for a, b in zip(lines, lines[1:], strict=False) if a == b and a.startswith("step ")]
+
+
+def test_sweep_report_plots_the_objective_against_lr(sweep):
+    png = sweep.dir / "objective_vs_optim.lr.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    assert not (sweep.dir / "scaling.png").exists()  # equal world sizes: no scaling plot
+    md = (sweep.dir / "report.md").read_text()
+    assert "![objective_vs_optim.lr](objective_vs_optim.lr.png)" in md and "best trial: optim.lr=" in md
+    assert "| optim.lr |" in md and "scaling eff." not in md
+    again = run_loom("report", str(sweep.dir), root=sweep.root)  # `loom report <sweep dir>` says the same
+    assert again.rc == 0 and "best trial: optim.lr=" in again.out and f"plot: {png}" in again.out
+
+
+def test_report_of_run_dirs_goes_to_the_current_directory(sweep, tmp_path):
+    a, b = (t["run_dir"] for t in sweep.manifest["trials"])
+    r = run_loom("report", a, b, root=tmp_path)  # cwd: tmp_path
+    assert r.rc == 0, r.out + r.err
+    assert (tmp_path / "report.md").is_file() and f"report: {tmp_path / 'report.md'}" in r.out
+    assert not (Path(a).parent / "report.md").read_text().startswith("# Comparison")
+
+
+def test_report_says_why_a_run_failed(sweep, tmp_path):
+    """summary.json `error` (written by the worker when it fails) is the report's "why it failed"."""
+    run = tmp_path / "failed-run"
+    shutil.copytree(sweep.manifest["trials"][0]["run_dir"], run)
+    s = json.loads((run / "summary.json").read_text())
+    s.update(status="failed", error={"type": "TypeError", "message": "unexpected keyword argument 'widht'",
+                                     "rank": 0, "step": 0, "log": str(run / "logs" / "rank-0.log")})
+    (run / "summary.json").write_text(json.dumps(s))
+    r = run_loom("report", str(run), root=tmp_path)
+    why = f"TypeError: unexpected keyword argument 'widht' (rank 0, step 0); full traceback: {run}/logs/rank-0.log"
+    assert r.rc == 0 and f"| why it failed | {why} |" in (run / "report.md").read_text()
+    assert "why it failed" in r.out and "TypeError" in r.out
+
+
+def test_validation_is_logged_at_the_last_step_and_in_the_summary(sweep):
+    (t, *_) = sweep.manifest["trials"]
+    run_dir = Path(t["run_dir"])
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["validation"]["step"] == s["global_step"] == STEPS
+    import csv
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        val_rows = [row for row in csv.DictReader(f) if row.get("val/loss")]
+    assert [int(row["step"]) for row in val_rows] == [STEPS]  # not STEPS - 1
+    assert s["validation"]["loss"] == pytest.approx(float(val_rows[0]["val/loss"]))
+    assert f"validation          │ loss {s['validation']['loss']:.4f} at step {STEPS}" in sweep.r.out
+    md = (run_dir / "report.md").read_text()
+    assert f"| validation | loss {s['validation']['loss']:.4f} at step {STEPS} |" in md
+    assert "| model | gpt_tiny, " in md and " parameters |" in md and "| dataset | tinycode |" in md
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> SimpleNamespace:
+    """A classifier run, then a copy of it marked as killed after its step-4 checkpoint (no
+    summary first_loss: the launcher's failure summary has none), resumed by the same command."""
+    root = tmp_path_factory.mktemp("digits")
+    r = run_loom(*DIGITS, root=root, timeout=200)
+    assert r.rc == 0, r.out + r.err
+    root2 = root.parent / (root.name + "-resume")
+    copy = root2 / r.run_dir.relative_to(root)
+    shutil.copytree(r.run_dir, copy, symlinks=True)
+    shutil.rmtree(copy / "final")
+    summary = json.loads((copy / "summary.json").read_text())
+    summary.update(status="failed", first_loss=None, validation=None)
+    (copy / "summary.json").write_text(json.dumps(summary))
+    resumed = run_loom(*DIGITS, root=root2, timeout=200)
+    assert resumed.rc == 0 and resumed.run_dir == copy, resumed.out + resumed.err
+    return SimpleNamespace(r=r, resumed=resumed)
+
+
+def test_a_classifier_reports_samples_per_second_and_no_tokens(digits):
+    r = digits.r
+    s = r.summary()
+    assert s["throughput"]["tokens_per_sec"] is None and s["throughput"]["samples_per_sec"] > 0
+    assert "tokens/s" not in r.out and "tok/s" not in r.out
+    assert re.search(r"^step 5/5 .* samples/s ", r.out, re.M)
+    assert set(s["validation"]) == {"loss", "acc", "step"} and 0 <= s["validation"]["acc"] <= 1
+    assert re.search(r"validation +│ loss \d\.\d{4}, acc \d\.\d{4} at step 5", r.out)
+    assert re.search(r"^dataset digits: .*1,438 train / 359 val samples", r.out, re.M)
+    report = run_loom("report", str(r.run_dir), root=r.run_dir.parent)
+    md = (r.run_dir / "report.md").read_text()
+    assert report.rc == 0 and "| samples/s |" in md and "tokens/s" not in md and "| tokens |" not in md
+    assert "| model | mlp, " in md
+
+
+def test_first_loss_on_resume_is_the_runs_not_the_resumed_parts(digits):
+    first = digits.r.summary()["first_loss"]
+    s = digits.resumed.summary()
+    assert s["resumed_from_step"] == 4 and s["first_loss"] == pytest.approx(first)
+    assert s["first_loss"] == pytest.approx(digits.r.losses()[1])
+    assert s["validation"]["step"] == 5
+
+
+def _corpus(tmp_path: Path) -> str:
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    return f"dataset.paths=[{tmp_path}/*.txt]"
+
+
+def test_three_text_files_warn_of_an_empty_validation_split(tmp_path):
+    r = run_loom("train", "dataset=text_files", _corpus(tmp_path), "strategy=single", "tracking=csv",
+                 "trainer.max_steps=1", "dataset.seq_len=32", "dataset.batch_size=4", root=tmp_path, timeout=200)
+    assert r.rc == 0, r.out + r.err
+    assert re.search(r"^dataset text_files: 3 file\(s\) from .*, 8,\d{3} tokens -> \d+ train / 0 val windows", r.out,
+                     re.M), r.out
+    assert "warning: dataset=text_files: the validation split is empty (dataset.val_every=20" in r.out
+    assert r.summary()["validation"] is None and "validation          │ none" in r.out
+
+
+def test_periodic_validation_over_an_empty_split_is_refused(loom, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    err = refused_fast(loom, tmp_path, "dataset=text_files", _corpus(corpus), "trainer.val_every_n_steps=5")
+    assert "trainer.val_every_n_steps=5" in err and "validation split is empty" in err
+    assert "dataset.val_every" in err
