@@ -16,7 +16,7 @@ from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.plan import Plan
 from loom.rundir.config_file import frozen_container, frozen_yaml
-from loom.rundir.summary import read_summary
+from loom.rundir.extension import extend, is_completed, max_steps_only
 
 # Keys that do not change what a run computes: changing them resumes the same run.
 # Activation checkpointing recomputes the same values, async checkpoints write the same bytes,
@@ -35,6 +35,9 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
         for part in parent.split(".") if parent else []:
             node = node.get(part, {})
         node.pop(leaf, None)
+    for key in ("init_from", "init_from_fingerprint"):  # null: as frozen before the key existed
+        if key in data.get("model", {}) and data["model"][key] is None:
+            data["model"].pop(key)
     return data
 
 
@@ -71,6 +74,7 @@ class Frozen:
     run_dir: Path
     run_id: str
     state: str  # "new" | "resume" | "completed"
+    message: str | None = None  # what the launcher says instead of "Resuming run X" (an extension)
 
 
 def run_dir_of(cfg: DictConfig, rid: str) -> Path:
@@ -90,6 +94,8 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
         diff = config_diff(identity(old), identity(cfg))
+        if diff and max_steps_only(diff):
+            return Frozen(run_dir, rid, "resume", extend(old, cfg, plan.to_dict(), run_dir))
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -97,9 +103,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
                 f"{'; '.join(diff)}. "
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
-        summary = read_summary(run_dir)
-        state = "completed" if summary and summary.get("status") == "completed" else "resume"
-        return Frozen(run_dir, rid, state)
+        return Frozen(run_dir, rid, "completed" if is_completed(run_dir, cfg) else "resume")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Every node of a multi-node run freezes the same run dir at about the same time: each

@@ -72,8 +72,8 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
         from loom.launch.slurm import submit
 
         return submit(cfg, frozen.run_dir, dry_run), frozen.run_dir, None
-    print(f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} in {frozen.run_dir}",
-          flush=True)
+    print(frozen.message or f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} "
+          f"in {frozen.run_dir}", flush=True)
     mark = summary_mark(frozen.run_dir)  # did rank 0 write summary.json during this launch?
     rc = launch(cfg, strategies.layout_of(cfg), frozen.run_dir)
     return finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None
