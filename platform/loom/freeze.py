@@ -86,6 +86,7 @@ def run_dir_of(cfg: DictConfig, rid: str) -> Path:
 def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     """Create the run dir and write config.yaml + plan.json once; an existing run is resumed
     (same config) or refused (a different config under the same run.id)."""
+    auto_id = not cfg.run.id
     rid = run_id(cfg)
     cfg = copy.deepcopy(cfg)
     cfg.run.id = rid
@@ -116,4 +117,22 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
             f"Invalid config: run.root={cfg.run.root!r}: cannot create the run dir {run_dir} ({e.strerror}). "
             "Choose a writable run.root."
         ) from None
-    return Frozen(run_dir, rid, "new")
+    note = continuable_sibling(run_dir, cfg) if auto_id else None
+    return Frozen(run_dir, rid, "new", f"Starting run {rid} in {run_dir}\n{note}" if note else None)
+
+
+def continuable_sibling(run_dir: Path, cfg: DictConfig, limit: int = 200) -> str | None:
+    """An automatic run id covers trainer.max_steps, so a raised max_steps without run.id is a
+    new run: a note naming a run beside it that this command could continue instead."""
+    mine = identity(cfg)
+    for path in sorted(run_dir.parent.glob("*/config.yaml"))[:limit]:
+        if path.parent == run_dir:
+            continue
+        try:
+            old = OmegaConf.load(path)
+            if max_steps_only(config_diff(identity(old), mine)) and old.trainer.max_steps < cfg.trainer.max_steps:
+                return (f"note: run {path.parent.name} has this config with trainer.max_steps="
+                        f"{old.trainer.max_steps}; to continue it instead of starting over: run.id={path.parent.name}")
+        except Exception:  # a damaged or foreign config.yaml: not a candidate
+            continue
+    return None
