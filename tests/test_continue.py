@@ -163,3 +163,35 @@ def test_a_completed_run_without_a_checkpoint_points_to_init_from(tmp_path):
     with pytest.raises(ConfigError, match=f"model.init_from={frozen.run_dir}"):
         freeze(cfg, make_plan(cfg))
     assert Path(frozen.run_dir / "config.yaml").read_text().count(f"max_steps: {N}\n") == 1
+
+
+def test_expected_shapes_are_the_modules_state_dicts():
+    from omegaconf import OmegaConf
+
+    from loom.models.gpt import GPT
+    from loom.models.init_from import gpt_shapes, mlp_shapes
+    from loom.models.mlp import MLPClassifier
+
+    def shapes(module: torch.nn.Module) -> dict:
+        return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+    gpt = {"n_layer": 2, "n_head": 4, "d_model": 32, "vocab_size": 50, "block_size": 16}
+    assert gpt_shapes(OmegaConf.create(gpt)) == shapes(GPT(**gpt))
+    mlp = {"in_features": 64, "hidden": [16, 8], "num_classes": 10}
+    assert mlp_shapes(OmegaConf.create(mlp)) == shapes(MLPClassifier(**mlp))
+
+
+def test_a_custom_module_is_checked_against_its_meta_build(tmp_path):
+    from safetensors.torch import save_file
+    from tests_helpers import TinyTokenNet
+
+    from loom.errors import ConfigError
+    from loom.pipeline import resolve
+
+    path = tmp_path / "net.safetensors"
+    save_file(TinyTokenNet(width=32).state_dict(), str(path))
+    args = ["model=custom", "model.module._target_=tests_helpers.TinyTokenNet", "security.allow_targets=[tests_helpers.]",
+            "dataset=synthetic", f"model.init_from={path}"]
+    assert resolve([*args, "+model.module.width=32"]).model.init_from == str(path)
+    with pytest.raises(ConfigError, match=r"out.weight \[256, 32\] in the file, \[256, 16\] in the model"):
+        resolve([*args, "+model.module.width=16"])
