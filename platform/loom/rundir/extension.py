@@ -63,9 +63,10 @@ def extend(old: DictConfig, cfg: DictConfig, plan: dict[str, Any], run_dir: Path
             "run.id=<new id>."
         )
     old_plan = _read_json(run_dir / "plan.json")
-    plan = {**plan,
-            "extended_from_steps": [*old_plan.get("extended_from_steps", []), before],
-            "extended_at_steps": [*old_plan.get("extended_at_steps", []), step or 0]}
+    totals, ats = old_plan.get("extended_from_steps", []), old_plan.get("extended_at_steps", [])
+    if not (totals and totals[-1] == before and ats and ats[-1] == (step or 0)):  # not twice (multi-node)
+        totals, ats = [*totals, before], [*ats, step or 0]
+    plan = {**plan, "extended_from_steps": totals, "extended_at_steps": ats}
     atomic_write_text(run_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
     atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
     what = "Continuing completed run" if completed else "Resuming run"
