@@ -16,7 +16,7 @@ from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.plan import Plan
 from loom.rundir.config_file import frozen_container, frozen_yaml
-from loom.rundir.summary import read_summary
+from loom.rundir.extension import extend, is_completed, max_steps_only
 
 # Keys that do not change what a run computes: changing them resumes the same run.
 # Activation checkpointing recomputes the same values, async checkpoints write the same bytes,
@@ -35,6 +35,9 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
         for part in parent.split(".") if parent else []:
             node = node.get(part, {})
         node.pop(leaf, None)
+    for key in ("init_from", "init_from_fingerprint"):  # null: as frozen before the key existed
+        if key in data.get("model", {}) and data["model"][key] is None:
+            data["model"].pop(key)
     return data
 
 
@@ -108,6 +111,7 @@ class Frozen:
     run_dir: Path
     run_id: str
     state: str  # "new" | "resume" | "completed"
+    message: str | None = None  # what the launcher says instead of "Resuming run X" (an extension)
 
 
 def run_dir_of(cfg: DictConfig, rid: str) -> Path:
@@ -121,6 +125,7 @@ def run_dir_of(cfg: DictConfig, rid: str) -> Path:
 def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     """Create the run dir and write config.yaml + plan.json once; an existing run is resumed
     (same config) or refused (a different config under the same run.id)."""
+    auto_id = not cfg.run.id
     inputs = input_fingerprints(cfg)
     rid = run_id(cfg, inputs)
     cfg = copy.deepcopy(cfg)
@@ -130,6 +135,9 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
         diff = config_diff(identity(old), identity(cfg)) + inputs_diff(run_dir, inputs)
+        if diff and max_steps_only(diff):
+            record = {**plan.to_dict(), "inputs": inputs}
+            return Frozen(run_dir, rid, "resume", extend(old, cfg, record, run_dir))
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -137,9 +145,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
                 f"{'; '.join(diff)}. "
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
-        summary = read_summary(run_dir)
-        state = "completed" if summary and summary.get("status") == "completed" else "resume"
-        return Frozen(run_dir, rid, state)
+        return Frozen(run_dir, rid, "completed" if is_completed(run_dir, cfg) else "resume")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Every node of a multi-node run freezes the same run dir at about the same time: each
@@ -153,4 +159,22 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
             f"Invalid config: run.root={cfg.run.root!r}: cannot create the run dir {run_dir} ({e.strerror}). "
             "Choose a writable run.root."
         ) from None
-    return Frozen(run_dir, rid, "new")
+    note = continuable_sibling(run_dir, cfg) if auto_id else None
+    return Frozen(run_dir, rid, "new", f"Starting run {rid} in {run_dir}\n{note}" if note else None)
+
+
+def continuable_sibling(run_dir: Path, cfg: DictConfig, limit: int = 200) -> str | None:
+    """An automatic run id covers trainer.max_steps, so a raised max_steps without run.id is a
+    new run: a note naming a run beside it that this command could continue instead."""
+    mine = identity(cfg)
+    for path in sorted(run_dir.parent.glob("*/config.yaml"))[:limit]:
+        if path.parent == run_dir:
+            continue
+        try:
+            old = OmegaConf.load(path)
+            if max_steps_only(config_diff(identity(old), mine)) and old.trainer.max_steps < cfg.trainer.max_steps:
+                return (f"note: run {path.parent.name} has this config with trainer.max_steps="
+                        f"{old.trainer.max_steps}; to continue it instead of starting over: run.id={path.parent.name}")
+        except Exception:  # a damaged or foreign config.yaml: not a candidate
+            continue
+    return None

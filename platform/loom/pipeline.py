@@ -85,8 +85,8 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
             print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\nNothing to do.")
             return EXIT_OK, frozen.run_dir, None
         _check_newest_checkpoint(frozen.run_dir)
-        print(f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} in {frozen.run_dir}",
-              flush=True)
+        print(frozen.message or f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} "
+              f"in {frozen.run_dir}", flush=True)
         mark = launch_mark(frozen.run_dir)  # what rank 0 and failing ranks write during this launch
         rc = launch(cfg, strategies.layout_of(cfg), frozen.run_dir)
         return finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None

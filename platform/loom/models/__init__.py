@@ -13,11 +13,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
+from loom.models import init_from
 from loom.models.registry import MODELS
 from loom.models.spec import ModelSpec
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items()}
-
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
@@ -27,10 +27,12 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
 
 def normalize(cfg: DictConfig) -> None:
     MODELS[cfg.model.name].normalize(cfg)
+    init_from.normalize(cfg)
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     MODELS[cfg.model.name].check(cfg, layout)
+    init_from.check(cfg)  # the source's tensors against the model's, before launch
 
 
 def build_module(cfg: DictConfig) -> Any:

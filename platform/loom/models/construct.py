@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from loom.models.init import initialize, materialize, params_on_meta
+from loom.models.init import FileInit, initialize, materialize, params_on_meta
 
 log = logging.getLogger("loom")
 
@@ -46,6 +46,9 @@ def _construct(module: Any, strategy: Any | None) -> str:
     with _outside_zero_init(zero3), params_on_meta():
         meta_model = module.build_model()
     init, why_not = module.initializer(meta_model)
+    source = getattr(module, "init_source", None)
+    if source is not None:  # model.init_from: the file's weights instead of a fresh init
+        init, why_not = _file_init(module, str(source)), None
     if zero3:
         model = module.build_model()  # inside zero.Init (Lightning's model_sharded_context)
         how = "built under deepspeed.zero.Init (partitioned per module)"
@@ -55,6 +58,8 @@ def _construct(module: Any, strategy: Any | None) -> str:
     else:
         model = meta_model
         how = f"built on the meta device, materialized shard by shard on {device.type}"
+    if source is not None:
+        how += f", weights from model.init_from={source}"
     module.model = model
     with _outside_zero_init(zero3):  # the wrapper holds no parameters; zero.Init's hooks break it
         _activation_checkpointing(module, model)
@@ -68,6 +73,17 @@ def _construct(module: Any, strategy: Any | None) -> str:
         elif zero3:
             initialize(model, init, device)
     return how
+
+
+def _file_init(module: Any, path: str) -> FileInit:
+    """A FileInit for `path`; Loom's GPT also accepts older separate attn.q/k/v weights."""
+    from functools import partial
+
+    from loom.models.gpt import fuse_qkv
+
+    m = module.cfg.model
+    head_dim = int(m.d_model) // int(m.n_head) if "d_model" in m and "n_head" in m else None
+    return FileInit(path, partial(fuse_qkv, head_dim=head_dim) if head_dim else None)
 
 
 @contextmanager

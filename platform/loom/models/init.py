@@ -225,3 +225,44 @@ def _write_zero3_partition(p: torch.Tensor, init: NamedInit, name: str) -> None:
     if valid:
         init.fill_flat(flat[:valid], name, tuple(p.ds_shape), start)
     flat[valid:].zero_()
+
+
+class FileInit(NamedInit):
+    """`model.init_from`: each parameter's value read from a safetensors file by name, cast to
+    the parameter's dtype on copy (an export in bf16 loads into fp32 parameters). The last
+    tensor read is kept, as a rank fills its shard of one parameter in several calls. Separate
+    `attn.q/k/v` entries of older GPT weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v)
+    when given (loom.models.gpt's)."""
+
+    def __init__(self, path: str, fuse_qkv: Callable[..., torch.Tensor] | None = None) -> None:
+        from safetensors import safe_open
+
+        super().__init__(0, lambda name, shape: ("zeros", 0.0))
+        self.path, self.fuse_qkv = path, fuse_qkv
+        self._file = safe_open(path, framework="pt", device="cpu")
+        self._keys = set(self._file.keys())
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def _tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self._read(name))
+        t = self._last[1]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"model.init_from={self.path}: {name} has shape {list(t.shape)}, "
+                             f"the model's is {list(shape)}")
+        return t
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name in self._keys:
+            return self._file.get_tensor(name)
+        prefix, _, kind = name.rpartition(".qkv.")
+        parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
+        if self.fuse_qkv is not None and prefix and all(p in self._keys for p in parts):
+            return self.fuse_qkv(*(self._file.get_tensor(p) for p in parts))
+        raise KeyError(f"model.init_from={self.path} has no tensor {name}")
+
+    def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
+        dest.copy_(self._tensor(name, shape).reshape(-1)[start:start + dest.numel()])
+
+    def full_value(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return self._tensor(name, shape).to(device=device)

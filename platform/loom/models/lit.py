@@ -18,7 +18,7 @@ from torch import nn
 
 from loom.models.gpt import GPT, Block
 from loom.models.init import NamedInit, ResetParametersInit, gpt_rule, meta_capable, std_rule
-from loom.optim.build import build_optimizer
+from loom.optim.build import build_optimizer, sync_schedule
 
 
 class LoomModule(pl.LightningModule):
@@ -75,6 +75,12 @@ class LoomModule(pl.LightningModule):
     def configure_optimizers(self):
         return build_optimizer(list(self.model.named_parameters()), self.optim_cfg, self.max_steps)
 
+    def on_train_start(self) -> None:
+        """Resumed with a raised trainer.max_steps, the restored learning rate is the old
+        schedule's: set the schedule's value for this step now (identical on a plain resume)."""
+        for config in self.trainer.lr_scheduler_configs:
+            sync_schedule(config.scheduler)
+
 
 def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
@@ -94,7 +100,8 @@ class CausalLMModule(LoomModule):
 
     def build_model(self) -> nn.Module:
         m = OmegaConf.to_container(self.cfg.model)
-        m.pop("name")
+        for key in ("name", "init_from", "init_from_fingerprint"):
+            m.pop(key, None)
         return GPT(**m)
 
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:

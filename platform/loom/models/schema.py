@@ -15,6 +15,8 @@ class GPTModelConfig:
     vocab_size: int = 256
     block_size: int = 256
     dropout: float = 0.0
+    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
+    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
 
 
 @dataclass
@@ -24,6 +26,8 @@ class MLPModelConfig:
     hidden: list[int] = field(default_factory=lambda: [128, 128])
     num_classes: int | None = None    # null: from the dataset (digits: 10)
     dropout: float = 0.0
+    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
+    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
 
 
 @dataclass
@@ -33,6 +37,8 @@ class HFCausalLMModelConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # set on the AutoConfig, e.g. {n_layer: 2}
     vocab_size: int | None = None     # null: the config's
     random_init: bool = False         # false: load the weights when they are local, else random
+    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
+    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
 
 
 @dataclass
@@ -41,6 +47,8 @@ class CustomModelConfig:
     # `_target_` (+ its keyword arguments): a LightningModule, or an nn.Module trained with `loss`
     module: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
+    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
+    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
 
 
 # Loom's GPT family: one schema, several sizes (conf/model/gpt_*.yaml).

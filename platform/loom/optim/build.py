@@ -63,3 +63,22 @@ def build_optimizer(
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def sync_schedule(sched: Any) -> None:
+    """Set each group's learning rate to the schedule's value at its current step.
+
+    LambdaLR checkpoints its step but not its function (a closure over max_steps), so a run
+    resumed with a raised `trainer.max_steps` follows the schedule recomputed for the new
+    total from the resume step on; only the restored learning rate, set by the old schedule
+    at the last step, is the old one, and this replaces it. Steps before the resume point
+    followed the old schedule (plan.json `extended_from_steps` says so)."""
+    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        return
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+        lr = base * fn(sched.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]

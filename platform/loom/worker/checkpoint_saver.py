@@ -127,7 +127,8 @@ class Checkpointing(pl.Callback):
             self.finish_pending(trainer)
             self.preempted = True
             trainer.should_stop = True
-        elif self.every and step % self.every == 0:
+        elif self.every and (step % self.every == 0 or step >= trainer.max_steps):
+            # and at the last step: a completed run can be continued (a raised trainer.max_steps)
             self.save(trainer, step)
 
     def save(self, trainer: pl.Trainer, step: int) -> Path:

@@ -37,7 +37,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     from loom.worker.gc_control import GarbageCollection, TrainTimeout
 
     progress = progress or Progress()
-    plan = Plan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    frozen_plan = json.loads((run_dir / "plan.json").read_text())
+    plan = Plan.from_dict(frozen_plan)
     # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
     # smaller than the profile's devices x num_nodes.
     formed = os.environ.get("WORLD_SIZE")
@@ -51,6 +52,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         datamodule = data.build_datamodule(cfg, layout, rank)
         progress.phase = "building the model"
         module = models.build_module(cfg)
+        if resume is None and cfg.model.get("init_from"):  # a resume restores the checkpoint's weights
+            module.init_source = cfg.model.init_from
         spec = models.model_spec(cfg)
         recorder = Recorder(
             log_every=cfg.trainer.log_every_n_steps,
@@ -69,6 +72,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
 
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
         run.summary["resumed_from_step"] = checkpoints.step_of(resume)
+        run.summary["init_from"] = cfg.model.get("init_from")
+        run.summary["extended_from_steps"] = frozen_plan.get("extended_from_steps")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume) if resume else None,
                         weights_only=True if resume and resume.is_file() else None)

@@ -1,0 +1,191 @@
+"""`model.init_from=<run dir | .safetensors file>`: a new run that starts from existing weights.
+
+In the launcher (torch-free for Loom's own models): the source is resolved (a run dir means its
+`final/model.safetensors`), frozen as an absolute path with a fingerprint of the file (size and
+modification time, `model.init_from_fingerprint`, part of the run's identity: another source,
+or the same file rewritten, is another run), and its tensors' names and shapes, read from the
+safetensors header (8 bytes little-endian length + JSON), are compared with the model's before
+anything is launched. GPT and MLP shapes are written out from the config; an `hf_causal_lm` or a
+custom nn.Module class is built on the meta device for its shapes (this imports torch).
+
+In the worker the weights go in through the same path as a fresh initialization
+(`loom.models.init.FileInit`, a `NamedInit` that reads the file), so every strategy that
+materializes by name (single, ddp, fsdp, fsdp_tp, zero1-3) loads them, each rank writing only
+its own shards and never holding more than one full tensor of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.errors import ConfigError
+from loom.errors import fail as _fail
+from loom.models.schema import GPT_SIZES
+
+FINAL = Path("final") / "model.safetensors"
+Shapes = dict[str, tuple[int, ...]]
+MAX_LISTED = 8  # tensors named per kind of mismatch in the refusal
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}}, no metadata."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise ValueError(f"header length {n} is not plausible")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def source_file(value: str) -> Path:
+    """The safetensors file `model.init_from` names (a run dir: its final weights)."""
+    p = Path(value).expanduser().resolve()
+    if p.is_dir():
+        if (p / FINAL).is_file():
+            return p / FINAL
+        _fail("model.init_from", value,
+              f"is a directory without {FINAL} (a run dir has it once the run completed); "
+              "name a completed run dir or a .safetensors file")
+    if not p.is_file():
+        _fail("model.init_from", value, "does not exist; name a completed run dir or a .safetensors file")
+    return p
+
+
+def fingerprint(path: Path) -> str:
+    st = path.stat()
+    return f"size={st.st_size},mtime_ns={st.st_mtime_ns}"
+
+
+def normalize(cfg: DictConfig) -> None:
+    """Freeze the resolved file and its fingerprint (the run's identity covers both)."""
+    m = cfg.model
+    if not m.get("init_from"):
+        return
+    path = source_file(str(m.init_from))
+    m.init_from = str(path)
+    m.init_from_fingerprint = fingerprint(path)
+
+
+def gpt_shapes(m: DictConfig) -> Shapes:
+    """loom.models.gpt's state_dict, from the config (a test checks it against the module)."""
+    d, V, T = int(m.d_model), int(m.vocab_size), int(m.block_size)
+    out: Shapes = {"wte.weight": (V, d), "wpe.weight": (T, d)}
+    for i in range(int(m.n_layer)):
+        b = f"blocks.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[f"{b}{ln}.weight"], out[f"{b}{ln}.bias"] = (d,), (d,)
+        out |= {f"{b}attn.qkv.weight": (3 * d, d), f"{b}attn.qkv.bias": (3 * d,),
+                f"{b}attn.proj.weight": (d, d), f"{b}attn.proj.bias": (d,),
+                f"{b}mlp.fc.weight": (4 * d, d), f"{b}mlp.fc.bias": (4 * d,),
+                f"{b}mlp.proj.weight": (d, 4 * d), f"{b}mlp.proj.bias": (d,)}
+    return out | {"ln_f.weight": (d,), "ln_f.bias": (d,), "lm_head.weight": (V, d)}
+
+
+def mlp_shapes(m: DictConfig) -> Shapes:
+    """loom.models.mlp: Sequential(Flatten, [Linear, GELU, Dropout] per hidden layer, Linear)."""
+    widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
+    out: Shapes = {}
+    for j, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
+        out[f"layers.{1 + 3 * j}.weight"], out[f"layers.{1 + 3 * j}.bias"] = (b, a), (b,)
+    return out
+
+
+def meta_shapes(cfg: DictConfig) -> Shapes:
+    """An hf_causal_lm or custom nn.Module class, built on the meta device (imports torch)."""
+    import torch
+
+    with torch.device("meta"):
+        if cfg.model.name == "hf_causal_lm":
+            from transformers import AutoModelForCausalLM
+
+            from loom.models import hf
+
+            model = AutoModelForCausalLM.from_config(hf.auto_config(cfg.model))
+        else:
+            from loom.models.custom import instantiate
+
+            model = instantiate(cfg.model.module)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def expected_shapes(cfg: DictConfig) -> Shapes:
+    name = cfg.model.name
+    if name in GPT_SIZES:
+        return gpt_shapes(cfg.model)
+    if name == "mlp":
+        return mlp_shapes(cfg.model)
+    if name == "custom":
+        from loom.models import custom
+
+        target = cfg.model.module.get("_target_")
+        kind = custom.kind_of(custom.locate(str(target)))
+        if kind != "module":
+            _fail("model.init_from", cfg.model.init_from,
+                  f"needs a model Loom builds; model.module._target_={target} is a {kind}, which "
+                  "builds its own weights: load them in it, or wrap an nn.Module class instead")
+    return meta_shapes(cfg)
+
+
+def file_shapes(path: Path) -> Shapes:
+    """Names and shapes in the file; older GPT weights' separate attn.q/k/v count as the fused
+    attn.qkv they load as (loom.models.gpt)."""
+    try:
+        header = read_header(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"Invalid config: model.init_from={str(path)!r}: not a readable safetensors "
+                          f"file ({e}).") from None
+    shapes = {k: tuple(v["shape"]) for k, v in header.items()}
+    for k in [k for k in shapes if k.endswith(".attn.q.weight") or k.endswith(".attn.q.bias")]:
+        prefix, kind = k.rsplit(".q.", 1)
+        parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
+        if all(p in shapes for p in parts) and f"{prefix}.qkv.{kind}" not in shapes:
+            q = shapes[parts[0]]
+            for p in parts:
+                shapes.pop(p)
+            shapes[f"{prefix}.qkv.{kind}"] = (3 * q[0], *q[1:])
+    return shapes
+
+
+def mismatches(expected: Shapes, found: Shapes) -> list[str]:
+    """One phrase per kind of mismatch, naming up to MAX_LISTED tensors each."""
+
+    def listed(items: list[str]) -> str:
+        more = f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+        return ", ".join(items[:MAX_LISTED]) + more
+
+    shape = [f"{k} {list(found[k])} in the file, {list(v)} in the model"
+             for k, v in expected.items() if k in found and tuple(found[k]) != tuple(v)]
+    missing = [k for k in expected if k not in found]
+    extra = [k for k in found if k not in expected]
+    out = []
+    if shape:
+        out.append(f"{len(shape)} shape mismatch(es): {listed(shape)}")
+    if missing:
+        out.append(f"{len(missing)} tensor(s) missing from the file: {listed(missing)}")
+    if extra:
+        out.append(f"{len(extra)} tensor(s) the model does not have: {listed(extra)}")
+    return out
+
+
+def check(cfg: DictConfig) -> None:
+    """Refuse (exit 2) a source whose tensors do not fit the configured model, before launch."""
+    m = cfg.model
+    if not m.get("init_from"):
+        return
+    path = Path(str(m.init_from))
+    problems = mismatches(expected_shapes(cfg), file_shapes(path))
+    if problems:
+        raise ConfigError(
+            f"Invalid config: model.init_from={str(path)!r} does not fit model={m.name}: "
+            f"{'; '.join(problems)}. Start from weights of the same architecture, or change the "
+            "model overrides to match the source run's config.yaml."
+        )
