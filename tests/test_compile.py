@@ -37,7 +37,7 @@ def test_compile_keeps_parameter_and_state_dict_names():
         built[flag] = module.model
     eager, compiled = built["false"], built["true"]
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(compiled.state_dict().values(), eager.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(compiled.state_dict().values(), eager.state_dict().values(), strict=True))
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     assert hasattr(compiled.forward, "_torchdynamo_orig_callable")
     assert not hasattr(eager.forward, "_torchdynamo_orig_callable")

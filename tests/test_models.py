@@ -206,13 +206,13 @@ def test_fused_qkv_computes_the_separate_projections_and_loads_their_weights():
     fused = CausalSelfAttention(d, H, 0.0)
     assert [n for n, _ in fused.named_parameters()] == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
     # weights saved with separate q/k/v (older Loom) load into the fused layout
-    old = {f"{n}.{a}": getattr(lin, a).detach() for n, lin in zip("qkv", (q, k, v)) for a in ("weight", "bias")}
+    old = {f"{n}.{a}": getattr(lin, a).detach() for n, lin in zip("qkv", (q, k, v), strict=True) for a in ("weight", "bias")}
     fused.load_state_dict({**old, "proj.weight": proj.weight.detach(), "proj.bias": proj.bias.detach()})
     x = torch.randn(2, 8, d)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), _attention_by_parts(x, q, k, v, proj, d // H))
     parts = split_qkv(fused.qkv.weight.detach(), d // H)
-    assert all(torch.equal(p, lin.weight) for p, lin in zip(parts, (q, k, v)))
+    assert all(torch.equal(p, lin.weight) for p, lin in zip(parts, (q, k, v), strict=True))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
