@@ -105,3 +105,51 @@ def test_sgd_with_momentum_trains(tmp_path):
     mem = r.summary()["memory"]
     # one fp32 momentum buffer per parameter: as many state bytes as parameter bytes
     assert mem["optim_state_bytes_per_rank"] == mem["param_bytes_per_rank"]
+
+
+class _Regression(__import__("loom.models.lit", fromlist=["LoomModule"]).LoomModule):
+    """A LoomModule on a toy regression: Loom's optimizer, clipping and precision hooks."""
+
+    def _loss(self, batch):
+        x, y = batch
+        return (self.model(x).float() - y).pow(2).mean() * 1e3  # large gradients: clipping must act
+
+
+def test_clipping_with_bf16_autocast_and_fused_adamw(tmp_path):
+    """Lightning's autocast plugin refuses to clip for a fused optimizer (a guard for fp16's loss
+    scaler). bf16 has no scaler: Loom clips the true gradients and keeps the fused kernel.
+    (fp16 autocast does not exist on CPU: Lightning turns it into bf16.)"""
+    import pytorch_lightning as pl
+
+    optim = OmegaConf.merge(_optim("adamw"), {"warmup_steps": 0, "min_lr_ratio": 1.0})
+    cfg = OmegaConf.create({"seed": 0, "optim": optim, "trainer": {"max_steps": 3}})
+    module = _Regression(cfg, lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)))
+    norms: list[float] = []
+    clip = 0.01
+
+    class Norms(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            opt = trainer.optimizers[0]
+            assert opt.defaults["fused"] is True
+
+            def record(optimizer, args, kwargs):
+                grads = [p.grad.float() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+            opt.register_step_post_hook(record)  # Lightning runs the closure (backward) in step
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", gradient_clip_val=clip, max_steps=3,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[Norms()])
+    trainer.fit(module, data)
+    assert len(norms) == 3 and all(n <= clip * 1.01 for n in norms), norms
+
+
+def test_fp16_loss_scaling_with_clipping_keeps_auto_off_fused():
+    """A fused optimizer unscales fp16 gradients inside its step, after clipping saw them scaled."""
+    from loom.optim.build import use_fused
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    assert use_fused("auto", params) and not use_fused("auto", params, scaled_clipping=True)
+    assert use_fused(True, params, scaled_clipping=True)  # as asked (validation refuses it with fp16 + clip)

@@ -73,7 +73,25 @@ class LoomModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return build_optimizer(list(self.model.named_parameters()), self.optim_cfg, self.max_steps)
+        trainer = self._trainer
+        scaled_clipping = bool(trainer and trainer.precision == "16-mixed" and trainer.gradient_clip_val)
+        return build_optimizer(list(self.model.named_parameters()), self.optim_cfg, self.max_steps,
+                               scaled_clipping)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's autocast plugin refuses to clip for any optimizer that unscales inside its
+        step (fused AdamW), a guard written for fp16's loss scaler. bf16 autocast has no scaler:
+        the gradients are already true, so clip them as the 32-bit path does (the strategy's own
+        clip_grad_by_norm included). fp16 with clipping never gets a fused optimizer (optim.build)."""
+        from pytorch_lightning.plugins.precision import Precision
+        from pytorch_lightning.utilities import GradClipAlgorithmType
+
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and getattr(plugin, "scaler", False) is None:
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_train_start(self) -> None:
         """Resumed with a raised trainer.max_steps, the restored learning rate is the old

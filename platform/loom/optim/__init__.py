@@ -55,6 +55,10 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     require(isinstance(o.fused, bool) or o.fused == "auto", "optim.fused", o.fused,
             "valid choices: auto, true, false (auto: torch's fused kernel where it has one)")
+    require(not (o.fused is True and cfg.hardware.precision == "16-mixed" and cfg.trainer.gradient_clip_val),
+            "optim.fused", o.fused, "a fused optimizer unscales fp16 gradients inside its step, after "
+            "gradient clipping would see them still scaled: use optim.fused=auto (foreach here), "
+            "hardware.precision=bf16-mixed, or ~trainer.gradient_clip_val")
     require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be between 0 and 1")

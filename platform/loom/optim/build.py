@@ -23,10 +23,16 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def use_fused(setting: Any, params: list[torch.Tensor]) -> bool:
+def use_fused(setting: Any, params: list[torch.Tensor], scaled_clipping: bool = False) -> bool:
     """`optim.fused`: true/false as given; auto: fused wherever torch supports it. (torch's own
-    default stays on foreach, and never picks fused for DTensors, which fused handles.)"""
-    return fused_supported(params) if setting == "auto" else bool(setting)
+    default stays on foreach, and never picks fused for DTensors, which fused handles.)
+
+    `scaled_clipping`: fp16 with a loss scaler and gradient clipping. A fused optimizer unscales
+    the gradients inside its step, after clipping would have seen them still scaled, so auto
+    stays on foreach there (validation refuses `optim.fused=true` with it)."""
+    if setting == "auto":
+        return fused_supported(params) and not scaled_clipping
+    return bool(setting)
 
 
 def _groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -36,10 +42,11 @@ def _groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_decay: fl
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig) -> torch.optim.Optimizer:
+def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig,
+                   scaled_clipping: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names (adamw | sgd), fused per `optim.fused`."""
     groups = _groups(named_params, optim.weight_decay)
-    fused = use_fused(optim.fused, [p for g in groups for p in g["params"]])
+    fused = use_fused(optim.fused, [p for g in groups for p in g["params"]], scaled_clipping)
     if optim.name == "adamw":
         return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
     if optim.name == "sgd":
@@ -49,10 +56,11 @@ def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: Di
 
 
 def build_optimizer(
-    named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig, max_steps: int
+    named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig, max_steps: int,
+    scaled_clipping: bool = False,
 ) -> dict:
     """The optimizer + linear warmup and cosine decay, stepped per step."""
-    opt = make_optimizer(named_params, optim)
+    opt = make_optimizer(named_params, optim, scaled_clipping)
     warmup, floor = optim.warmup_steps, optim.min_lr_ratio
 
     def factor(step: int) -> float:
