@@ -48,7 +48,7 @@ class Broken(nn.Module):
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        raise ValueError(f"width={width} must be a multiple of 64")
+        raise TypeError(f"width={width} must be a multiple of 64")
 '''
 # No torch at import: validation binds the arguments of `make_net` in well under a second.
 FACTORY = "def make_net(width: int = 16):\n    from torch import nn\n\n    return nn.Linear(width, width)\n"
@@ -187,7 +187,7 @@ def test_a_typo_in_a_constructor_argument_is_refused_at_validation(root, loom):
 
 @pytest.mark.slow
 def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
-    """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise ValueError
+    """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise TypeError
     while the model is built; exit 1 after one attempt, the console holds one paragraph."""
     r = run_loom("train", *BASE, "hardware=cpu", "hardware.max_restarts=1",
                  "model.module._target_=lifecycle_models.Broken", "run.id=broken", root=root, timeout=240)
@@ -195,15 +195,15 @@ def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
     assert "Traceback" not in r.out + r.err and "ChildFailedError" not in r.err
     paragraph = [line for line in r.err.splitlines() if not line.startswith("warning:")]
     assert len(paragraph) == 1, r.err
-    assert "ValueError: width=16 must be a multiple of 64" in paragraph[0] and "rank 0" in paragraph[0]
+    assert "TypeError: width=16 must be a multiple of 64" in paragraph[0] and "rank 0" in paragraph[0]
     assert "lifecycle_models.py:" in paragraph[0] and "Not restarted" in paragraph[0]
     logs = r.run_dir / "logs"
     assert f"Full traceback: {logs / 'rank-0.log'}" in paragraph[0]
     error = r.summary()["error"]
     assert r.summary()["status"] == "failed"
-    assert error["type"] == "ValueError" and error["rank"] == 0 and error["step"] == 0
+    assert error["type"] == "TypeError" and error["rank"] == 0 and error["step"] == 0
     assert error["message"] == "width=16 must be a multiple of 64" and error["log"] == str(logs / "rank-0.log")
     for rank in (0, 1):  # one attempt per rank, its traceback in its own log
         text = (logs / f"rank-{rank}.log").read_text()
         assert text.count("started, attempt") == 1 and "attempt 1" not in text
-        assert "Traceback" in text and "ValueError" in text
+        assert "Traceback" in text and "TypeError" in text
