@@ -93,6 +93,30 @@ def strategy_runs(tmp_path_factory) -> dict:
     return out
 
 
+def killed_copy(run_dir: Path, root: Path, root2: Path, **summary: object) -> Path:
+    """A completed run's dir (under root), copied under root2 and left the way a run killed after its
+    last periodic checkpoint is: no final weights, no checkpoint at the final step (completion
+    writes one), `last.ckpt` on the newest left, summary.json `failed` (the launcher writes
+    that; `summary` updates it further). Resuming it redoes the steps after that checkpoint."""
+    import shutil
+
+    from loom.rundir.checkpoints import complete_checkpoints, step_of
+
+    copy = root2 / run_dir.relative_to(root)
+    shutil.copytree(run_dir, copy, symlinks=True)
+    shutil.rmtree(copy / "final")
+    done = json.loads((copy / "summary.json").read_text())
+    final = done["global_step"]
+    for path in complete_checkpoints(copy):
+        if step_of(path) >= final:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    last = copy / "checkpoints" / "last.ckpt"
+    last.unlink(missing_ok=True)
+    last.symlink_to(complete_checkpoints(copy)[0].name)
+    (copy / "summary.json").write_text(json.dumps({**done, "status": "failed", **summary}))
+    return copy
+
+
 def refused_fast(loom, tmp_path: Path, *args: str) -> str:
     """`loom train <args>` must be refused by validation: exit 2 within 3 s (no torch import,
     no process), no run dir, no traceback. Returns stderr for the message checks."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, refused_fast, run_loom
+from conftest import FAST, killed_copy, refused_fast, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 3
@@ -120,12 +120,7 @@ def digits(tmp_path_factory) -> SimpleNamespace:
     r = run_loom(*DIGITS, root=root, timeout=200)
     assert r.rc == 0, r.out + r.err
     root2 = root.parent / (root.name + "-resume")
-    copy = root2 / r.run_dir.relative_to(root)
-    shutil.copytree(r.run_dir, copy, symlinks=True)
-    shutil.rmtree(copy / "final")
-    summary = json.loads((copy / "summary.json").read_text())
-    summary.update(status="failed", first_loss=None, validation=None)
-    (copy / "summary.json").write_text(json.dumps(summary))
+    copy = killed_copy(r.run_dir, root, root2, first_loss=None, validation=None)
     resumed = run_loom(*DIGITS, root=root2, timeout=200)
     assert resumed.rc == 0 and resumed.run_dir == copy, resumed.out + resumed.err
     return SimpleNamespace(r=r, resumed=resumed)

@@ -9,7 +9,6 @@ Real trainings are slow on 2 cores, so a few module-scoped runs serve many check
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, LOOM, run_loom
+from conftest import FAST, LOOM, killed_copy, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TOKEN": "sentinel-token-0987654321"}
@@ -63,12 +62,7 @@ def resumed_run(root, ddp_run):
     """ddp_run's dir, copied to another root and marked the way a killed run is left
     (status failed: the launcher writes that), resumed by the same command."""
     root2 = root.parent / (root.name + "-resume")
-    copy = root2 / ddp_run.run_dir.relative_to(root)
-    shutil.copytree(ddp_run.run_dir, copy, symlinks=True)
-    shutil.rmtree(copy / "final")
-    summary = json.loads((copy / "summary.json").read_text())
-    summary["status"] = "failed"
-    (copy / "summary.json").write_text(json.dumps(summary))
+    copy = killed_copy(ddp_run.run_dir, root, root2)
     r = run_loom(*DDP_ARGS, root=root2, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     assert r.run_dir == copy
