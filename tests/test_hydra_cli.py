@@ -160,4 +160,6 @@ def test_plan_warning_once_per_command_across_sweep_trials(loom, tmp_path):
     r = loom("train", "-m", "--dry-run", "hardware=slurm", "hardware.accelerator=cpu", "optim.lr=0.1,0.01")
     assert r.rc == 0, r.out + r.err
     assert len(list(tmp_path.rglob("job.sbatch"))) == 2
+    (manifest,) = tmp_path.rglob("manifest.json")  # nothing submitted: a real run submits them later
+    assert [t["state"] for t in json.loads(manifest.read_text())["trials"]] == ["pending", "pending"]
     assert sum("MFU will be null" in ln for ln in r.err.splitlines()) == 1, r.err

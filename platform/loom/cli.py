@@ -90,7 +90,11 @@ def _sweep(overrides: list[str], base: DictConfig, dry_run: bool = False) -> int
         print(f"{len(submitted)} trial(s) submitted to SLURM; run the same command again to update the "
               f"manifest, and `loom report {sweep_dir}` once the jobs have finished.")
         return EXIT_OK
-    if done and not dry_run:  # a dry run wrote sbatch scripts: nothing to report yet
+    if dry_run:
+        print("--dry-run: the sbatch script of every trial is written; nothing was submitted (the manifest "
+              "keeps those trials pending). Run the same command without --dry-run to submit them.")
+        return EXIT_OK
+    if done:
         from loom.report import report
 
         report([str(sweep_dir)], out=None)

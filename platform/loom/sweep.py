@@ -201,8 +201,11 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
     t.run_id = run_dir.name if run_dir else None
     t.state = "completed" if rc == 0 else "failed"
     job_file = run_dir / "slurm" / "job_id" if run_dir else None
-    if rc == 0 and job_file and job_file.exists() and not _completed(run_dir):
-        t.state, t.job_id = "submitted", job_file.read_text().strip()  # a batch job runs it later
+    if rc == 0 and run_dir and not _completed(run_dir):
+        if job_file.exists():
+            t.state, t.job_id = "submitted", job_file.read_text().strip()  # a batch job runs it later
+        else:  # --dry-run: the job script was written, nothing ran or was submitted
+            t.state = "pending"
     if run_dir and (run_dir / "summary.json").exists():
         t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
     manifest.save()
