@@ -4,6 +4,7 @@ over ranks. The package top is torch-free (schemas, checks, the layout, the Deep
 
 single / ddp: Lightning's SingleDeviceStrategy / DDPStrategy (`single.py`, `ddp.py`).
 fsdp / fsdp_tp: Lightning's ModelParallelStrategy with FSDP2 and tensor parallelism (`model_parallel.py`).
+pp / nd: degrees (`degrees.py`); pipeline stages over the pp ranks (`pipeline.py`), FSDP2 x TP otherwise.
 zero1 | zero2 | zero3 | zero3_offload: DeepSpeed ZeRO (`deepspeed.py`).
 Every strategy class also answers Loom's two questions about its states (`base.LoomStrategy`).
 """
@@ -31,10 +32,18 @@ def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None
     hw, s = cfg.hardware, cfg.strategy
     name = name or s.name
     node: Any = s if name == s.name else {}
+    world = hw.devices * hw.num_nodes if world is None else world
+    if STRATEGIES[name].degrees:  # pp, nd: the option's own degrees, the one -1 filled in
+        from dataclasses import asdict
+
+        from loom.strategies.degrees import resolve_degrees
+
+        node = node or asdict(STRATEGIES[name].schema())
+        d = resolve_degrees(node, world, f"hardware.devices={hw.devices} x hardware.num_nodes={hw.num_nodes}")
+        return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"])
     mode = STRATEGIES[name].dp_mode
     if mode == "hybrid" and not node.get("hybrid_shard", True):
         mode = "shard"
-    world = hw.devices * hw.num_nodes if world is None else world
     return ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), dp_mode=mode)
 
 
@@ -55,7 +64,8 @@ def lightning_precision(cfg: DictConfig) -> str:
     add casts. So fsdp/fsdp_tp train "bf16-mixed" as "32-true" as far as Lightning is concerned.
     """
     precision = str(cfg.hardware.precision)
-    if STRATEGIES[cfg.strategy.name].mixed_precision == "fsdp2" and precision == "bf16-mixed":
+    fsdp2 = STRATEGIES[cfg.strategy.name].mixed_precision == "fsdp2" and layout_of(cfg).pp == 1
+    if fsdp2 and precision == "bf16-mixed":
         return "32-true"
     return precision
 

@@ -158,3 +158,34 @@ def _check_offload_memory(cfg: DictConfig, layout: ParallelLayout) -> None:
             f"({per_param} bytes x {params / 1e6:,.1f}M params x {hw.devices}/{layout.world} ranks), "
             f"more than 80% of hardware.host_memory_gb; use more nodes, a smaller model, "
             f"or a profile with more host memory")
+
+
+def check_pp(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """strategy=pp: the degrees were resolved by `layout_of`; the pipeline options here."""
+    from loom.strategies.degrees import check_pipeline
+
+    check_pipeline(cfg, layout.pp)
+
+
+def check_nd(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """strategy=nd: tp divides the heads, the pipeline options, and the combinations built so far."""
+    from loom.strategies.degrees import check_pipeline
+
+    model = cfg.model
+    if layout.tp > 1:
+        require("n_head" in model, "strategy.tp", layout.tp,
+                f"model={model.name} has no tensor-parallel plan (models with one: gpt_*); use strategy.tp=1")
+        require(model.n_head % layout.tp == 0, "strategy.tp", layout.tp,
+                f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads); "
+                f"valid: {', '.join(str(d) for d in range(1, model.n_head + 1) if model.n_head % d == 0)}")
+        require(cfg.hardware.devices % layout.tp == 0, "strategy.tp", layout.tp,
+                f"must divide hardware.devices={cfg.hardware.devices} (tensor-parallel groups stay within a node)")
+    check_pipeline(cfg, layout.pp)
+    if layout.pp == 1:
+        check_model_parallel(cfg, layout)
+    built = (layout.pp > 1 and layout.dp == 1 and layout.tp == 1) or (
+        layout.pp == 1 and (layout.dp_replicate == 1 or (layout.dp_shard > 1 and layout.tp == 1)))
+    require(built, "strategy", f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} "
+            f"tp={layout.tp} pp={layout.pp}",
+            "this combination is not built yet: strategy=nd runs pp > 1 with dp_replicate = dp_shard = tp = 1 "
+            "(= strategy=pp), or pp = 1 with dp_shard x tp (dp_replicate > 1 only with dp_shard > 1 and tp = 1)")

@@ -19,6 +19,8 @@ from loom.strategies.schema import (
     DeepSpeedStrategyConfig,
     FSDPStrategyConfig,
     FSDPTPStrategyConfig,
+    NDStrategyConfig,
+    PPStrategyConfig,
     SingleStrategyConfig,
 )
 
@@ -35,6 +37,9 @@ class StrategyOption:
     # autocast (Lightning's MixedPrecision plugin) | fsdp2 (MixedPrecisionPolicy, no autocast)
     # | deepspeed (the engine's bf16/fp16 modes, through Lightning's DeepSpeedPrecision).
     mixed_precision: str = "autocast"
+    # The layout comes from the option's own degrees (strategy.dp_replicate/dp_shard/tp/pp,
+    # `loom.strategies.degrees`) rather than from dp_mode and tensor_parallel.
+    degrees: bool = False
 
 
 _ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero,
@@ -49,6 +54,10 @@ STRATEGIES: dict[str, StrategyOption] = {
                           check=checks.check_ddp),
     "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL),
     "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL),
+    "pp": StrategyOption(PPStrategyConfig, "replicate", "none", "loom.strategies.pipeline:build",
+                         check=checks.check_pp, degrees=True),
+    "nd": StrategyOption(NDStrategyConfig, "shard", "all", "loom.strategies.pipeline:build_nd",
+                         check=checks.check_nd, mixed_precision="fsdp2", degrees=True),
     "zero1": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer", **_ZERO),
     "zero2": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer+grads", **_ZERO),
     "zero3": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),

@@ -40,6 +40,31 @@ class FSDPTPStrategyConfig:
 
 
 @dataclass
+class PPStrategyConfig:
+    """Pipeline parallelism only: the GPT's blocks split into `pp` stages (-1: one per rank)."""
+
+    name: str = "pp"
+    pp: int = -1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None   # null: as many as pipeline ranks
+
+
+@dataclass
+class NDStrategyConfig:
+    """replicate x shard x tensor x pipeline degrees (one of them may be -1: the rest of the world)."""
+
+    name: str = "nd"
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    reshard_after_forward: bool = True
+    shard_units: list[str] | None = None
+
+
+@dataclass
 class DeepSpeedStrategyConfig:
     """DeepSpeed ZeRO stage 1/2/3 (`zero3_offload`: stage 3 + optimizer on the host)."""
 
