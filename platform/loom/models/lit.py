@@ -64,11 +64,32 @@ class LoomModule(pl.LightningModule):
     def _loss(self, batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def _pipeline(self):
+        """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
+        return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        return self._loss(batch)
+        pipe = self._pipeline()
+        return self._loss(batch) if pipe is None else self._pipeline_step(pipe, batch)
+
+    def _pipeline_step(self, pipe, batch) -> torch.Tensor:
+        """Manual optimization: the schedule runs every microbatch's forward and backward, then
+        clip by the norm across stages, step the optimizer and the lr schedule."""
+        x, y = batch
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = pipe.run(self.model, _lm_loss, x, y)
+        clip = self.cfg.trainer.gradient_clip_val
+        if clip:
+            pipe.clip(list(self.model.parameters()), float(clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        pipe = self._pipeline()
+        loss = self._loss(batch) if pipe is None else pipe.run(self.model, _lm_loss, *batch, train=False)
         self.log("val/loss", loss, sync_dist=True, prog_bar=False)
         return loss
 

@@ -54,6 +54,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         module = models.build_module(cfg)
         if resume is None and cfg.model.get("init_from"):  # a resume restores the checkpoint's weights
             module.init_source = cfg.model.init_from
+        if layout.pp > 1:  # the pipeline schedule runs forward and backward (strategies.pipeline)
+            module.automatic_optimization = False
         spec = models.model_spec(cfg)
         recorder = Recorder(
             log_every=cfg.trainer.log_every_n_steps,
@@ -153,7 +155,7 @@ def _trainer(cfg: DictConfig, layout: ParallelLayout, run_dir: Path, callbacks: 
         max_steps=tr.max_steps,
         max_epochs=-1,
         accumulate_grad_batches=tr.accumulate_grad_batches,
-        gradient_clip_val=tr.gradient_clip_val or None,
+        gradient_clip_val=(tr.gradient_clip_val or None) if layout.pp == 1 else None,  # pp clips itself
         logger=build_loggers(cfg, run_dir, str(cfg.run.id)) or False,
         callbacks=callbacks,
         enable_checkpointing=False,  # loom.worker.checkpoint_saver saves (atomic, preemption-aware)

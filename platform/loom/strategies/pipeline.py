@@ -1,0 +1,256 @@
+"""`strategy=pp` (and `nd` with pp > 1): the GPT's blocks split into pipeline stages
+(torch.distributed.pipelining), inside Lightning's ModelParallelStrategy.
+
+Each rank keeps `module.model` as the full GPT minus the other stages' modules (torchtitan's
+way): the blocks it holds stay under their own names (`blocks.3.attn.qkv.weight`), so name-seeded
+init, DCP checkpoints and final weights use the single-device names. Its stages are thin
+`_StageChunk` views over those modules (not registered, so no parameter gets a second name),
+driven by the schedule of `strategy.pp_schedule`. The LightningModule runs with manual
+optimization: the schedule's `step()` runs forward and backward over the microbatches, the last
+stage computes the loss, then gradients are clipped by the norm across stages, and the
+optimizer and the lr schedule step. The loss is broadcast over the pipeline group so every
+rank (rank 0's metrics included) sees the last stage's value.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import DictConfig
+
+from loom.layout import ParallelLayout
+from loom.strategies.degrees import PP_SCHEDULES, microbatches_of
+
+log = logging.getLogger("loom")
+
+
+def stage_ids(pp_rank: int, pp: int, per_rank: int, style: str = "loop") -> list[int]:
+    """The pipeline stages of pipeline rank `pp_rank`: looped (r, r + pp, ...) or V-shaped."""
+    if per_rank == 1:
+        return [pp_rank]
+    if style == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def stage_blocks(stage: int, n_stages: int, n_layer: int) -> range:
+    """The block indices of `stage`: an even split, earlier stages taking the remainder's blocks."""
+    return range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages)
+
+
+def _style(schedule: str) -> str:
+    return "v" if "zbv" in schedule else "loop"
+
+
+def _chunk_class():
+    from torch import nn
+
+    class _StageChunk(nn.Module):
+        """One pipeline stage over modules the GPT owns: embeddings (first stage), its blocks,
+        final norm and head (last stage)."""
+
+        def __init__(self, gpt, blocks: list, first: bool, last: bool) -> None:
+            super().__init__()
+            self.embed = (gpt.wte, gpt.wpe, gpt.drop) if first else None
+            self.blocks = nn.ModuleList(blocks)
+            self.head = (gpt.ln_f, gpt.lm_head) if last else None
+            if first:
+                self.wte, self.wpe = gpt.wte, gpt.wpe
+            if last:
+                self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+        def forward(self, x):
+            import torch
+
+            if self.embed is not None:
+                wte, wpe, drop = self.embed
+                x = drop(wte(x) + wpe(torch.arange(x.shape[1], device=x.device)))
+            for block in self.blocks:
+                x = block(x)
+            if self.head is not None:
+                x = self.head[1](self.head[0](x))
+            return x
+
+    return _StageChunk
+
+
+class Pipeline:
+    """This rank's stages of the GPT and the schedule that drives them (built at first use,
+    once the parameters are materialized on the device)."""
+
+    def __init__(self, cfg: DictConfig, layout: ParallelLayout, mesh, device) -> None:
+        s = cfg.strategy
+        self.name = str(s.pp_schedule)
+        self.per_rank = PP_SCHEDULES[self.name].stages_per_rank
+        self.pp, self.n_stages = layout.pp, layout.pp * self.per_rank
+        self.group = mesh["pipeline"].get_group()
+        self.pp_rank = mesh["pipeline"].get_local_rank()
+        self.stages = stage_ids(self.pp_rank, self.pp, self.per_rank, _style(self.name))
+        self.microbatches = microbatches_of(s, layout.pp)
+        self.n_layer = int(cfg.model.n_layer)
+        self.device, self.layout = device, layout
+        self.schedule: Any = None
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stages
+
+    def owner_pp_rank(self, stage: int) -> int:
+        for r in range(self.pp):
+            if stage in stage_ids(r, self.pp, self.per_rank, _style(self.name)):
+                return r
+        raise ValueError(stage)
+
+    def local_blocks(self) -> list[int]:
+        return [b for st in self.stages for b in stage_blocks(st, self.n_stages, self.n_layer)]
+
+    def prune(self, gpt) -> None:
+        """Drop the modules of the other ranks' stages; kept blocks keep their names."""
+        from torch import nn
+
+        keep = set(self.local_blocks())
+        gpt.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(gpt.blocks) if i in keep})
+        if not self.has_first:
+            gpt.wte = gpt.wpe = None
+        if not self.has_last:
+            gpt.ln_f = gpt.lm_head = None
+
+    def _build(self, gpt, loss_fn) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        chunk = _chunk_class()
+        stages = []
+        for st in self.stages:
+            blocks = [gpt.blocks[str(i)] for i in stage_blocks(st, self.n_stages, self.n_layer)]
+            mod = chunk(gpt, blocks, first=st == 0, last=st == self.n_stages - 1)
+            stages.append(PipelineStage(mod, st, self.n_stages, self.device, group=self.group))
+        cls = getattr(schedules, PP_SCHEDULES[self.name].torch_class)
+        self.schedule = (cls(stages[0], self.microbatches, loss_fn=loss_fn) if self.per_rank == 1
+                         else cls(stages, self.microbatches, loss_fn=loss_fn))
+        log.info(f"pipeline: rank {self.pp_rank}/{self.pp} runs stages {self.stages} of {self.n_stages} "
+                 f"(blocks {self.local_blocks()}), {self.name}, {self.microbatches} microbatches")
+
+    def run(self, gpt, loss_fn, x, y, train: bool = True):
+        """One pass over the batch (forward + backward when `train`); the mean microbatch loss,
+        the same on every rank of the pipeline group."""
+        import torch
+        import torch.distributed as dist
+
+        if self.schedule is None:
+            self._build(gpt, loss_fn)
+        losses: list = []
+        args = (x,) if self.has_first else ()
+        kw = {"target": y, "losses": losses} if self.has_last else {}
+        if train:
+            self.schedule.step(*args, **kw)
+        else:
+            self.schedule.eval(*args, **kw)
+        loss = (torch.stack([t.detach().float() for t in losses]).mean() if losses
+                else torch.zeros((), device=self.device))
+        src = self.owner_pp_rank(self.n_stages - 1)
+        dist.broadcast(loss, group=self.group, group_src=src)
+        return loss
+
+    def clip(self, parameters, max_norm: float) -> None:
+        """clip_grad_norm_ by the norm across every stage (all-reduce of the squared norms)."""
+        import torch
+        import torch.distributed as dist
+
+        grads = [p.grad for p in parameters if p.grad is not None]
+        sq = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) ** 2 if grads
+              else torch.zeros((), device=self.device)).float()
+        dist.all_reduce(sq, group=self.group)
+        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def _pipeline_strategy_class():
+    from loom.strategies.model_parallel import _model_parallel_strategy_class
+
+    base = _model_parallel_strategy_class()
+
+    class LoomPipelineStrategy(base):
+        """ModelParallelStrategy (its DCP checkpoints, sampler over the data-parallel dim) on a
+        (data_parallel, pipeline, tensor_parallel) mesh, the rank order of `loom.layout`."""
+
+        pipeline: Pipeline | None = None
+
+        def setup_environment(self) -> None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._setup_distributed()
+            lay = self.loom_layout
+            self._device_mesh = init_device_mesh(self.root_device.type, (lay.dp, lay.pp, lay.tp),
+                                                 mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
+            self.lightning_module._device_mesh = self._device_mesh
+            self.pipeline = Pipeline(self.loom_cfg, lay, self._device_mesh, self.root_device)
+
+        def setup(self, trainer) -> None:
+            super(base, self).setup(trainer)  # ModelParallelStrategy's, not Loom's clip hook (manual optimization)
+
+        def parallelize(self, module) -> None:
+            self.pipeline.prune(module.model)
+
+        # ------------------------------------------------------------ final weights
+        def model_state_entries(self, trainer, module) -> list:
+            """Every entry of the whole GPT, in its own order: this rank's tensors, and meta
+            tensors (shape and dtype only) for the other stages' ones."""
+            from loom.models.init import params_on_meta
+
+            with params_on_meta():
+                full = module.build_model()
+            local = module.model.state_dict(keep_vars=True)
+            self._owners = {}
+            out = []
+            for key, meta in full.state_dict(keep_vars=True).items():
+                t = local.get(key, meta)
+                self._owners[id(t)] = self._owner_rank(key)
+                out.append((key, t))
+            return out
+
+        def _owner_rank(self, key: str) -> int:
+            p = self.pipeline
+            if key.startswith("blocks."):
+                block = int(key.split(".")[1])
+                stage = next(s for s in range(p.n_stages) if block in stage_blocks(s, p.n_stages, p.n_layer))
+            else:
+                stage = 0 if key.startswith(("wte.", "wpe.")) else p.n_stages - 1
+            return p.owner_pp_rank(stage) * self.loom_layout.tp  # data-parallel index 0
+
+        def gather_full_tensor(self, trainer, t):
+            import torch
+            import torch.distributed as dist
+
+            owner = self._owners[id(t)]
+            if owner == 0:
+                return t.detach().cpu() if trainer.is_global_zero else None
+            if self.global_rank == owner:
+                dist.send(t.detach().contiguous(), dst=0)
+            elif trainer.is_global_zero:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=self.root_device)
+                dist.recv(buf, src=owner)
+                return buf.cpu()
+            return None
+
+    return LoomPipelineStrategy
+
+
+def build(cfg: DictConfig, layout: ParallelLayout):
+    return _pipeline_strategy_class()(
+        cfg, layout, data_parallel_size=layout.dp, tensor_parallel_size=layout.tp * layout.pp,
+        save_distributed_checkpoint=True, process_group_backend=cfg.hardware.backend)
+
+
+def build_nd(cfg: DictConfig, layout: ParallelLayout):
+    """strategy=nd: the pipeline above when pp > 1, FSDP2 x TP (`model_parallel`) otherwise."""
+    if layout.pp > 1:
+        return build(cfg, layout)
+    from loom.strategies import model_parallel
+
+    return model_parallel.build(cfg, layout)
