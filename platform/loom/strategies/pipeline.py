@@ -197,6 +197,37 @@ def _pipeline_strategy_class():
         def parallelize(self, module) -> None:
             self.pipeline.prune(module.model)
 
+        def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+            """Lightning's sharded (DCP) load, which looks for DTensor parameters to find the
+            model: a stage's parameters are plain tensors, so the same steps are taken here.
+            Each rank reads its own stage's entries (their names are the single-device ones)."""
+            from pathlib import Path
+
+            import torch
+            from lightning_fabric.strategies.fsdp import _distributed_checkpoint_load
+            from lightning_fabric.utilities.load import _METADATA_FILENAME
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            path = Path(self.broadcast(checkpoint_path))
+            module = self.model
+            state = {"state_dict": get_model_state_dict(module)}
+            _distributed_checkpoint_load(state, path)
+            module.load_state_dict(state["state_dict"], strict=True)
+            for i, optim in enumerate(self.optimizers):
+                key = f"optimizer_{i}"
+                optim_state = {key: get_optimizer_state_dict(module, optim)}
+                _distributed_checkpoint_load(optim_state, path)
+                set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[key],
+                                         options=StateDictOptions(cpu_offload=True))
+            meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+            meta.pop("state_dict", None)
+            return meta
+
         # ------------------------------------------------------------ final weights
         def model_state_entries(self, trainer, module) -> list:
             """Every entry of the whole GPT, in its own order: this rank's tensors, and meta
