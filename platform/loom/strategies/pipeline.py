@@ -197,17 +197,33 @@ def _pipeline_strategy_class():
         def parallelize(self, module) -> None:
             self.pipeline.prune(module.model)
 
+        def optimizer_state(self, optimizer) -> dict:
+            """The optimizer's DCP state with its param groups flattened per parameter
+            (`param_groups.<fqn>.lr`), torchtitan's way under pipelining. Unflattened, a group
+            is saved as `param_groups.<i>.{lr, params, ...}`: the same keys on every stage, and
+            DCP keeps one rank's copy of a non-tensor entry, so another stage got back groups
+            that list none of its parameters (and lost their hyper-parameters: KeyError 'lr')."""
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            opt = getattr(optimizer, "_optimizer", optimizer)
+            return get_optimizer_state_dict(self.model, opt, options=self._optim_options())
+
+        def _optim_options(self):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            return StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=not self.async_checkpoints)
+
         def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
             """Lightning's sharded (DCP) load, which looks for DTensor parameters to find the
             model: a stage's parameters are plain tensors, so the same steps are taken here.
-            Each rank reads its own stage's entries (their names are the single-device ones)."""
+            Each rank reads its own stage's entries (their names are the single-device ones),
+            optimizer param groups included (flattened per parameter, `optimizer_state`)."""
             from pathlib import Path
 
             import torch
             from lightning_fabric.strategies.fsdp import _distributed_checkpoint_load
             from lightning_fabric.utilities.load import _METADATA_FILENAME
             from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
                 get_model_state_dict,
                 get_optimizer_state_dict,
                 set_optimizer_state_dict,
@@ -219,11 +235,11 @@ def _pipeline_strategy_class():
             _distributed_checkpoint_load(state, path)
             module.load_state_dict(state["state_dict"], strict=True)
             for i, optim in enumerate(self.optimizers):
-                key = f"optimizer_{i}"
-                optim_state = {key: get_optimizer_state_dict(module, optim)}
+                key, opt = f"optimizer_{i}", getattr(optim, "_optimizer", optim)
+                optim_state = {key: get_optimizer_state_dict(module, opt, options=self._optim_options())}
                 _distributed_checkpoint_load(optim_state, path)
-                set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[key],
-                                         options=StateDictOptions(cpu_offload=True))
+                set_optimizer_state_dict(module, opt, optim_state_dict=optim_state[key],
+                                         options=self._optim_options())
             meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
             meta.pop("state_dict", None)
             return meta
