@@ -69,6 +69,24 @@ def worker_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def start_loom(*args: str, root: Path) -> subprocess.Popen:
+    """`loom <args> run.root=<root>` in the background (output merged into stdout), to kill or
+    signal part-way."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    verb, *rest = args
+    return subprocess.Popen([*LOOM, verb, *rest, f"run.root={root}"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `path` exists (a checkpoint, say), failing if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"exited early: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
 # One short run of every strategy, shared by tests/test_strategies.py and tests/test_plan.py.
 STEPS = 6
 B = 4  # micro batch per rank; `single` uses 2B

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, LOOM, LoomResult, run_loom, worker_pids
+from conftest import FAST, LOOM, LoomResult, run_loom, start_loom, wait_for, worker_pids
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -46,23 +45,13 @@ def reference(tmp_path_factory) -> LoomResult:
 
 
 def _start(root: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    return subprocess.Popen([*LOOM, "train", *ARGS, *extra, f"run.root={root}"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"exited early: {proc.stdout.read()}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
+    return start_loom("train", *ARGS, *extra, root=root)
 
 
 def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=1")
-    _wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
+    wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
     victims = worker_pids(run_dir)
     assert len(victims) == 2
     os.kill(victims[-1], signal.SIGKILL)
@@ -79,7 +68,7 @@ def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:
     """Start the run, SIGTERM its launcher once step-<step> is checkpointed; (run dir, summary)."""
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path)
-    _wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc)
+    wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
