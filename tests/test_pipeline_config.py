@@ -59,6 +59,27 @@ def test_layout_fills_the_free_degree():
     assert (lay.dp_shard, lay.tp, lay.pp) == (8, 1, 1)
 
 
+@pytest.mark.parametrize("strategy, parallel", [
+    ({"name": "pp", "pp": -1, "pp_schedule": "gpipe", "pp_microbatches": 16}, (1, 1, 1, 8, "gpipe", 16)),
+    ({"name": "pp", "pp": -1, "pp_schedule": "1f1b", "pp_microbatches": None}, (1, 1, 1, 8, "1f1b", 8)),
+    ({"name": "nd", "dp_replicate": 2, "dp_shard": -1, "tp": 2, "pp": 1, "pp_schedule": "1f1b",
+      "pp_microbatches": None}, (2, 2, 2, 1, None, None)),
+    ({"name": "ddp"}, (8, 1, 1, 1, None, None)),
+    ({"name": "fsdp_tp", "tensor_parallel": 2}, (1, 4, 2, 1, None, None)),
+    ({"name": "fsdp", "hybrid_shard": True}, (2, 4, 1, 1, None, None)),
+])
+def test_summary_parallel_of_every_strategy(strategy, parallel):
+    """summary.json's `parallel` comes from the run's layout, for every strategy (a run that
+    never reached training included: the launcher's summary is built the same way)."""
+    from loom.rundir.summary import empty_summary
+    from loom.strategies import layout_of
+
+    cfg = OmegaConf.create({"hardware": {"devices": 4, "num_nodes": 2, "name": "cpu"}, "strategy": strategy})
+    got = empty_summary(cfg, "r", layout_of(cfg))["parallel"]
+    keys = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches")
+    assert got == dict(zip(keys, parallel, strict=True))
+
+
 def test_schedule_table_matches_torch():
     """Validation's static table (no torch import) names schedules the installed torch has, with
     the right number of stages per rank (single-stage vs multi-stage schedule classes)."""

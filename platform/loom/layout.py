@@ -25,6 +25,8 @@ class ParallelLayout:
     dp_shard: int = 1         # ranks over which sharded states (FSDP, ZeRO) are partitioned
     tp: int = 1
     pp: int = 1
+    pp_schedule: str | None = None    # strategy.pp_schedule when pp > 1
+    pp_microbatches: int | None = None  # microbatches per step when pp > 1
 
     @classmethod
     def build(cls, world: int, devices_per_node: int, *, tp: int = 1, pp: int = 1,
@@ -65,3 +67,9 @@ class ParallelLayout:
 
     def global_batch(self, micro_batch: int, accumulate: int) -> int:
         return micro_batch * accumulate * self.dp
+
+    def parallel(self) -> dict:
+        """summary.json's `parallel`: the degrees of every dimension and the pipeline's
+        schedule and microbatches (null without a pipeline)."""
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+                "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}

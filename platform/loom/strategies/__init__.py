@@ -36,11 +36,12 @@ def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None
     if STRATEGIES[name].degrees:  # pp, nd: the option's own degrees, the one -1 filled in
         from dataclasses import asdict
 
-        from loom.strategies.degrees import resolve_degrees
+        from loom.strategies.degrees import microbatches_of, resolve_degrees
 
         node = node or asdict(STRATEGIES[name].schema())
         d = resolve_degrees(node, world, f"hardware.devices={hw.devices} x hardware.num_nodes={hw.num_nodes}")
-        return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"])
+        pipe = (str(node.get("pp_schedule")), microbatches_of(node, d["pp"])) if d["pp"] > 1 else (None, None)
+        return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], *pipe)
     mode = STRATEGIES[name].dp_mode
     if mode == "hybrid" and not node.get("hybrid_shard", True):
         mode = "shard"
