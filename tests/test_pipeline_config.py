@@ -93,3 +93,89 @@ def test_schedule_table_matches_torch():
         multi = issubclass(cls, schedules.PipelineScheduleMulti)
         assert multi == (sched.stages_per_rank > 1), name
     assert {"gpipe", "1f1b", "interleaved_1f1b"} <= set(PP_SCHEDULES)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_bubble_fraction():
+    """(p-1)/(v*m+p-1): the idle share of a step, the interleaved schedule dividing the fill/drain by v."""
+    from loom.plan.pipeline import bubble_fraction
+
+    assert bubble_fraction(1, 8) == 0.0
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, per_rank=2) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 32) < bubble_fraction(4, 8)  # more microbatches, smaller bubble
+
+
+def _plan(*overrides: str) -> dict:
+    from loom.pipeline import resolve
+    from loom.plan import make_plan
+
+    return make_plan(resolve(["hardware=cpu", "model=gpt_tiny", "model.n_layer=8", "dataset.batch_size=8",
+                              "dataset.seq_len=64", *overrides])).to_dict()
+
+
+@pytest.mark.parametrize("schedule, flight", [("1f1b", [4, 3, 2, 1]), ("gpipe", [8, 8, 8, 8])])
+def test_plan_per_stage_memory(schedule, flight):
+    """Each pipeline rank holds its blocks' states (embeddings on the first, the head on the
+    last) and the activations of its microbatches in flight: under 1F1B the first stage holds
+    pp of them (the most), under GPipe every stage holds all m. The device total is the
+    fullest stage's."""
+    from loom.models.spec import gpt_spec
+    from loom.pipeline import resolve
+
+    plan = _plan("strategy=pp", "hardware.devices=4", f"strategy.pp_schedule={schedule}", "strategy.pp_microbatches=8")
+    pipe = plan["pipeline"]
+    assert plan["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4, "pp_schedule": schedule,
+                                "pp_microbatches": 8}
+    assert pipe["bubble_fraction"] == pytest.approx(3 / 11)
+    stages = pipe["stages"]
+    assert [s["blocks"] for s in stages] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [(s["embeddings"], s["head"]) for s in stages] == [(True, False), (False, False), (False, False),
+                                                              (False, True)]
+    assert [s["microbatches_in_flight"] for s in stages] == flight
+    cfg = resolve(["model=gpt_tiny", "model.n_layer=8", "dataset.seq_len=64"])
+    assert sum(s["params"] for s in stages) == gpt_spec(cfg.model, 64).params
+    for s in stages:  # fp32 AdamW, one replica: 4 + 4 + 8 bytes per parameter of the stage
+        assert s["memory_bytes"]["states"] == pytest.approx(16 * s["params"])
+    act = [s["memory_bytes"]["activations"] for s in stages]
+    if schedule == "1f1b":
+        assert act[0] > act[1] > act[2]  # the first stage holds the most activations
+    else:
+        assert act[0] == act[1] == act[2] < act[3]  # every microbatch everywhere, + logits on the last
+    worst = max(stages, key=lambda s: s["memory_bytes"]["total"])["memory_bytes"]
+    mem = plan["memory_per_device_bytes"]
+    assert mem["total"] == pytest.approx(worst["total"] + mem["runtime"])
+    assert plan["comm_bytes_by_collective"]["pipeline_send"] == pytest.approx(2 * 8 * 64 * 128 * 4)  # b s d, fp32
+
+
+def test_plan_interleaved_and_nd():
+    """Interleaved: two looped stages per rank, the bubble divided accordingly; nd shards each
+    stage's states over dp_shard. Without a pipeline the plan has none."""
+    plan = _plan("strategy=pp", "hardware.devices=2", "strategy.pp_schedule=interleaved_1f1b",
+                 "strategy.pp_microbatches=4")
+    pipe = plan["pipeline"]
+    assert [s["stages"] for s in pipe["stages"]] == [[0, 2], [1, 3]]
+    assert [s["blocks"] for s in pipe["stages"]] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 9)
+    from loom.layout import ParallelLayout
+    from loom.pipeline import resolve
+    from loom.plan.pipeline import stage_plans
+
+    cfg = resolve(["hardware=cpu", "model=gpt_tiny", "model.n_layer=8", "strategy=pp", "hardware.devices=2"])
+    pp = stage_plans(cfg, "pp", ParallelLayout(2, 2, pp=2, pp_schedule="1f1b", pp_microbatches=2))
+    nd = stage_plans(cfg, "nd", ParallelLayout(4, 4, dp_shard=2, pp=2, pp_schedule="1f1b", pp_microbatches=2))
+    for a, b in zip(nd, pp, strict=True):  # (nd with dp_shard x pp is planned before it trains)
+        assert a.memory_bytes["states"] == pytest.approx(b.memory_bytes["states"] / 2)
+    assert _plan("strategy=ddp")["pipeline"] is None
+
+
+def test_loom_plan_shows_the_pipeline(loom):
+    r = loom("plan", "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", "strategy=pp", "hardware.devices=2",
+             "dataset.batch_size=4", env={"COLUMNS": "240"})
+    assert r.rc == 0, r.out + r.err
+    out = " ".join(r.out.split())
+    assert "bubble 33.3%" in out and "pp rank 0" in out and "blocks 0-1 + embeddings" in out
+    assert "2 microbatch(es) in flight" in out

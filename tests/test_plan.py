@@ -144,6 +144,8 @@ def test_every_strategy_plans(strategy, hardware):
     if strategy == "single" and hardware == "multinode":
         pytest.skip("strategy=single is one process")
     extra = ["hardware.rdzv_endpoint=node0:29500"] if hardware == "multinode" else []
+    if strategy == "pp":  # every rank a pipeline stage: as many blocks as ranks
+        extra.append("model.n_layer=16")
     cfg = _cfg(f"hardware={hardware}", f"strategy={strategy}", *extra)
     plan = make_plan(cfg)
     assert plan.memory_per_device_bytes["total"] > 0

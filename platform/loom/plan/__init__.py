@@ -34,6 +34,7 @@ from loom.plan.memory import (
     offloads_optimizer,
     per_param_bytes,
 )
+from loom.plan.pipeline import p2p_bytes, pipeline_summary
 from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
 
 # Order in which `loom plan` suggests a strategy that fits: least communication first.
@@ -90,6 +91,11 @@ class Plan:
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
+    # {dp_replicate, dp_shard, tp, pp, pp_schedule, pp_microbatches} (summary.json's `parallel`)
+    parallel: dict[str, Any] = field(default_factory=dict)
+    # pp > 1: {schedule, microbatches, stages_per_rank, bubble_fraction, stages: [per pipeline
+    # rank: stages, blocks, params, microbatches_in_flight, memory_bytes]} (plan.pipeline)
+    pipeline: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,8 +116,13 @@ def make_plan(cfg: DictConfig) -> Plan:
     tokens = global_batch * spec.items_per_sample  # classification: one item per sample
     params = spec.params or 0  # None: unknown before the model is built (custom)
     mem = memory_of(cfg, s.name, layout, params)
+    pipe = pipeline_summary(cfg, s.name, layout)
+    if pipe:  # a device holds its stages only: the plan's memory is the fullest stage's
+        mem = _fullest_stage(pipe, mem)
     cap, where = capacity(hw)
     comm = comm_bytes(cfg, s.name, params, layout) if layout.world > 1 else {}
+    if layout.pp > 1:
+        comm["pipeline_send"] = p2p_bytes(cfg, layout)
     peak = peak_flops(hw)
     build, build_source = build_host_bytes(cfg, s.name, layout, params)
     build_ok = build_host_ok(cfg, build)
@@ -138,13 +149,21 @@ def make_plan(cfg: DictConfig) -> Plan:
         activation_checkpointing=cfg.trainer.activation_checkpointing,
         build_host_bytes_per_rank=build, build_host_source=build_source, build_host_ok=build_ok,
         host_capacity_bytes=HOST_USABLE * float(hw.host_memory_gb) * GB,
-        warnings=_warnings(cfg, spec, peak, cap),
+        warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
     )
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
         if fix is not None:
             plan.suggestion, plan.suggestion_overrides = fix
     return plan
+
+
+def _fullest_stage(pipe: dict[str, Any], mem: MemoryEstimate) -> MemoryEstimate:
+    """The pipeline rank with the most memory (the first stage under 1F1B), as the device's
+    estimate; the runtime (CPU) is the whole-model estimate's."""
+    worst = max(pipe["stages"], key=lambda st: st["memory_bytes"]["total"])["memory_bytes"]
+    keys = ("params", "grads", "optimizer", "activations", "host_offload")
+    return MemoryEstimate(*(worst[k] for k in keys), runtime=mem.runtime)
 
 
 def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, micro: int) -> int | None:

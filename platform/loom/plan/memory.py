@@ -236,7 +236,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     group = layout.dp_shard if layout.hybrid else layout.dp  # the group states are reduced over
     frac = (group - 1) / group if group > 1 else 0.0
-    local = params / layout.tp
+    local = params / (layout.tp * layout.pp)  # a pipeline rank reduces its stages' gradients only
     states = strategies.option(name).states
     if states == "none":
         out["all_reduce"] = 2 * frac * g * local
@@ -257,7 +257,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
         m, tp = cfg.model, layout.tp
         act = 2.0 if hw.precision != "32-true" else 4.0
         volume = cfg.dataset.batch_size * cfg.dataset.seq_len * m.d_model * act
-        out["all_reduce"] += accum * 4 * m.n_layer * 2 * (tp - 1) / tp * volume
+        out["all_reduce"] += accum * 4 * (m.n_layer / layout.pp) * 2 * (tp - 1) / tp * volume
     return out
 
 

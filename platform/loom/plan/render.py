@@ -23,7 +23,8 @@ def render(plan: dict[str, Any]) -> None:
     rows = [
         ("hardware", hw),
         ("world size", f"{plan['world_size']} ({plan['num_nodes']} node(s) x {plan['devices_per_node']}), "
-                       f"dp={plan['data_parallel']} tp={plan['tensor_parallel']}"),
+                       f"dp={plan['data_parallel']} tp={plan['tensor_parallel']}"
+                       + (f" pp={plan['parallel']['pp']}" if plan.get("parallel", {}).get("pp", 1) > 1 else "")),
         ("batch", f"micro {plan['micro_batch']} x accum {plan['accumulate_grad_batches']} x dp "
                   f"{plan['data_parallel']} = global {plan['global_batch']} "
                   f"({plan['tokens_per_step']:,} tokens/step)"),
@@ -37,6 +38,7 @@ def render(plan: dict[str, Any]) -> None:
         ("activations", f"{mem['activations'] / GB:,.2f} GB per device (micro batch {plan['micro_batch']}, "
                         f"activation checkpointing {plan.get('activation_checkpointing', 'none')})"),
     ]
+    rows += _pipeline_rows(plan)
     if plan.get("deepspeed_config"):
         rows.append(("deepspeed", _deepspeed_precision(plan["deepspeed_config"])))
     if mem["host_offload"]:
@@ -72,6 +74,27 @@ def render(plan: dict[str, Any]) -> None:
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
+
+
+def _pipeline_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The bubble, then one row per pipeline rank: its stages, blocks and memory per device."""
+    pipe = plan.get("pipeline")
+    if not pipe:
+        return []
+    v = pipe["stages_per_rank"]
+    rows = [("pipeline", f"{pipe['schedule']}, {pipe['microbatches']} microbatches, "
+                         f"{len(pipe['stages'])} ranks x {v} stage(s): bubble {pipe['bubble_fraction']:.1%} "
+                         f"of each step ((pp-1)/({v}*m+pp-1))")]
+    for st in pipe["stages"]:
+        mem, blocks = st["memory_bytes"], st["blocks"]
+        held = (f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+                if blocks == list(range(blocks[0], blocks[-1] + 1)) else f"blocks {blocks}")
+        held += " + embeddings" * st["embeddings"] + " + head" * st["head"]
+        rows.append((f"  pp rank {st['pp_rank']}",
+                     f"stage(s) {st['stages']}: {held}, {st['params'] / 1e6:,.2f}M params; "
+                     f"{mem['states'] / GB:,.3f} GB states + {mem['activations'] / GB:,.3f} GB activations "
+                     f"({st['microbatches_in_flight']} microbatch(es) in flight) = {mem['total'] / GB:,.3f} GB"))
+    return rows
 
 
 def _cpu_host_need(plan: dict[str, Any]) -> float:
