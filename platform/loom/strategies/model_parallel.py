@@ -199,23 +199,39 @@ def _clip_grad_by_norm(optimizer, clip_val: float) -> None:
     gradients unscaled here (torch 2.13), and it reads `p.grad`, not gradient lists.
     """
     import torch
-    from torch.distributed.tensor import DTensor
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return
+    total = squared_norm(grads).sqrt()
+    scale_grads(grads, torch.clamp(float(clip_val) / (total + 1e-6), max=1.0))
+
+
+def squared_norm(grads: list):
+    """The squared 2-norm of gradients on any mix of meshes (and plain tensors), a 0-d fp32
+    device tensor: per mesh a DTensor reduction whose `full_tensor()` reduces over its dims."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
     by_mesh: dict[Any, list] = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = []
+    total = None
     for gs in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(gs, norm_type=2.0)  # foreach where the device has it
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+        sq = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+        total = sq if total is None else total + sq.to(total.device)
+    return total
+
+
+def scale_grads(grads: list, coef) -> None:
+    """Multiply each rank's local gradient tensors by `coef` (views: the DTensors follow)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
     by_kind: dict[tuple, list] = {}
     for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g  # a view: scaling it scales g
+        local = g.to_local() if isinstance(g, DTensor) else g
         by_kind.setdefault((local.device, local.dtype), []).append(local)
     for (device, _), tensors in by_kind.items():
         torch._foreach_mul_(tensors, coef.to(device))

@@ -91,6 +91,7 @@ class Pipeline:
         self.n_layer = int(cfg.model.n_layer)
         self.device, self.layout = device, layout
         self.schedule: Any = None
+        self.chunks: list = []
 
     @property
     def has_first(self) -> bool:
@@ -110,7 +111,8 @@ class Pipeline:
         return [b for st in self.stages for b in stage_blocks(st, self.n_stages, self.n_layer)]
 
     def prune(self, gpt) -> None:
-        """Drop the modules of the other ranks' stages; kept blocks keep their names."""
+        """Drop the modules of the other ranks' stages (kept blocks keep their names) and make
+        this rank's stage modules (`chunks`), which FSDP2 may then shard as roots."""
         from torch import nn
 
         keep = set(self.local_blocks())
@@ -119,16 +121,17 @@ class Pipeline:
             gpt.wte = gpt.wpe = None
         if not self.has_last:
             gpt.ln_f = gpt.lm_head = None
+        chunk = _chunk_class()
+        self.chunks = [chunk(gpt, [gpt.blocks[str(i)] for i in stage_blocks(st, self.n_stages, self.n_layer)],
+                             first=st == 0, last=st == self.n_stages - 1) for st in self.stages]
 
     def _build(self, gpt, loss_fn) -> None:
+        """The PipelineStages over the chunks (an FSDP2 chunk gets its gradient reduction from
+        the stage: no sync until the last microbatch's backward) and the schedule."""
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        chunk = _chunk_class()
-        stages = []
-        for st in self.stages:
-            blocks = [gpt.blocks[str(i)] for i in stage_blocks(st, self.n_stages, self.n_layer)]
-            mod = chunk(gpt, blocks, first=st == 0, last=st == self.n_stages - 1)
-            stages.append(PipelineStage(mod, st, self.n_stages, self.device, group=self.group))
+        stages = [PipelineStage(mod, st, self.n_stages, self.device, group=self.group)
+                  for st, mod in zip(self.stages, self.chunks, strict=True)]
         cls = getattr(schedules, PP_SCHEDULES[self.name].torch_class)
         self.schedule = (cls(stages[0], self.microbatches, loss_fn=loss_fn) if self.per_rank == 1
                          else cls(stages, self.microbatches, loss_fn=loss_fn))
@@ -157,17 +160,47 @@ class Pipeline:
         return loss
 
     def clip(self, parameters, max_norm: float) -> None:
-        """clip_grad_norm_ by the norm across every stage (all-reduce of the squared norms)."""
+        """clip_grad_norm_ by the norm across every mesh dimension: each stage's squared norm
+        (DTensor gradients reduced over their data-parallel and tensor-parallel dims), summed
+        over the pipeline group."""
         import torch
         import torch.distributed as dist
 
+        from loom.strategies.model_parallel import scale_grads, squared_norm
+
         grads = [p.grad for p in parameters if p.grad is not None]
-        sq = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) ** 2 if grads
-              else torch.zeros((), device=self.device)).float()
+        sq = squared_norm(grads) if grads else torch.zeros((), device=self.device)
         dist.all_reduce(sq, group=self.group)
-        coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        scale_grads(grads, torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0))
+
+
+def pipeline_mesh(device_type: str, lay: ParallelLayout):
+    """The (data_parallel, pipeline, tensor_parallel) mesh in `loom.layout`'s rank order; with
+    dp_replicate > 1 data_parallel is (replicate, shard) flattened, FSDP2's HSDP mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if lay.dp_replicate == 1:
+        return init_device_mesh(device_type, (lay.dp, lay.pp, lay.tp),
+                                mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
+    mesh = init_device_mesh(device_type, (lay.dp_replicate, lay.dp_shard, lay.pp, lay.tp),
+                            mesh_dim_names=("replicate", "shard", "pipeline", "tensor_parallel"))
+    mesh["replicate", "shard"]._flatten("data_parallel")
+    return mesh
+
+
+def shard_stages(chunks: list, mesh, lay: ParallelLayout, s: DictConfig) -> None:
+    """FSDP2 over the data-parallel ranks of each stage: every block, then the stage module as
+    the root (its embeddings or norm + head), so that PipelineStage sees an FSDPModule and
+    reduces gradients once, after the last microbatch's backward. Mixed precision stays with
+    Lightning (autocast) under pipelining: the policy here keeps the parameters' dtype."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh["replicate", "shard"] if lay.dp_replicate > 1 else mesh["data_parallel"]
+    kw = {"mesh": dp_mesh, "reshard_after_forward": bool(s.get("reshard_after_forward", True))}
+    for chunk in chunks:
+        for block in chunk.blocks:
+            fully_shard(block, **kw)
+        fully_shard(chunk, **kw)
 
 
 def _pipeline_strategy_class():
@@ -182,20 +215,24 @@ def _pipeline_strategy_class():
         pipeline: Pipeline | None = None
 
         def setup_environment(self) -> None:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self._setup_distributed()
-            lay = self.loom_layout
-            self._device_mesh = init_device_mesh(self.root_device.type, (lay.dp, lay.pp, lay.tp),
-                                                 mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
+            self._device_mesh = pipeline_mesh(self.root_device.type, self.loom_layout)
             self.lightning_module._device_mesh = self._device_mesh
-            self.pipeline = Pipeline(self.loom_cfg, lay, self._device_mesh, self.root_device)
+            self.pipeline = Pipeline(self.loom_cfg, self.loom_layout, self._device_mesh, self.root_device)
 
         def setup(self, trainer) -> None:
             super(base, self).setup(trainer)  # ModelParallelStrategy's, not Loom's clip hook (manual optimization)
 
         def parallelize(self, module) -> None:
+            """Stages first, then TP on their blocks, then FSDP2 on each stage (torchtitan's order)."""
+            from loom.strategies.model_parallel import _apply_tensor_parallel
+
             self.pipeline.prune(module.model)
+            lay = self.loom_layout
+            if lay.tp > 1:
+                _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
+            if lay.dp > 1:
+                shard_stages(self.pipeline.chunks, self._device_mesh, lay, self.loom_cfg.strategy)
 
         def optimizer_state(self, optimizer) -> dict:
             """The optimizer's DCP state with its param groups flattened per parameter
@@ -271,14 +308,18 @@ def _pipeline_strategy_class():
             return p.owner_pp_rank(stage) * self.loom_layout.tp  # data-parallel index 0
 
         def gather_full_tensor(self, trainer, t):
+            """The entry whole on rank 0: its stage's ranks gather a DTensor (FSDP2 / TP), then
+            the stage's data- and tensor-parallel rank 0 sends it to global rank 0."""
             import torch
             import torch.distributed as dist
+            from torch.distributed.tensor import DTensor
 
             owner = self._owners[id(t)]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
             if owner == 0:
-                return t.detach().cpu() if trainer.is_global_zero else None
+                return full.detach().cpu() if trainer.is_global_zero else None
             if self.global_rank == owner:
-                dist.send(t.detach().contiguous(), dst=0)
+                dist.send(full.detach().contiguous(), dst=0)
             elif trainer.is_global_zero:
                 buf = torch.empty(t.shape, dtype=t.dtype, device=self.root_device)
                 dist.recv(buf, src=owner)
