@@ -183,8 +183,8 @@ def check_nd(cfg: DictConfig, layout: ParallelLayout) -> None:
     check_pipeline(cfg, layout.pp)
     if layout.pp == 1:
         check_model_parallel(cfg, layout)
-    built = layout.pp > 1 or layout.dp_replicate == 1 or (layout.dp_shard > 1 and layout.tp == 1)
+    built = layout.pp > 1 or layout.dp_replicate == 1 or layout.dp_shard > 1
     require(built, "strategy", f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} "
             f"tp={layout.tp} pp={layout.pp}",
             "this combination is not built yet: with strategy.pp=1, dp_replicate > 1 needs dp_shard > 1 "
-            "and tp = 1 (HSDP); add a pipeline (strategy.pp > 1) or set strategy.dp_replicate=1")
+            "(HSDP); set strategy.dp_shard, add a pipeline (strategy.pp > 1) or use strategy=ddp")

@@ -45,8 +45,21 @@ def _model_parallel_strategy_class():
             # weights on the 2-D mesh, embeddings and norms on the data-parallel dim only).
             self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm
 
+        def setup_environment(self) -> None:
+            """Lightning's (data_parallel, tensor_parallel) mesh; under HSDP a (replicate, shard,
+            tensor_parallel) one instead, its first two dims flattened as data_parallel, so FSDP2's
+            (replicate, shard) mesh and the TP mesh share a root (FSDP2 x TP needs that)."""
+            super().setup_environment()
+            lay = self.loom_layout
+            if lay.hybrid:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh(self.root_device.type, (lay.dp_replicate, lay.dp_shard, lay.tp),
+                                        mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+                mesh["replicate", "shard"]._flatten("data_parallel")
+                self._device_mesh = self.lightning_module._device_mesh = mesh
+
         def parallelize(self, module) -> None:
-            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
             s, hw, layout = self.loom_cfg.strategy, self.loom_cfg.hardware, self.loom_layout
@@ -55,11 +68,7 @@ def _model_parallel_strategy_class():
             units = _unit_classes(module, s.get("shard_units"))
             if layout.tp > 1:
                 _apply_tensor_parallel(module, mesh["tensor_parallel"])
-            if layout.hybrid:
-                dp_mesh = init_device_mesh(self.root_device.type, (layout.dp_replicate, layout.dp_shard),
-                                           mesh_dim_names=("replicate", "shard"))
-            else:
-                dp_mesh = mesh["data_parallel"]
+            dp_mesh = mesh["replicate", "shard"] if layout.hybrid else mesh["data_parallel"]
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")
             _log_compute_dtype_once(model, units)
