@@ -4,7 +4,8 @@ over ranks. The package top is torch-free (schemas, checks, the layout, the Deep
 
 single / ddp: Lightning's SingleDeviceStrategy / DDPStrategy (`single.py`, `ddp.py`).
 fsdp / fsdp_tp: Lightning's ModelParallelStrategy with FSDP2 and tensor parallelism (`model_parallel.py`).
-pp / nd: degrees (`degrees.py`); pipeline stages over the pp ranks (`pipeline.py`), FSDP2 x TP otherwise.
+pp / nd: degrees (`degrees.py`); pipeline stages over the pp ranks, each FSDP2 x TP sharded
+    (`pipeline.py`); FSDP2 x TP (`model_parallel.py`) when pp = 1.
 zero1 | zero2 | zero3 | zero3_offload: DeepSpeed ZeRO (`deepspeed.py`).
 Every strategy class also answers Loom's two questions about its states (`base.LoomStrategy`).
 """

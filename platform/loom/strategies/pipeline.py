@@ -10,6 +10,11 @@ optimization: the schedule's `step()` runs forward and backward over the microba
 stage computes the loss, then gradients are clipped by the norm across stages, and the
 optimizer and the lr schedule step. The loss is broadcast over the pipeline group so every
 rank (rank 0's metrics included) sees the last stage's value.
+
+With data parallelism (`nd`: dp_replicate x dp_shard > 1) and tensor parallelism, the stages
+are built first, then the TP plan is applied to their blocks and FSDP2 shards each stage
+module over the data-parallel ranks (torchtitan's order); the mesh is (data_parallel,
+pipeline, tensor_parallel), data_parallel being (replicate, shard) flattened under HSDP.
 """
 
 from __future__ import annotations
