@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from loom.errors import EXIT_FAILED, EXIT_INVALID, EXIT_OK, ConfigError
+from loom.errors import EXIT_FAILED, EXIT_INFEASIBLE, EXIT_INVALID, EXIT_OK, ConfigError, PlanInfeasible
 from loom.pipeline import plan_run, refuse_infeasible, resolve, train_one
 from loom.rundir.config_file import frozen_yaml
 
@@ -22,6 +22,8 @@ from loom.rundir.config_file import frozen_yaml
 def cmd_plan(args: argparse.Namespace) -> int:
     from loom.sweep import translate
 
+    if args.compare:
+        return _compare(translate(args.overrides), args.json)
     cfg = resolve(translate(args.overrides))
     plan = plan_run(cfg, show=True)
     if args.json:
@@ -29,6 +31,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
     return EXIT_OK if plan.fits else refuse_infeasible(plan)
+
+
+def _compare(overrides: list[str], json_path: str | None) -> int:
+    """`loom plan --compare`: every valid layout of the world, best first (torch-free)."""
+    from loom.compose import compose
+    from loom.plan.compare import compare, render_comparison
+
+    cfg = compose(overrides)
+    result = compare(cfg)
+    render_comparison(result, cfg.hardware.name, cfg.model.name)
+    if json_path:
+        import json
+
+        rows = [c.to_dict() for c in result.candidates]
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return EXIT_OK
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -149,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train, parser=t)
     pl = sub.add_parser("plan", help="world size, batch math, memory per device, fits or not")
     pl.add_argument("--json", metavar="PATH", help="also write the plan as JSON (as plan.json)")
+    pl.add_argument("--compare", action="store_true",
+                    help="list every valid layout of the world (strategy and degrees) with memory, fit "
+                         "and predicted step time, best first")
     pl.add_argument("overrides", nargs="*")
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("probe", help="measure this machine and write a hardware profile")
@@ -188,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return EXIT_INVALID
+    except PlanInfeasible as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_INFEASIBLE
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ class ConfigError(Exception):
     """An invalid config or usage: the CLI prints the message and exits 2."""
 
 
+class PlanInfeasible(Exception):
+    """No layout fits (strategy=auto): the CLI prints the message and exits 3."""
+
+
 def fail(key: str, value: Any, rule: str) -> None:
     """Refuse `key=value` with one paragraph saying the rule it breaks."""
     raise ConfigError(f"Invalid config: {key}={value!r}: {rule}.")

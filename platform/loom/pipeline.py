@@ -20,6 +20,7 @@ from loom.freeze import freeze
 from loom.hardware.machine import check_machine
 from loom.launch import launch, multi_node
 from loom.plan import Plan, make_plan
+from loom.plan.compare import auto_choice_of, choose
 from loom.plan.render import infeasible_message, render
 from loom.rundir.checkpoints import UnsafeCheckpoint, newest_checkpoint
 from loom.rundir.lock import run_lock
@@ -31,8 +32,12 @@ Outcome = tuple[int, Path | None, str | None]  # (exit code, run dir, error)
 
 
 def resolve(overrides: list[str]) -> DictConfig:
-    """The validated config of one run: compose, then validate."""
-    return validate(compose(overrides))
+    """The validated config of one run: compose, then validate (strategy=auto: the best
+    layout that fits, validated, in place of auto)."""
+    composed = compose(overrides)
+    if composed.strategy.get("name") == "auto":
+        return choose(composed)
+    return validate(composed)
 
 
 _WARNED: set[str] = set()  # plan warnings already printed by this command (a sweep plans every trial)
@@ -43,6 +48,7 @@ def plan_run(cfg: DictConfig, show: bool) -> Plan:
     (e.g. MFU null for a device without a known peak) as one line each on stderr, once per
     command: a sweep's trials share them."""
     plan = make_plan(cfg)
+    plan.auto_choice = auto_choice_of(cfg)
     if show or not plan.fits:
         render(plan.to_dict())
     for w in plan.warnings:

@@ -36,6 +36,22 @@ def validate(cfg: DictConfig) -> DictConfig:
     return out
 
 
+def with_strategy(valid: DictConfig, node: DictConfig) -> DictConfig:
+    """A validated config with another strategy node, typed, normalized and checked as `validate`
+    would (`loom plan --compare` weighs many: the other sections are typed once)."""
+    out = valid.copy()
+    schemas = GROUP_PACKAGES["strategy"].SCHEMAS
+    name = node.get("name")
+    schema = schemas.get(name) or schemas.get("*")
+    if schema is None:
+        raise ConfigError(f"Invalid config: strategy.name={name!r} has no schema in Loom. "
+                          f"Valid choices for strategy: {', '.join(sorted(schemas))}.")
+    out.strategy = typed("strategy", schema, node)
+    GROUP_PACKAGES["strategy"].normalize(out)
+    check(out)
+    return out
+
+
 def typed_config(cfg: DictConfig) -> DictConfig:
     out: dict[str, Any] = {}
     for key in cfg:

@@ -96,6 +96,8 @@ class Plan:
     # pp > 1: {schedule, microbatches, stages_per_rank, bubble_fraction, stages: [per pipeline
     # rank: stages, blocks, params, microbatches_in_flight, memory_bytes]} (plan.pipeline)
     pipeline: dict[str, Any] | None = None
+    # strategy=auto: {strategy, degrees, overrides, predicted_step_s, candidates_considered, ...}
+    auto_choice: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

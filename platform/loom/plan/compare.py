@@ -1,0 +1,313 @@
+"""`loom plan --compare` and `strategy=auto` (no torch import): every layout of the world that
+validation accepts, with its plan's memory, fit and a predicted step time, best first.
+
+Every layout trains the same global batch, dataset.batch_size x accumulate_grad_batches x the
+world (as pure data parallelism would): a layout whose replica spans tp x pp ranks takes a
+dataset.batch_size tp x pp times larger (its overrides say so), so step times compare.
+
+Each candidate is the composed config with its `strategy` node replaced (a preset's yaml, or
+`nd` with one factorization of the world into dp_replicate x dp_shard x tp x pp), then run
+through the same `validate` and `make_plan` as `loom train`: a listed layout is one `loom
+train` accepts. The step time model, per device:
+
+    compute = FLOPs per step / world x recompute / rate
+    (rate: `loom probe`'s hardware.measured.matmul_tflops, else peak x PEAK_EFFICIENCY,
+     else FALLBACK_TFLOPS for the accelerator)
+    comm    = the plan's bytes per step per device / bandwidth
+    (bandwidth: hardware.measured.allreduce_busbw_gbps, else the profile's interconnect
+     figure, the inter-node one across nodes, else FALLBACK_GBPS)
+    step    = compute x (1 + bubble / (1 - bubble)) + comm (+ host transfers when offloading)
+
+Communication is counted as fully exposed (no overlap with compute): a pessimistic but
+uniform assumption, so the ranking between layouts is what it is for.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from itertools import product
+from math import prod
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom.compose import conf_dir, group_options
+from loom.errors import ConfigError
+from loom.plan import Plan, make_plan
+from loom.plan.memory import GB
+from loom.strategies.degrees import DEGREE_KEYS
+from loom.validate import validate, with_strategy
+
+PEAK_EFFICIENCY = 0.4          # model FLOPs utilisation a well-tuned dense run reaches of the datasheet peak
+FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak nor a probe is known
+FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect names no figure
+PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
+RECOMPUTE = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}  # forward = 1/3 of a step
+# Presets in the order a tie is broken (least communication and fewest moving parts first).
+PRESETS = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload")
+PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
+
+
+@dataclass
+class Candidate:
+    """One layout of the world, as `loom plan --compare` lists it (to_dict: --json's rows)."""
+
+    strategy: str
+    degrees: dict[str, int]
+    overrides: list[str]
+    memory_per_device_bytes: float
+    capacity_per_device_bytes: float | None
+    fits: bool
+    compute_s: float | None
+    comm_s: float
+    bubble_fraction: float
+    predicted_step_s: float | None
+    cfg: DictConfig = field(repr=False)
+    plan: Plan = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("strategy", "degrees", "overrides", "memory_per_device_bytes", "capacity_per_device_bytes",
+                "fits", "compute_s", "comm_s", "bubble_fraction", "predicted_step_s")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class Comparison:
+    candidates: list[Candidate]     # best first
+    refused: list[tuple[list[str], str]]  # (overrides, validation's message) of layouts not listed
+    rate_source: str
+    bandwidth_source: str
+
+
+def compare(composed: DictConfig) -> Comparison:
+    """Every layout of `composed`'s world that validates, best first (fits, then predicted time)."""
+    hw = composed.hardware
+    world = int(hw.devices) * int(hw.num_nodes)
+    listed: list[Candidate] = []
+    refused: list[tuple[list[str], str]] = []
+    seen: set[tuple[int, ...]] = set()
+    micro = int(composed.dataset.batch_size)
+    base: DictConfig | None = None  # the first valid candidate: the others share its typed sections
+    for node, overrides in _nodes(composed, world):
+        scale = _model_parallel(node, world)
+        if scale > 1:  # the same global batch: fewer data-parallel ranks each take a larger batch
+            overrides = [*overrides, f"dataset.batch_size={micro * scale}"]
+        try:
+            valid = _validated(composed, base, node, micro * scale)
+            base = base or valid
+        except ConfigError as e:
+            refused.append((overrides, str(e)))
+            continue
+        plan = make_plan(valid)
+        key = tuple(plan.parallel[k] for k in DEGREE_KEYS)
+        if node.name == "nd" and key in seen:
+            continue  # the same degrees as a preset listed above (fsdp, fsdp_tp, pp are presets of nd)
+        seen.add(key)
+        listed.append(_candidate(valid, plan, overrides))
+    if not listed and refused:
+        raise ConfigError(refused[0][1])
+    listed.sort(key=_rank)
+    return Comparison(listed, refused, _rate(composed.hardware, None)[1], _bandwidth(composed.hardware)[1])
+
+
+def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, batch: int) -> DictConfig:
+    """`validate` of the composed config with `node` as its strategy and `batch` as its
+    dataset.batch_size (the sections other than the strategy typed once, in `base`)."""
+    if base is None:
+        cfg = composed.copy()
+        cfg.strategy = node
+        cfg.dataset.batch_size = batch
+        return validate(cfg)
+    out = base.copy()
+    out.dataset = base.dataset.copy()
+    out.dataset.batch_size = batch
+    return with_strategy(out, node)
+
+
+def _model_parallel(node: DictConfig, world: int) -> int:
+    """tp x pp of a candidate node (the ranks a data-parallel replica spans)."""
+    if node.name == "fsdp_tp":
+        return int(node.tensor_parallel)
+    if node.name == "pp":
+        return world if int(node.pp) == -1 else int(node.pp)
+    if node.name == "nd":
+        return int(node.tp) * int(node.pp)
+    return 1
+
+
+def _rank(c: Candidate) -> tuple[bool, float, float]:
+    t = c.predicted_step_s if c.predicted_step_s is not None else float("inf")
+    return (not c.fits, t, c.memory_per_device_bytes)
+
+
+def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]]]:
+    """Each candidate's strategy node and the overrides that select it."""
+    have = set(group_options("strategy"))
+    gpu = composed.hardware.accelerator == "gpu"
+    pipe = {k: composed.strategy[k] for k in PIPELINE_KEYS if k in composed.strategy}
+    pipe_over = [f"strategy.{k}={_value(v)}" for k, v in pipe.items() if v is not None]
+    out: list[tuple[DictConfig, list[str]]] = []
+    for name in PRESETS:
+        if name not in have or (name == "single") != (world == 1) and name != "zero3_offload":
+            continue
+        if name == "zero3_offload" and not gpu:
+            continue  # on CPU the host *is* the device: offloading moves nothing
+        base = _yaml(name)
+        if name == "fsdp_tp":
+            for tp in (d for d in range(2, int(composed.hardware.devices) + 1) if world % d == 0):
+                out.append((_merge(base, tensor_parallel=tp), [f"strategy={name}", f"strategy.tensor_parallel={tp}"]))
+        elif name == "pp":
+            out.append((_merge(base, **pipe), [f"strategy={name}", *pipe_over]))
+        else:
+            out.append((base, [f"strategy={name}"]))
+    if "nd" in have and world > 1:
+        for degrees in factorizations(world):
+            d = dict(zip(DEGREE_KEYS, degrees, strict=True))
+            extra = pipe if d["pp"] > 1 else {}
+            over = ["strategy=nd", *(f"strategy.{k}={v}" for k, v in d.items())]
+            out.append((_merge(_yaml("nd"), **d, **extra), over + (pipe_over if d["pp"] > 1 else [])))
+    return out
+
+
+def factorizations(world: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    return [f for f in product(divs, repeat=4) if prod(f) == world]
+
+
+def _yaml(name: str) -> DictConfig:
+    node = OmegaConf.load(conf_dir() / "strategy" / f"{name}.yaml")
+    assert isinstance(node, DictConfig)
+    return node
+
+
+def _merge(node: DictConfig, **values: Any) -> DictConfig:
+    return OmegaConf.merge(node, values)  # type: ignore[return-value]
+
+
+def _value(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def _candidate(cfg: DictConfig, plan: Plan, overrides: list[str]) -> Candidate:
+    compute, comm, bubble, step = predict(cfg, plan)
+    return Candidate(
+        strategy=plan.strategy, degrees={k: plan.parallel[k] for k in DEGREE_KEYS}, overrides=overrides,
+        memory_per_device_bytes=plan.memory_per_device_bytes["total"],
+        capacity_per_device_bytes=plan.capacity_per_device_bytes, fits=plan.fits,
+        compute_s=compute, comm_s=comm, bubble_fraction=bubble, predicted_step_s=step, cfg=cfg, plan=plan)
+
+
+def predict(cfg: DictConfig, plan: Plan) -> tuple[float | None, float, float, float | None]:
+    """(compute s, communication s, bubble fraction, step s) of one step of `plan`."""
+    hw = cfg.hardware
+    rate, _ = _rate(hw, plan.peak_flops_per_device)
+    compute = None
+    if plan.flops_per_step is not None:
+        compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) / rate
+    bw, _ = _bandwidth(hw)
+    comm = plan.comm_bytes_per_step_per_device / (bw * GB)
+    if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
+        comm += plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
+            / (PCIE_GBPS * GB)
+    bubble = float((plan.pipeline or {}).get("bubble_fraction", 0.0))
+    step = None if compute is None else compute * (1 + bubble / (1 - bubble)) + comm
+    return compute, comm, bubble, step
+
+
+def _rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:
+    """FLOP/s per device the compute term divides by, and where it comes from."""
+    measured = (hw.get("measured") or {}).get("matmul_tflops") if hw.get("measured") else None
+    if measured:
+        return float(measured) * 1e12, f"measured matmul {float(measured):g} TFLOP/s (loom probe)"
+    if peak is None:
+        from loom.hardware.peaks import peak_flops
+
+        peak = peak_flops(hw)
+    if peak:
+        return peak * PEAK_EFFICIENCY, f"peak {peak / 1e12:g} TFLOP/s x {PEAK_EFFICIENCY:g}"
+    tf = FALLBACK_TFLOPS.get(str(hw.accelerator), FALLBACK_TFLOPS["gpu"])
+    return tf * 1e12, f"assumed {tf:g} TFLOP/s (no peak, no `loom probe` profile)"
+
+
+_FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s*(GB|Gb)/s")
+
+
+def _bandwidth(hw: DictConfig) -> tuple[float, str]:
+    """GB/s per device for the communication term, and where it comes from."""
+    measured = (hw.get("measured") or {}).get("allreduce_busbw_gbps") if hw.get("measured") else None
+    if measured:
+        return float(measured), f"measured all-reduce {float(measured):g} GB/s (loom probe)"
+    text = str(hw.interconnect or "")
+    parts = [p for p in text.split(",") if p.strip()]
+    if int(hw.num_nodes) > 1:
+        parts = [p for p in parts if "inter" in p] or []
+    for part in parts:
+        m = _FIGURE.search(part)
+        if m:
+            gbps = float(m.group(1)) / (8 if m.group(2) == "Gb" else 1)
+            return gbps, f"{part.strip()} = {gbps:g} GB/s"
+    gbps = FALLBACK_GBPS.get(str(hw.accelerator), FALLBACK_GBPS["gpu"])
+    return gbps, f"assumed {gbps:g} GB/s (interconnect {text or 'unknown'} names no figure)"
+
+
+# ------------------------------------------------------------------ strategy=auto
+
+_CHOICES: dict[int, tuple[DictConfig, dict[str, Any]]] = {}  # id(cfg) -> (cfg, plan.json's auto_choice)
+
+
+def choose(composed: DictConfig) -> DictConfig:
+    """strategy=auto: the validated config of the best layout that fits (its concrete strategy
+    and degrees in place of auto). None fits: `PlanInfeasible` naming the closest."""
+    from loom.errors import PlanInfeasible
+
+    result = compare(composed)
+    best = result.candidates[0] if result.candidates else None
+    if best is None or not best.fits:
+        closest = min(result.candidates, key=lambda c: c.memory_per_device_bytes - (c.capacity_per_device_bytes or 0),
+                      default=None)
+        where = (f"; the closest is {' '.join(closest.overrides)} needing {closest.memory_per_device_bytes / GB:,.1f}"
+                 f" GB of {(closest.capacity_per_device_bytes or 0) / GB:,.1f} GB per device") if closest else ""
+        raise PlanInfeasible(
+            f"Plan infeasible: strategy=auto found no layout of the {composed.hardware.devices * composed.hardware.num_nodes}"
+            f" devices of hardware={composed.hardware.name} that fits model={composed.model.name}"
+            f" ({len(result.candidates)} valid layouts considered){where}. Use more devices, a smaller"
+            " dataset.batch_size or trainer.activation_checkpointing=full; `loom plan --compare` lists them.")
+    choice = {"strategy": best.strategy, "degrees": best.degrees, "overrides": best.overrides,
+              "predicted_step_s": best.predicted_step_s, "candidates_considered": len(result.candidates),
+              "candidates_fitting": sum(c.fits for c in result.candidates),
+              "rate_source": result.rate_source, "bandwidth_source": result.bandwidth_source}
+    _CHOICES[id(best.cfg)] = (best.cfg, choice)
+    return best.cfg
+
+
+def auto_choice_of(cfg: DictConfig) -> dict[str, Any] | None:
+    """plan.json's `auto_choice` of a config `choose` returned (None: not chosen by auto)."""
+    held = _CHOICES.get(id(cfg))
+    return held[1] if held and held[0] is cfg else None
+
+
+def render_comparison(result: Comparison, hardware: str, model: str) -> None:
+    """The candidates as a rich table, best first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}")
+    for col in ("#", "strategy", "repl x shard x tp x pp", "memory / device", "fits", "compute s",
+                "comm s", "bubble", "step s (predicted)", "overrides"):
+        t.add_column(col, justify="right" if col in ("#", "compute s", "comm s", "bubble") else "left")
+    for i, c in enumerate(result.candidates, 1):
+        cap = f" / {c.capacity_per_device_bytes / GB:,.1f}" if c.capacity_per_device_bytes else ""
+        t.add_row(str(i), c.strategy, " x ".join(str(c.degrees[k]) for k in DEGREE_KEYS),
+                  f"{c.memory_per_device_bytes / GB:,.2f}{cap} GB", "yes" if c.fits else "[red]no[/red]",
+                  _secs(c.compute_s), _secs(c.comm_s), f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",
+                  _secs(c.predicted_step_s), " ".join(c.overrides))
+    console = Console()
+    console.print(t)
+    console.print(f"compute at {result.rate_source}; communication at {result.bandwidth_source}, fully exposed; "
+                  f"{len(result.refused)} layout(s) refused by validation are not listed.")
+
+
+def _secs(v: float | None) -> str:
+    return "?" if v is None else f"{v:.3g}"
