@@ -107,7 +107,8 @@ def compare(composed: DictConfig) -> Comparison:
         listed.append(_candidate(valid, plan, overrides))
     if not listed and refused:
         raise ConfigError(refused[0][1])
-    listed.sort(key=_rank)
+    order = {id(c): i for i, c in enumerate(listed)}  # ties: PRESETS order, then nd's
+    listed.sort(key=lambda c: (*_rank(c), order[id(c)]))
     return Comparison(listed, refused, _rate(composed.hardware, None)[1], _bandwidth(composed.hardware)[1])
 
 
@@ -136,9 +137,10 @@ def _model_parallel(node: DictConfig, world: int) -> int:
     return 1
 
 
-def _rank(c: Candidate) -> tuple[bool, float, float]:
+def _rank(c: Candidate) -> tuple[bool, float]:
+    """Fits first, then the predicted step time (to 3 significant figures: closer is a tie)."""
     t = c.predicted_step_s if c.predicted_step_s is not None else float("inf")
-    return (not c.fits, t, c.memory_per_device_bytes)
+    return (not c.fits, float(f"{t:.3g}"))
 
 
 def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]]]:
@@ -304,6 +306,7 @@ def render_comparison(result: Comparison, hardware: str, model: str) -> None:
                   _secs(c.compute_s), _secs(c.comm_s), f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",
                   _secs(c.predicted_step_s), " ".join(c.overrides))
     console = Console()
+    console.width = max(console.width, 170)  # one line per layout, also when piped
     console.print(t)
     console.print(f"compute at {result.rate_source}; communication at {result.bandwidth_source}, fully exposed; "
                   f"{len(result.refused)} layout(s) refused by validation are not listed.")
