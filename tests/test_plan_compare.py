@@ -1,0 +1,98 @@
+"""`loom plan --compare` (every valid layout, best first, torch-free) and `strategy=auto`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import FAST, LOOM, run_loom
+from omegaconf import OmegaConf
+
+from loom.compose import compose
+from loom.plan.compare import compare, factorizations
+from loom.validate import validate
+
+
+@pytest.fixture(scope="module")
+def h100_7b():
+    return compare(compose(["model=gpt_7b", "hardware=h100x8"]))
+
+
+def test_compare_7b_h100x8_is_fast_and_torch_free(tmp_path):
+    code = ("import sys, time; t = time.perf_counter(); from loom.cli import main; "
+            f"rc = main(['plan', '--compare', '--json', {str(tmp_path / 'c.json')!r}, 'model=gpt_7b', "
+            "'hardware=h100x8']); dt = time.perf_counter() - t; assert rc == 0, rc; "
+            "bad = [m for m in ('torch', 'pytorch_lightning', 'lightning', 'deepspeed') if m in sys.modules]; "
+            "assert not bad, bad; print('clean', dt)")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - t0
+    assert p.returncode == 0 and "clean" in p.stdout, p.stderr
+    assert wall < 1.5, f"loom plan --compare took {wall:.2f} s"
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert len(rows) > 10 and {"ddp", "fsdp", "fsdp_tp", "zero3", "pp", "nd"} <= {r["strategy"] for r in rows}
+
+
+def test_best_first_and_unfit_marked(h100_7b):
+    c = h100_7b.candidates
+    key = [(not x.fits, x.predicted_step_s) for x in c]
+    assert all(a[0] <= b[0] for a, b in zip(key, key[1:], strict=False))  # every fitting layout first
+    fitting = [x.predicted_step_s for x in c if x.fits]
+    assert all(float(f"{a:.3g}") <= float(f"{b:.3g}") for a, b in zip(fitting, fitting[1:], strict=False))
+    ddp = next(x for x in c if x.strategy == "ddp")  # 7B under DDP holds 112 GB per device of 72
+    assert not ddp.fits and ddp.memory_per_device_bytes > ddp.capacity_per_device_bytes
+    assert c[0].fits and c[-1] is ddp
+
+
+def test_every_listed_layout_validates_from_its_overrides(h100_7b):
+    """What the list says is what `loom train` accepts: each row's overrides compose and validate
+    to the same degrees and memory."""
+    from loom.plan import make_plan
+
+    for cand in h100_7b.candidates[::3]:  # a third of them keeps the test fast
+        plan = make_plan(validate(compose(["model=gpt_7b", "hardware=h100x8", *cand.overrides])))
+        assert {k: plan.parallel[k] for k in cand.degrees} == cand.degrees, cand.overrides
+        assert plan.memory_per_device_bytes["total"] == pytest.approx(cand.memory_per_device_bytes)
+        assert plan.global_batch == 128  # every layout trains the same global batch
+
+
+def test_every_factorization_considered(h100_7b):
+    assert len(factorizations(8)) == 20 and all(a * b * c * d == 8 for a, b, c, d in factorizations(8))
+    listed = {tuple(x.degrees.values()) for x in h100_7b.candidates}
+    refused = [" ".join(o) for o, _ in h100_7b.refused]
+    for f in factorizations(8):  # each listed, or refused by validation (with its message)
+        over = " ".join(f"strategy.{k}={v}" for k, v in zip(("dp_replicate", "dp_shard", "tp", "pp"), f, strict=True))
+        assert f in listed or any(over in r for r in refused), f
+
+
+def test_auto_resolves_to_a_concrete_strategy(tmp_path):
+    p = subprocess.run([*LOOM, "train", "--cfg", "job", "strategy=auto", "model=gpt_7b", "hardware=h100x8"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    cfg = OmegaConf.create(p.stdout)
+    best = compare(compose(["model=gpt_7b", "hardware=h100x8"])).candidates[0]
+    assert cfg.strategy.name == best.strategy != "auto"
+    pl = run_loom("plan", "--json", str(tmp_path / "p.json"), "strategy=auto", "model=gpt_7b", "hardware=h100x8",
+                  root=tmp_path)
+    assert pl.rc == 0, pl.err
+    choice = json.loads((tmp_path / "p.json").read_text())["auto_choice"]
+    assert choice["strategy"] == best.strategy and choice["degrees"] == best.degrees
+    assert choice["candidates_considered"] > 10 and choice["predicted_step_s"] > 0
+
+
+def test_auto_with_nothing_fitting_exits_3_naming_the_closest(tmp_path):
+    p = run_loom("plan", "strategy=auto", "model=gpt_7b", "hardware=cpu", "hardware.devices=2", root=tmp_path)
+    assert p.rc == 3 and "the closest is strategy=" in p.err, p.err
+
+
+def test_auto_trains_at_two_cpu_ranks(tmp_path):
+    r = run_loom("train", "strategy=auto", "model=gpt_tiny", "hardware=cpu", "hardware.devices=2",
+                 "trainer.max_steps=2", "trainer.val_every_n_steps=0", *FAST, root=tmp_path)
+    assert r.rc == 0, r.err[-2000:]
+    frozen = OmegaConf.load(r.run_dir / "config.yaml")
+    plan = json.loads((r.run_dir / "plan.json").read_text())
+    assert frozen.strategy.name == plan["strategy"] == plan["auto_choice"]["strategy"] != "auto"
+    assert r.summary()["status"] == "completed"
