@@ -14,6 +14,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
 from loom.models.gpt import GPT, Block
@@ -104,9 +106,6 @@ class LoomModule(pl.LightningModule):
         step (fused AdamW), a guard written for fp16's loss scaler. bf16 autocast has no scaler:
         the gradients are already true, so clip them as the 32-bit path does (the strategy's own
         clip_grad_by_norm included). fp16 with clipping never gets a fused optimizer (optim.build)."""
-        from pytorch_lightning.plugins.precision import Precision
-        from pytorch_lightning.utilities import GradClipAlgorithmType
-
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and getattr(plugin, "scaler", False) is None:
             algorithm = GradClipAlgorithmType(gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm")

@@ -16,27 +16,9 @@ from pathlib import Path
 
 from loom.errors import ConfigError
 from loom.report.compare import best_line, columns, comparison_report, read_sweep, worlds_differ
-from loom.report.runs import Run, child_runs, is_run_dir, load_run, run_report, summary_rows
+from loom.report.runs import Run, collect, load_run, run_report, summary_rows
 
 __all__ = ["Run", "collect", "load_run", "report", "run_report", "summary_rows"]
-
-
-def collect(paths: list[Path]) -> tuple[list[Run], Path | None, list[Path]]:
-    """-> (runs, the sweep dir or None, child dirs skipped for lack of a summary)."""
-    if not paths:
-        raise ConfigError("loom report: give at least one PATH (a run dir or a sweep dir).")
-    if len(paths) == 1 and paths[0].is_dir() and not is_run_dir(paths[0]):
-        sweep = paths[0]
-        found = child_runs(sweep)
-        if not found:
-            raise ConfigError(
-                f"loom report: {sweep} is not a run dir (no summary.json) and holds no run dirs. "
-                "Give a run dir (runs/<experiment>/<run id>/) or a sweep dir (runs/<experiment>/sweeps/<id>/)."
-            )
-        skipped = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "config.yaml").is_file()
-                         and not is_run_dir(p))
-        return [load_run(p) for p in found], sweep.resolve(), skipped
-    return [load_run(p) for p in paths], None, []
 
 
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
