@@ -3,9 +3,10 @@ over ranks. The package top is torch-free (schemas, checks, the layout, the Deep
 `build_strategy` imports the one strategy module a run uses:
 
 single / ddp: Lightning's SingleDeviceStrategy / DDPStrategy (`single.py`, `ddp.py`).
-fsdp / fsdp_tp: Lightning's ModelParallelStrategy with FSDP2 and tensor parallelism (`model_parallel.py`).
-pp / nd: degrees (`degrees.py`); pipeline stages over the pp ranks, each FSDP2 x TP sharded
-    (`pipeline.py`); FSDP2 x TP (`model_parallel.py`) when pp = 1.
+fsdp / fsdp_tp / pp / nd: presets of one N-D mesh (`pipeline.build_mesh`): Lightning's
+    ModelParallelStrategy with FSDP2 and tensor parallelism (`model_parallel.py`), extended with
+    pipeline stages over the pp ranks, each FSDP2 x TP sharded (`pipeline.py`), when pp > 1;
+    pp and nd take their degrees from `degrees.py`.
 zero1 | zero2 | zero3 | zero3_offload: DeepSpeed ZeRO (`deepspeed.py`).
 Every strategy class also answers Loom's two questions about its states (`base.LoomStrategy`).
 """

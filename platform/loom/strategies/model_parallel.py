@@ -60,8 +60,6 @@ def _model_parallel_strategy_class():
                 self._device_mesh = self.lightning_module._device_mesh = mesh
 
         def parallelize(self, module) -> None:
-            from torch.distributed.fsdp import fully_shard
-
             s, hw, layout = self.loom_cfg.strategy, self.loom_cfg.hardware, self.loom_layout
             model = module.model
             mesh = self.device_mesh
@@ -72,11 +70,7 @@ def _model_parallel_strategy_class():
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")
             _log_compute_dtype_once(model, units)
-            kw = {"mesh": dp_mesh, "reshard_after_forward": bool(s.reshard_after_forward), "mp_policy": mp}
-            for sub in list(model.modules()):
-                if sub is not model and isinstance(sub, units):
-                    fully_shard(sub, **kw)
-            fully_shard(model, **kw)
+            shard_roots([model], units, dp_mesh, bool(s.reshard_after_forward), mp)
 
         _loom_pending: Any = None      # the future of the checkpoint being written (checkpoint.async)
         _loom_ckpt_group: Any = None   # the gloo group the background writer coordinates over
@@ -244,6 +238,23 @@ def scale_grads(grads: list, coef) -> None:
         by_kind.setdefault((local.device, local.dtype), []).append(local)
     for (device, _), tensors in by_kind.items():
         torch._foreach_mul_(tensors, coef.to(device))
+
+
+def shard_roots(roots: list, units: tuple[type, ...], dp_mesh, reshard_after_forward: bool,
+                mp_policy: Any = None) -> None:
+    """FSDP2 over the data-parallel mesh: every sharding unit inside each root, then the root
+    itself (the whole model, or one pipeline stage: `strategies.pipeline`). The one place
+    fsdp, fsdp_tp, pp and nd apply `fully_shard`."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    for root in roots:
+        for sub in list(root.modules()):
+            if sub is not root and isinstance(sub, units):
+                fully_shard(sub, **kw)
+        fully_shard(root, **kw)
 
 
 def _unit_classes(module, names) -> tuple[type, ...]:

@@ -193,19 +193,16 @@ def pipeline_mesh(device_type: str, lay: ParallelLayout):
     return mesh
 
 
-def shard_stages(chunks: list, mesh, lay: ParallelLayout, s: DictConfig) -> None:
-    """FSDP2 over the data-parallel ranks of each stage: every block, then the stage module as
-    the root (its embeddings or norm + head), so that PipelineStage sees an FSDPModule and
-    reduces gradients once, after the last microbatch's backward. Mixed precision stays with
-    Lightning (autocast) under pipelining: the policy here keeps the parameters' dtype."""
-    from torch.distributed.fsdp import fully_shard
+def shard_stages(module, chunks: list, mesh, lay: ParallelLayout, s: DictConfig) -> None:
+    """FSDP2 over the data-parallel ranks of each stage: its sharding units, then the stage
+    module as the root (with its embeddings or norm + head), so that PipelineStage sees an
+    FSDPModule and reduces gradients once, after the last microbatch's backward. Mixed
+    precision stays with Lightning (autocast) under pipelining: no FSDP2 policy here."""
+    from loom.strategies.model_parallel import _unit_classes, shard_roots
 
     dp_mesh = mesh["replicate", "shard"] if lay.dp_replicate > 1 else mesh["data_parallel"]
-    kw = {"mesh": dp_mesh, "reshard_after_forward": bool(s.get("reshard_after_forward", True))}
-    for chunk in chunks:
-        for block in chunk.blocks:
-            fully_shard(block, **kw)
-        fully_shard(chunk, **kw)
+    shard_roots(chunks, _unit_classes(module, s.get("shard_units")), dp_mesh,
+                bool(s.get("reshard_after_forward", True)))
 
 
 def _pipeline_strategy_class():
@@ -237,7 +234,7 @@ def _pipeline_strategy_class():
             if lay.tp > 1:
                 _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
             if lay.dp > 1:
-                shard_stages(self.pipeline.chunks, self._device_mesh, lay, self.loom_cfg.strategy)
+                shard_stages(module, self.pipeline.chunks, self._device_mesh, lay, self.loom_cfg.strategy)
 
         def optimizer_state(self, optimizer) -> dict:
             """The optimizer's DCP state with its param groups flattened per parameter
@@ -334,16 +331,14 @@ def _pipeline_strategy_class():
     return LoomPipelineStrategy
 
 
-def build(cfg: DictConfig, layout: ParallelLayout):
+def build_mesh(cfg: DictConfig, layout: ParallelLayout):
+    """fsdp, fsdp_tp, pp and nd, one implementation of the N-D mesh: the pipeline above when the
+    layout has pp > 1, FSDP2 x TP (`model_parallel`, which this one extends) otherwise. The
+    presets differ only in the degrees their layout gives."""
+    if layout.pp == 1:
+        from loom.strategies import model_parallel
+
+        return model_parallel.build(cfg, layout)
     return _pipeline_strategy_class()(
         cfg, layout, data_parallel_size=layout.dp, tensor_parallel_size=layout.tp * layout.pp,
         save_distributed_checkpoint=True, process_group_backend=cfg.hardware.backend)
-
-
-def build_nd(cfg: DictConfig, layout: ParallelLayout):
-    """strategy=nd: the pipeline above when pp > 1, FSDP2 x TP (`model_parallel`) otherwise."""
-    if layout.pp > 1:
-        return build(cfg, layout)
-    from loom.strategies import model_parallel
-
-    return model_parallel.build(cfg, layout)

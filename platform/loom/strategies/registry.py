@@ -44,8 +44,9 @@ class StrategyOption:
 
 _ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero,
              mixed_precision="deepspeed")
-_MODEL_PARALLEL = dict(build="loom.strategies.model_parallel:build", check=checks.check_model_parallel,
-                       mixed_precision="fsdp2")
+# fsdp, fsdp_tp, pp and nd: presets of one N-D mesh implementation (`pipeline.build_mesh`).
+_MESH = "loom.strategies.pipeline:build_mesh"
+_MODEL_PARALLEL = dict(build=_MESH, check=checks.check_model_parallel, mixed_precision="fsdp2")
 
 STRATEGIES: dict[str, StrategyOption] = {
     "single": StrategyOption(SingleStrategyConfig, "replicate", "none", "loom.strategies.single:build",
@@ -54,9 +55,9 @@ STRATEGIES: dict[str, StrategyOption] = {
                           check=checks.check_ddp),
     "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL),
     "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL),
-    "pp": StrategyOption(PPStrategyConfig, "replicate", "none", "loom.strategies.pipeline:build",
+    "pp": StrategyOption(PPStrategyConfig, "replicate", "none", _MESH,
                          check=checks.check_pp, degrees=True),
-    "nd": StrategyOption(NDStrategyConfig, "shard", "all", "loom.strategies.pipeline:build_nd",
+    "nd": StrategyOption(NDStrategyConfig, "shard", "all", _MESH,
                          check=checks.check_nd, mixed_precision="fsdp2", degrees=True),
     "zero1": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer", **_ZERO),
     "zero2": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer+grads", **_ZERO),
