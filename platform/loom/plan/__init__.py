@@ -34,6 +34,7 @@ from loom.plan.memory import (
     offloads_optimizer,
     per_param_bytes,
 )
+from loom.plan.messages import comm_messages
 from loom.plan.pipeline import p2p_bytes, pipeline_summary
 from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
 
@@ -88,6 +89,8 @@ class Plan:
     build_host_source: str = ""              # how that is counted (memory.build_host_bytes)
     build_host_ok: bool = True               # devices per node x build_host_bytes_per_rank fits the host
     host_capacity_bytes: float | None = None  # usable host memory per node (HOST_USABLE x host_memory_gb)
+    # calls per device per step by dimension (plan.messages): what latency costs, beside the bytes
+    comm_messages_per_step: dict[str, float] = field(default_factory=dict)
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
@@ -147,6 +150,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         max_micro_batch=_max_micro_batch(cfg, mem, cap, micro),
         comm_bytes_per_step_per_device=sum(comm.values()), comm_bytes_by_collective=comm,
         comm_time_s_at_measured_busbw=_comm_time(hw, sum(comm.values())),
+        comm_messages_per_step=comm_messages(cfg, s.name, params, layout),
         fits=fits(cfg, mem, cap) and build_ok, host_memory_ok=host_ok(cfg, mem),
         activation_checkpointing=cfg.trainer.activation_checkpointing,
         build_host_bytes_per_rank=build, build_host_source=build_source, build_host_ok=build_ok,

@@ -16,10 +16,13 @@ train` accepts. The step time model, per device:
     comm    = the plan's bytes per step per device / bandwidth
     (bandwidth: hardware.measured.allreduce_busbw_gbps, else the profile's interconnect
      figure, the inter-node one across nodes, else FALLBACK_GBPS)
-    step    = compute x (1 + bubble / (1 - bubble)) + comm (+ host transfers when offloading)
+    latency = the plan's communication calls per step x LATENCY_S (a call's fixed cost)
+    step    = compute x (1 + bubble / (1 - bubble)) + comm + latency (+ host transfers when offloading)
 
-Communication is counted as fully exposed (no overlap with compute): a pessimistic but
-uniform assumption, so the ranking between layouts is what it is for.
+On CPU the ranks share `hardware.cpu_cores`: with more ranks than cores each computes at
+cores / world of its rate. Communication is counted as fully exposed (no overlap with
+compute): a pessimistic but uniform assumption, so the ranking between layouts is what it is
+for. scripts/bench/layouts.py measures every CPU layout against this prediction.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from loom.validate import validate, with_strategy
 PEAK_EFFICIENCY = 0.4          # model FLOPs utilisation a well-tuned dense run reaches of the datasheet peak
 FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak nor a probe is known
 FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect names no figure
+# Seconds per communication call, beside its bytes: gloo over loopback (CPU), NCCL within a
+# node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
+LATENCY_S = {"cpu": 1e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
 RECOMPUTE = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}  # forward = 1/3 of a step
 # Presets in the order a tie is broken (least communication and fewest moving parts first).
@@ -202,14 +208,16 @@ def _candidate(cfg: DictConfig, plan: Plan, overrides: list[str]) -> Candidate:
 
 
 def predict(cfg: DictConfig, plan: Plan) -> tuple[float | None, float, float, float | None]:
-    """(compute s, communication s, bubble fraction, step s) of one step of `plan`."""
+    """(compute s, communication s (bytes and calls), bubble fraction, step s) of one step of `plan`."""
     hw = cfg.hardware
     rate, _ = _rate(hw, plan.peak_flops_per_device)
+    if hw.accelerator == "cpu" and hw.get("cpu_cores"):  # ranks beyond the cores share them
+        rate *= min(1.0, float(hw.cpu_cores) / plan.world_size)
     compute = None
     if plan.flops_per_step is not None:
         compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) / rate
     bw, _ = _bandwidth(hw)
-    comm = plan.comm_bytes_per_step_per_device / (bw * GB)
+    comm = plan.comm_bytes_per_step_per_device / (bw * GB) + sum(plan.comm_messages_per_step.values()) * _latency(hw)
     if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
         comm += plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
             / (PCIE_GBPS * GB)
@@ -231,6 +239,12 @@ def _rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:
         return peak * PEAK_EFFICIENCY, f"peak {peak / 1e12:g} TFLOP/s x {PEAK_EFFICIENCY:g}"
     tf = FALLBACK_TFLOPS.get(str(hw.accelerator), FALLBACK_TFLOPS["gpu"])
     return tf * 1e12, f"assumed {tf:g} TFLOP/s (no peak, no `loom probe` profile)"
+
+
+def _latency(hw: DictConfig) -> float:
+    if hw.accelerator == "cpu":
+        return LATENCY_S["cpu"]
+    return LATENCY_S["gpu_internode" if int(hw.num_nodes) > 1 else "gpu"]
 
 
 _FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s*(GB|Gb)/s")
