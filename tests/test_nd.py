@@ -15,7 +15,7 @@ import torch
 from conftest import FAST, LoomResult, refused_fast, run_loom, start_loom, wait_for, worker_pids
 from safetensors.torch import load_file
 
-STEPS = 8
+STEPS = 10
 GLOBAL_BATCH = 8
 ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", f"trainer.max_steps={STEPS}",
         "dataset.seq_len=64"]
@@ -40,13 +40,24 @@ def single(root) -> LoomResult:
     return r
 
 
-def _nd(name: str, root) -> LoomResult:
+_RUNS: dict[str, LoomResult] = {}
+
+
+def _nd_args(name: str) -> list[str]:
+    """The run of layout `name`, checkpointed every 4 steps: the SIGKILL test's reference too."""
     degrees, ranks = LAYOUTS[name]
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    r = run_loom("train", "strategy=nd", f"hardware.devices={ranks}", f"dataset.batch_size={GLOBAL_BATCH // dp}",
-                 *(f"strategy.{k}={v}" for k, v in degrees.items()), *ARGS, root=root, timeout=400)
-    assert r.rc == 0, r.out + r.err
-    return r
+    return ["train", "strategy=nd", f"hardware.devices={ranks}", f"dataset.batch_size={GLOBAL_BATCH // dp}",
+            *(f"strategy.{k}={v}" for k, v in degrees.items()), *ARGS, "checkpoint.every_n_steps=4", f"run.id={name}"]
+
+
+def _nd(name: str, root) -> LoomResult:
+    """One run per layout for the whole module (the matching test and the resume test share it)."""
+    if name not in _RUNS:
+        r = run_loom(*_nd_args(name), root=root, timeout=400)
+        assert r.rc == 0, r.out + r.err
+        _RUNS[name] = r
+    return _RUNS[name]
 
 
 @pytest.mark.slow
@@ -83,22 +94,16 @@ def test_replicas_without_shards_or_pipeline_refused_fast(loom, tmp_path):
 
 
 # ----------------------------------------------------------------------------- resume
-# (dp_shard 2, pp 2): each stage's FSDP2 shards, optimizer states and RNG come back from DCP.
-RESUME_STEPS = 12
-RESUME_ARGS = ["train", "strategy=nd", "strategy.dp_shard=2", "strategy.pp=2", "hardware.devices=4",
-               "dataset.batch_size=4", *ARGS, f"trainer.max_steps={RESUME_STEPS}", "checkpoint.every_n_steps=4",
-               "model.dropout=0.1", "run.id=r"]
-
-
 @pytest.mark.slow
-def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(tmp_path_factory):
-    """SIGKILL of one rank after the step-4 checkpoint: torchrun restarts all four, the run ends
-    with the loss curve and final weights of an uninterrupted run, bit for bit."""
-    ref = run_loom(*RESUME_ARGS, root=tmp_path_factory.mktemp("nd-ref"), timeout=400)
-    assert ref.rc == 0, ref.out + ref.err
-    root = tmp_path_factory.mktemp("nd-kill")
-    run_dir = root / "gpt" / "r"
-    proc = start_loom(*RESUME_ARGS, "hardware.max_restarts=1", root=root)
+def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(root, tmp_path_factory):
+    """(dp_shard 2, pp 2): SIGKILL of one rank after the step-4 checkpoint; torchrun restarts all
+    four, each stage's FSDP2 shards and optimizer states come back from DCP, and the run ends
+    with the loss curve and final weights of the uninterrupted run, bit for bit. (RNG state
+    under pipelining, with dropout, is test_pipeline.py's SIGKILL test.)"""
+    ref = _nd("dp2_pp2", root)
+    kill_root = tmp_path_factory.mktemp("nd-kill")
+    run_dir = kill_root / "gpt" / "dp2_pp2"
+    proc = start_loom(*_nd_args("dp2_pp2"), "hardware.max_restarts=1", root=kill_root)
     wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
     victims = worker_pids(run_dir)
     assert len(victims) == 4
@@ -108,7 +113,7 @@ def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(tmp_path_fact
     r = LoomResult(0, out, "", run_dir)
     s = r.summary()
     assert s["status"] == "completed" and s["restarts"] == 1
-    assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < RESUME_STEPS
+    assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < STEPS
     assert r.losses() == ref.losses()
     wa = load_file(ref.run_dir / "final" / "model.safetensors")
     wb = load_file(run_dir / "final" / "model.safetensors")

@@ -12,7 +12,7 @@ import torch
 from conftest import FAST, LoomResult, run_loom, start_loom, wait_for, worker_pids
 from safetensors.torch import load_file
 
-STEPS = 8
+STEPS = 10
 # pp has one data-parallel rank: both stages read the same batch of 4, split into 2 microbatches.
 ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", f"trainer.max_steps={STEPS}",
         "dataset.batch_size=4", "dataset.seq_len=64"]
@@ -103,18 +103,3 @@ def test_sigkill_of_one_stage_restarts_and_resumes_bit_identical(tmp_path, refer
     assert s["status"] == "completed" and s["restarts"] == 1
     assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < RESUME_STEPS
     _assert_same_run(reference, r)
-
-
-def test_sigterm_preempts_then_the_same_command_completes_identically(tmp_path, reference):
-    run_dir = tmp_path / "gpt" / "r"
-    proc = start_loom(*RESUME_ARGS, root=tmp_path)
-    wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, out
-    s = LoomResult(143, out, "", run_dir).summary()
-    assert s["status"] == "preempted" and 4 <= s["global_step"] < RESUME_STEPS
-    again = run_loom(*RESUME_ARGS, root=tmp_path)
-    assert again.rc == 0, again.out + again.err
-    assert again.summary()["resumed_from_step"] == s["global_step"]
-    _assert_same_run(reference, again)
