@@ -102,3 +102,20 @@ def test_auto_trains_at_two_cpu_ranks(tmp_path):
     plan = json.loads((r.run_dir / "plan.json").read_text())
     assert frozen.strategy.name == plan["strategy"] == plan["auto_choice"]["strategy"] != "auto"
     assert r.summary()["status"] == "completed"
+
+
+def test_plan_counts_communication_per_mesh_dimension():
+    """plan.json's bytes and calls by dimension: each dimension the layout has, and only those;
+    --compare's latency term reads the calls."""
+    from loom.plan import make_plan
+
+    base = ["hardware=cpu", "hardware.devices=8", "model=gpt_tiny", "model.n_layer=4"]
+    nd = make_plan(validate(compose([*base, "strategy=nd", "strategy.dp_shard=2", "strategy.tp=2", "strategy.pp=2"])))
+    assert all(nd.comm_bytes_by_dimension[k] > 0 and nd.comm_messages_per_step[k] > 0
+               for k in ("data_parallel", "tensor_parallel", "pipeline"))
+    assert abs(sum(nd.comm_bytes_by_dimension.values()) - nd.comm_bytes_per_step_per_device) < 1
+    ddp = make_plan(validate(compose([*base, "strategy=ddp"])))
+    assert ddp.comm_bytes_by_dimension["data_parallel"] > 0 and ddp.comm_messages_per_step["data_parallel"] >= 1
+    assert ddp.comm_bytes_by_dimension["tensor_parallel"] == ddp.comm_messages_per_step["pipeline"] == 0
+    fsdp = make_plan(validate(compose([*base, "strategy=fsdp"])))
+    assert fsdp.comm_messages_per_step["data_parallel"] > ddp.comm_messages_per_step["data_parallel"]

@@ -33,6 +33,7 @@ from loom.plan.memory import (
     memory_of,
     offloads_optimizer,
     per_param_bytes,
+    tp_bytes,
 )
 from loom.plan.messages import comm_messages
 from loom.plan.pipeline import p2p_bytes, pipeline_summary
@@ -89,6 +90,8 @@ class Plan:
     build_host_source: str = ""              # how that is counted (memory.build_host_bytes)
     build_host_ok: bool = True               # devices per node x build_host_bytes_per_rank fits the host
     host_capacity_bytes: float | None = None  # usable host memory per node (HOST_USABLE x host_memory_gb)
+    # the same bytes by mesh dimension: {data_parallel, tensor_parallel, pipeline}
+    comm_bytes_by_dimension: dict[str, float] = field(default_factory=dict)
     # calls per device per step by dimension (plan.messages): what latency costs, beside the bytes
     comm_messages_per_step: dict[str, float] = field(default_factory=dict)
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
@@ -149,6 +152,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         capacity_per_device_bytes=cap, capacity_source=where,
         max_micro_batch=_max_micro_batch(cfg, mem, cap, micro),
         comm_bytes_per_step_per_device=sum(comm.values()), comm_bytes_by_collective=comm,
+        comm_bytes_by_dimension=_by_dimension(cfg, comm, layout),
         comm_time_s_at_measured_busbw=_comm_time(hw, sum(comm.values())),
         comm_messages_per_step=comm_messages(cfg, s.name, params, layout),
         fits=fits(cfg, mem, cap) and build_ok, host_memory_ok=host_ok(cfg, mem),
@@ -179,6 +183,13 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
         return None
     room = cap - mem.states - mem.runtime - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
     return max(0, int(room // per_sample))
+
+
+def _by_dimension(cfg: DictConfig, comm: dict[str, float], layout) -> dict[str, float]:
+    """`comm_bytes_by_collective` regrouped by the mesh dimension the bytes cross."""
+    tp = tp_bytes(cfg, layout) if comm else 0.0
+    pipe = comm.get("pipeline_send", 0.0)
+    return {"data_parallel": sum(comm.values()) - tp - pipe, "tensor_parallel": tp, "pipeline": pipe}
 
 
 def _comm_time(hw: DictConfig, comm_total: float) -> float | None:

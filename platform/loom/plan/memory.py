@@ -229,7 +229,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     again for backward and reduce-scatter the grads every micro batch (1.5x ddp's volume).
     Tensor parallelism adds 4 activation all-reduces per layer per micro batch across the TP group.
     """
-    hw, s = cfg.hardware, cfg.strategy
+    s = cfg.strategy
     own = name == s.name
     accum = cfg.trainer.accumulate_grad_batches
     p, g = wire_bytes(cfg, name)
@@ -253,12 +253,19 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
         if layout.hybrid:  # HSDP: all-reduce the grad shards across nodes
             nodes = layout.num_nodes
             out["all_reduce"] = 2 * (nodes - 1) / nodes * g * local / group
-    if layout.tp > 1:
-        m, tp = cfg.model, layout.tp
-        act = 2.0 if hw.precision != "32-true" else 4.0
-        volume = cfg.dataset.batch_size * cfg.dataset.seq_len * m.d_model * act
-        out["all_reduce"] += accum * 4 * (m.n_layer / layout.pp) * 2 * (tp - 1) / tp * volume
+    out["all_reduce"] += tp_bytes(cfg, layout)
     return out
+
+
+def tp_bytes(cfg: DictConfig, layout: ParallelLayout) -> float:
+    """Tensor parallelism's share of `comm_bytes`: 4 activation all-reduces per layer per micro
+    batch across the TP group."""
+    if layout.tp == 1:
+        return 0.0
+    m, tp = cfg.model, layout.tp
+    act = 2.0 if cfg.hardware.precision != "32-true" else 4.0
+    volume = cfg.dataset.batch_size * cfg.dataset.seq_len * m.d_model * act
+    return cfg.trainer.accumulate_grad_batches * 4 * (m.n_layer / layout.pp) * 2 * (tp - 1) / tp * volume
 
 
 def capacity(hw: DictConfig) -> tuple[float | None, str]:

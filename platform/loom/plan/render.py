@@ -63,6 +63,12 @@ def render(plan: dict[str, Any]) -> None:
     if plan["comm_time_s_at_measured_busbw"]:
         line += f", ~{plan['comm_time_s_at_measured_busbw']:.3f} s at the probed bus bandwidth"
     rows.append(("communication", line))
+    dims = plan.get("comm_bytes_by_dimension") or {}
+    calls = plan.get("comm_messages_per_step") or {}
+    if sum(1 for v in dims.values() if v) > 1 or any(calls.values()):
+        rows.append(("  by dimension", ", ".join(
+            f"{k.replace('_', '-')} {dims.get(k, 0) / GB:,.3f} GB in {calls.get(k, 0):g} calls"
+            for k in ("data_parallel", "tensor_parallel", "pipeline") if dims.get(k) or calls.get(k))))
     peak = plan["peak_flops_per_device"]
     rows.append(("peak", f"{peak / 1e12:,.4g} TFLOP/s per device ({plan['precision']})" if peak
                  else "unknown (MFU will be null)"))
