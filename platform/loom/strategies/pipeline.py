@@ -170,8 +170,9 @@ class Pipeline:
             self.schedule.step(*args, **kw)
         else:
             self.schedule.eval(*args, **kw)
+        # fp32 on every rank (bf16-true makes bf16 the default dtype): gloo refuses mismatched sizes
         loss = (torch.stack([t.detach().float() for t in losses]).mean() if losses
-                else torch.zeros((), device=self.device))
+                else torch.zeros((), device=self.device, dtype=torch.float32))
         src = self.owner_pp_rank(self.n_stages - 1)
         dist.broadcast(loss, group=self.group, group_src=src)
         return loss
@@ -186,7 +187,7 @@ class Pipeline:
         from loom.strategies.model_parallel import scale_grads, squared_norm
 
         grads = [p.grad for p in parameters if p.grad is not None]
-        sq = squared_norm(grads) if grads else torch.zeros((), device=self.device)
+        sq = squared_norm(grads) if grads else torch.zeros((), device=self.device, dtype=torch.float32)
         dist.all_reduce(sq, group=self.group)
         scale_grads(grads, torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0))
 
