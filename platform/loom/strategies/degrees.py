@@ -23,14 +23,15 @@ DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
 class PipelineSchedule:
     torch_class: str       # its class in torch.distributed.pipelining.schedules
     stages_per_rank: int   # 1: one stage per pipeline rank; 2: two virtual stages (looped / V-shaped)
+    rounds: bool = False   # microbatches run in rounds of pp: a multiple of max(1, m // pp) (torch's flex interleaving)
 
 
 # strategy.pp_schedule -> the schedule (torch 2.13 has every one of them).
 PP_SCHEDULES: dict[str, PipelineSchedule] = {
     "gpipe": PipelineSchedule("ScheduleGPipe", 1),
     "1f1b": PipelineSchedule("Schedule1F1B", 1),
-    "interleaved_1f1b": PipelineSchedule("ScheduleInterleaved1F1B", 2),
-    "interleaved_zero_bubble": PipelineSchedule("ScheduleInterleavedZeroBubble", 2),
+    "interleaved_1f1b": PipelineSchedule("ScheduleInterleaved1F1B", 2, rounds=True),
+    "interleaved_zero_bubble": PipelineSchedule("ScheduleInterleavedZeroBubble", 2, rounds=True),
     "zbv_zero_bubble": PipelineSchedule("ScheduleZBVZeroBubble", 2),
 }
 # Precisions a pipelined run trains in (fp16 would need a gradient scaler around the schedule's
@@ -106,6 +107,8 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
     require(bs % mb == 0, "strategy.pp_microbatches", mb,
             f"must divide dataset.batch_size={bs} (the per-rank batch is split into equal microbatches); "
             f"valid: {_divisors(bs)}")
+    if PP_SCHEDULES[sched].rounds:
+        _check_rounds(sched, mb, pp, bs)
     acc = cfg.trainer.accumulate_grad_batches
     require(acc == 1, "trainer.accumulate_grad_batches", acc,
             f"strategy.pp={pp} accumulates over strategy.pp_microbatches instead (the schedule runs every "
@@ -113,3 +116,14 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
     prec = cfg.hardware.precision
     require(prec in PIPELINE_PRECISIONS, "hardware.precision", prec,
             f"strategy.pp={pp} has no gradient scaler for 16-mixed; valid choices: {', '.join(PIPELINE_PRECISIONS)}")
+
+
+def _check_rounds(sched: str, mb: int, pp: int, bs: int) -> None:
+    """The interleaved schedules run the microbatches in max(1, m // pp) equal rounds (torch
+    raises at the first step otherwise, after every rank has started)."""
+    rounds = max(1, mb // pp)
+    valid = [m for m in range(pp, bs + 1) if bs % m == 0 and m % max(1, m // pp) == 0]
+    require(mb % rounds == 0, "strategy.pp_microbatches", mb,
+            f"pp_schedule={sched} runs the microbatches in max(1, m // strategy.pp) = {rounds} equal rounds, "
+            f"so they must be a multiple of {rounds}; valid with dataset.batch_size={bs}: "
+            f"{', '.join(map(str, valid))}")

@@ -48,6 +48,15 @@ def _style(schedule: str) -> str:
     return "v" if "zbv" in schedule else "loop"
 
 
+def _guard_local_bwd(stage) -> None:
+    """Under V placement torch (2.13) hands gradients between a rank's two adjacent stages
+    locally, even in `eval()` (no backward), where the stage refuses ("can't steal_bwd_input if
+    this stage doesn't have backward"): skip the hand-over when there is no backward."""
+    get, put = stage.get_local_bwd_output, stage.set_local_bwd_input
+    stage.get_local_bwd_output = lambda mb: get(mb) if stage.has_backward else ()
+    stage.set_local_bwd_input = lambda grads, mb: put(grads, mb) if stage.has_backward else None
+
+
 def _chunk_class():
     from torch import nn
 
@@ -137,6 +146,9 @@ class Pipeline:
 
         stages = [PipelineStage(mod, st, self.n_stages, self.device, group=self.group)
                   for st, mod in zip(self.stages, self.chunks, strict=True)]
+        if _style(self.name) == "v":
+            for stage in stages:
+                _guard_local_bwd(stage)
         cls = getattr(schedules, PP_SCHEDULES[self.name].torch_class)
         self.schedule = (cls(stages[0], self.microbatches, loss_fn=loss_fn) if self.per_rank == 1
                          else cls(stages, self.microbatches, loss_fn=loss_fn))
@@ -158,8 +170,9 @@ class Pipeline:
             self.schedule.step(*args, **kw)
         else:
             self.schedule.eval(*args, **kw)
+        # fp32 on every rank (bf16-true makes bf16 the default dtype): gloo refuses mismatched sizes
         loss = (torch.stack([t.detach().float() for t in losses]).mean() if losses
-                else torch.zeros((), device=self.device))
+                else torch.zeros((), device=self.device, dtype=torch.float32))
         src = self.owner_pp_rank(self.n_stages - 1)
         dist.broadcast(loss, group=self.group, group_src=src)
         return loss
@@ -174,7 +187,7 @@ class Pipeline:
         from loom.strategies.model_parallel import scale_grads, squared_norm
 
         grads = [p.grad for p in parameters if p.grad is not None]
-        sq = squared_norm(grads) if grads else torch.zeros((), device=self.device)
+        sq = squared_norm(grads) if grads else torch.zeros((), device=self.device, dtype=torch.float32)
         dist.all_reduce(sq, group=self.group)
         scale_grads(grads, torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0))
 
