@@ -110,7 +110,8 @@ def test_recipes_list_show_copy(loom, tmp_path):
         ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=2", SMALL_CORPUS]),
         ("digits-classifier", ["trainer.max_steps=3"]),
         ("zero3-big-model", ["model=gpt_tiny", "trainer.max_steps=2", SMALL_CORPUS]),
-        ("scaling-study", ["trainer.max_steps=2", SMALL_CORPUS]),
+        # one strategy at its 1 and 2 devices: the recipe's sweep and report, not every strategy again
+        ("scaling-study", ["trainer.max_steps=2", "sweep.params.strategy=ddp", SMALL_CORPUS]),
     ],
 )
 def test_recipe_smoke_run(loom, tmp_path, recipe, smoke):
