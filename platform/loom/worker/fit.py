@@ -43,6 +43,10 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     # smaller than the profile's devices x num_nodes.
     formed = os.environ.get("WORLD_SIZE")
     layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
+    if cfg.trainer.get("global_batch_size"):  # the run's global batch at the world that formed
+        from loom.strategies.world import derive_accumulation
+
+        derive_accumulation(cfg, int(cfg.trainer.global_batch_size), world=layout.world)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
