@@ -60,6 +60,16 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
         with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config):
             return super().load_checkpoint(universal, weights_only)
 
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """Lightning already divides the loss by `accumulate_grad_batches`; DeepSpeed's
+        `engine.backward` would divide it again (`scale_wrt_gas`, Lightning issue #6170), so
+        with accumulation N the gradients were 1/N^2 of the mean and clipping cut a different
+        step than at accumulation 1. Once is right: a world change re-derives the accumulation
+        and must leave the update as it was. (`manual_backward` is not divided by Lightning.)"""
+        if self.lightning_module.automatic_optimization:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def full_shape(self, t) -> tuple[int, ...]:
         """ZeRO-3 parameters are empty locally; `ds_shape` is their real shape."""
         return tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)
