@@ -15,7 +15,8 @@ DeepSpeed leaves to its caller, and this module does:
 - where and by whom: once, on global rank 0, into `step-N.ckpt.universal` beside the checkpoint
   (the original is never modified; `loom.rundir.checkpoints.remove` drops the sibling with it),
   built under `.partial` and renamed when whole, so a crash mid-conversion is redone and a
-  finished one is reused by the next restart. The other ranks wait on the broadcast of the
+  finished one is reused by the next restart (after Loom's pickle allow-list check, as any
+  checkpoint). The other ranks wait on the broadcast of the
   outcome, and a failed conversion fails every rank with the converter's error.
 - the switch: Lightning hands the strategy the checkpoint path only after `deepspeed.initialize`
   (DeepSpeedStrategy restores after setup), so `checkpoint.load_universal` cannot be in the
@@ -81,8 +82,12 @@ def convert(ckpt: Path) -> Path:
 
     out = universal_dir(ckpt)
     if (out / UNIVERSAL_TAG_FILE).is_file():
-        log.info(f"reusing the universal checkpoint {out.name}")
-        return out
+        issue = checkpoints.problem(out)  # DeepSpeed unpickles it: Loom's allow-list first
+        if issue is None:
+            log.info(f"reusing the universal checkpoint {out.name}")
+            return out
+        log.warning(f"{out.name} is {issue[0]} ({issue[1]}): converting {ckpt.name} again")
+        checkpoints.remove(out)
     tmp = out.with_name(out.name + ".partial")
     checkpoints.remove(tmp)
     tag = _tag(ckpt)
