@@ -57,7 +57,7 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
             else None
         if universal is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config):
+        with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config, universal):
             return super().load_checkpoint(universal, weights_only)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):

@@ -23,6 +23,7 @@ DeepSpeed leaves to its caller, and this module does:
   config the engine was built from. The engine reads it (`_config.load_universal_checkpoint`)
   only inside `load_checkpoint`, so it is turned on for that one call (`loading_universal`),
   which is what the key in the config would have done.
+- ZeRO-3: two slips of its universal load, undone by `_repair_stage3`.
 - `inject_missing_state`: a plain model's stage 1/2 checkpoint carries no
   `universal_checkpoint_info` (Megatron-style models set it); the converter's own option adds the
   version marker it requires.
@@ -105,16 +106,41 @@ def convert(ckpt: Path) -> Path:
 
 
 @contextlib.contextmanager
-def loading_universal(engine, config: dict) -> Iterator[None]:
-    """`checkpoint.load_universal: true` for one `engine.load_checkpoint` (see the module docstring);
-    the strategy's config dict says so too, as a record of what the engine ran with."""
+def loading_universal(engine, config: dict, universal: Path) -> Iterator[None]:
+    """`checkpoint.load_universal: true` for one `engine.load_checkpoint` of `universal` (see the
+    module docstring); the strategy's config dict says so too, as a record of what the engine ran
+    with. A ZeRO-3 load is then repaired (`_repair_stage3`)."""
     before = engine._config.load_universal_checkpoint
     engine._config.load_universal_checkpoint = True
     config.setdefault("checkpoint", {})["load_universal"] = True
     try:
         yield
+        if engine.zero_optimization_partition_weights():
+            _repair_stage3(engine.optimizer.optimizer, universal / _tag(universal))
     finally:
         engine._config.load_universal_checkpoint = before
+
+
+def _repair_stage3(optimizer, folder: Path) -> None:
+    """Two slips of DeepSpeed 0.19's ZeRO-3 universal load
+    (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), undone here; stages 1 and 2 have neither:
+    - it copies the first param group's hyperparameters onto every group. Loom's AdamW has two
+      groups, decayed and not (biases, norms): the second would be decayed from then on. The
+      converter kept every group's (`zero/optimizer_state.pt`): each gets its own back.
+    - it gives every sub-group's state one and the same `step` tensor, which torch's Adam
+      increments in place: the second group would count two steps per step (seen: the loss one
+      step after a resume off by 6e-4). Each gets its own copy."""
+    import torch
+
+    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(f"{folder}: {len(groups)} optimizer param groups saved, {len(optimizer.param_groups)} now")
+    for group, old in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in old.items() if k != "params"})
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def prepare(strategy, ckpt: Path) -> Path | None:
