@@ -101,6 +101,8 @@ class Recorder(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             loss = loss.detach()
+            if pl_module.automatic_optimization:  # Lightning hands back loss / accumulation
+                loss = loss * trainer.accumulate_grad_batches
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             self.loss_count += 1
         step = trainer.global_step
