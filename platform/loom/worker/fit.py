@@ -50,6 +50,10 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
+    if rank == 0:  # this attempt in summary.json's world_history, before anything can kill it
+        from loom.rundir.world_history import record_attempt
+
+        record_attempt(run_dir, progress.start_step, layout.world, layout.num_nodes)
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
     with stop_signals(saver):
         progress.phase = "building the data"
