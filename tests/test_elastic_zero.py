@@ -127,6 +127,8 @@ def test_zero_shrinks_then_grows_on_the_same_curve(chains, strategy):
     diffs = {step: abs(got[step] - want[step]) for step in range(5, STEPS + 1)}
     print(strategy, "1 -> 2 at step 4, |loss - reference| by step:", diffs)
     assert max(diffs.values()) < TOL, (got, want)
+    history = [(e["start_step"], e["world_size"], e["reason"]) for e in grow["world_history"]]
+    assert history == [(0, 2, "start"), (2, 1, "world change"), (4, 2, "world change")], history
 
 
 def test_pruning_a_checkpoint_drops_its_universal_form(chains):
