@@ -141,3 +141,22 @@ def test_pruning_a_checkpoint_drops_its_universal_form(chains):
     assert not (ckpts / "step-0000002.ckpt").exists()
     assert not (ckpts / "step-0000002.ckpt.universal").exists()
     assert (ckpts / "step-0000004.ckpt").is_dir()
+
+
+def test_recorded_world_and_a_tampered_universal_form_is_rebuilt(chains):
+    """The world size is read from the checkpoint's own record; a universal form that fails Loom's
+    pickle allow-list is never handed to DeepSpeed (which unpickles it): it is converted again."""
+    import pickle
+
+    from loom.strategies.deepspeed import use_cpu_accelerator
+    from loom.strategies.deepspeed_universal import convert, saved_dp_world, universal_dir
+
+    use_cpu_accelerator()
+    ref, grow = chains["zero3"]["ref"].run_dir, chains["zero3"]["grow"].run_dir
+    assert saved_dp_world(ref / "checkpoints" / "step-0000004.ckpt") == 2
+    ckpt = grow / "checkpoints" / "step-0000004.ckpt"  # written by the 1-rank attempt
+    assert saved_dp_world(ckpt) == 1
+    planted = universal_dir(ckpt) / "checkpoint" / "zero" / "evil.pt"
+    planted.write_bytes(pickle.dumps(print))  # names builtins.print: outside the allow-list
+    assert convert(ckpt) == universal_dir(ckpt)
+    assert not planted.exists() and (universal_dir(ckpt) / "latest_universal").is_file()
