@@ -16,8 +16,8 @@ DeepSpeed leaves to its caller, and this module does:
   (the original is never modified; `loom.rundir.checkpoints.remove` drops the sibling with it),
   built under `.partial` and renamed when whole, so a crash mid-conversion is redone and a
   finished one is reused by the next restart (after Loom's pickle allow-list check, as any
-  checkpoint). The other ranks wait on the broadcast of the
-  outcome, and a failed conversion fails every rank with the converter's error.
+  checkpoint). The other ranks wait on the broadcast of the outcome, and a failed conversion
+  fails every rank with the converter's error.
 - the switch: Lightning hands the strategy the checkpoint path only after `deepspeed.initialize`
   (DeepSpeedStrategy restores after setup), so `checkpoint.load_universal` cannot be in the
   config the engine was built from. The engine reads it (`_config.load_universal_checkpoint`)
