@@ -47,23 +47,24 @@ def _epoch(dms, epoch):
 
 def test_sampler_shards_are_disjoint_cover_the_epoch_and_resume_mid_epoch():
     n = 103
-    samplers = [ResumableDistributedSampler(range(n), num_replicas=2, rank=r, shuffle=True, seed=7, drop_last=True)
-                for r in range(2)]
+    samplers = [ResumableDistributedSampler(range(n), num_replicas=2, rank=r, micro_batch=4, global_batch=8,
+                                            shuffle=True, seed=7) for r in range(2)]
     for epoch in (0, 1):
         parts = []
         for s in samplers:
             s.set_epoch(epoch)
             parts.append(list(s))
         assert not set(parts[0]) & set(parts[1])
-        assert len(set(parts[0]) | set(parts[1])) == n - n % 2  # DistributedSampler's drop_last
+        assert len(set(parts[0]) | set(parts[1])) == n - n % 8  # whole global batches only
+        assert len(parts[0]) == len(samplers[0])
         if epoch == 0:
             first = parts
     assert first != parts  # reshuffled per epoch
     s = samplers[1]
     s.set_epoch(1)
     full = list(s)
-    s.resume_at(1, 10)
-    assert list(s) == full[10:]  # resumed: skips what the epoch already consumed
+    s.resume_at(1, 16)  # 16 samples of the global order consumed: 2 micro batches of each rank
+    assert list(s) == full[8:]  # resumed: skips what the epoch already consumed
     assert list(s) == full       # once: the next pass is whole again
 
 

@@ -20,6 +20,7 @@ from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
 from loom.rundir.failures import failure_paragraph, read_failures, root_failure, summary_error
 from loom.rundir.summary import empty_summary, read_summary, summary_mark, write_summary
+from loom.rundir.world_history import read_history
 
 # The multi-node failure-summary grace: how long a launcher whose ranks failed waits for global
 # rank 0 (perhaps on another node, still in its `finally`) to write summary.json itself.
@@ -60,7 +61,9 @@ def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
             time.sleep(0.2)
         if summary_mark(run_dir) == before:
             # The workers died before rank 0 could write it: record the failure here.
-            write_summary(run_dir, empty_summary(cfg, str(cfg.run.id), strategies.layout_of(cfg)))
+            empty = empty_summary(cfg, str(cfg.run.id), strategies.layout_of(cfg))
+            empty["world_history"] = read_history(run_dir)
+            write_summary(run_dir, empty)
     summary = read_summary(run_dir)
     if summary is not None and failures and summary["status"] == "failed" and not summary.get("error"):
         summary["error"] = summary_error(root_failure(failures))

@@ -17,6 +17,7 @@ from loom.errors import ConfigError
 from loom.plan import Plan
 from loom.rundir.config_file import frozen_container, frozen_yaml
 from loom.rundir.extension import extend, is_completed, max_steps_only
+from loom.strategies.world import check_elastic_range, derive_accumulation, world_change_only
 
 # Keys that do not change what a run computes: changing them resumes the same run.
 # Activation checkpointing recomputes the same values, async checkpoints write the same bytes,
@@ -38,7 +39,31 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     for key in ("init_from", "init_from_fingerprint"):  # null: as frozen before the key existed
         if key in data.get("model", {}) and data["model"][key] is None:
             data["model"].pop(key)
+    if data.get("trainer", {}).get("global_batch_size", 0) is None:  # null: the run's own (adopt_run_batch)
+        data["trainer"].pop("global_batch_size")
     return data
+
+
+def adopt_run_batch(cfg: DictConfig, old: DictConfig, run_dir: Path) -> None:
+    """A command that leaves `trainer.global_batch_size` null continues with the run's (its frozen
+    config's; plan.json's `global_batch` for a run frozen before the key existed), the accumulation
+    re-derived for this command's world (in place; ConfigError naming usable worlds if none)."""
+    gbs = old.trainer.get("global_batch_size")
+    if gbs is None:
+        gbs = _read_json(run_dir / "plan.json").get("global_batch")
+        if gbs is None:
+            return
+        old.trainer.global_batch_size = int(gbs)  # compared as if frozen with it
+    if cfg.trainer.get("global_batch_size") is None:
+        derive_accumulation(cfg, int(gbs))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def input_fingerprints(cfg: DictConfig) -> dict[str, str]:
@@ -134,10 +159,18 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     frozen_path = run_dir / "config.yaml"
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
+        adopt_run_batch(cfg, old, run_dir)
         diff = config_diff(identity(old), identity(cfg)) + inputs_diff(run_dir, inputs)
-        if diff and max_steps_only(diff):
+        world = [line for line in diff if world_change_only([line])]
+        rest = [line for line in diff if line not in world]
+        if world and not rest and is_completed(run_dir, cfg):
+            return Frozen(run_dir, rid, "completed")  # nothing left to train at any world
+        if diff and (not rest or max_steps_only(rest)):  # a raised max_steps and/or another world
             record = {**plan.to_dict(), "inputs": inputs}
-            return Frozen(run_dir, rid, "resume", extend(old, cfg, record, run_dir))
+            message = extend(old, cfg, record, run_dir) if rest else None
+            if world:
+                message = change_world(old, cfg, inputs, run_dir, message)
+            return Frozen(run_dir, rid, "resume", message)
         if diff:
             raise ConfigError(
                 f"Invalid config: run {rid} in {run_dir} was frozen with a different config; "
@@ -146,6 +179,9 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
         return Frozen(run_dir, rid, "completed" if is_completed(run_dir, cfg) else "resume")
+    if cfg.trainer.get("global_batch_size") is None:  # the run's from now on, at any world
+        cfg.trainer.global_batch_size = int(plan.global_batch)
+    check_elastic_range(cfg)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # Every node of a multi-node run freezes the same run dir at about the same time: each
@@ -166,15 +202,45 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
 def continuable_sibling(run_dir: Path, cfg: DictConfig, limit: int = 200) -> str | None:
     """An automatic run id covers trainer.max_steps, so a raised max_steps without run.id is a
     new run: a note naming a run beside it that this command could continue instead."""
-    mine = identity(cfg)
     for path in sorted(run_dir.parent.glob("*/config.yaml"))[:limit]:
         if path.parent == run_dir:
             continue
         try:
-            old = OmegaConf.load(path)
-            if max_steps_only(config_diff(identity(old), mine)) and old.trainer.max_steps < cfg.trainer.max_steps:
+            old, mine = OmegaConf.load(path), copy.deepcopy(cfg)
+            mine.trainer.global_batch_size = None
+            adopt_run_batch(mine, old, path.parent)
+            if max_steps_only(config_diff(identity(old), identity(mine))) and old.trainer.max_steps < cfg.trainer.max_steps:
                 return (f"note: run {path.parent.name} has this config with trainer.max_steps="
                         f"{old.trainer.max_steps}; to continue it instead of starting over: run.id={path.parent.name}")
         except Exception:  # a damaged or foreign config.yaml: not a candidate
             continue
     return None
+
+
+def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_dir: Path,
+                 extended: str | None = None) -> str:
+    """Refreeze a run resumed at another world size (plan.json, then config.yaml): the layout
+    and the global batch were checked by `adopt_run_batch`; plan.json's `world_changes` records
+    each change ({at_step, from_world, to_world}); returns the line the launcher prints."""
+    from loom.plan import make_plan
+    from loom.rundir.checkpoints import complete_checkpoints, step_of
+
+    check_elastic_range(cfg)
+    ckpts = complete_checkpoints(run_dir)
+    step = step_of(ckpts[0]) if ckpts else 0
+    before = int(old.hardware.devices) * int(old.hardware.num_nodes)
+    after = int(cfg.hardware.devices) * int(cfg.hardware.num_nodes)
+    old_plan = _read_json(run_dir / "plan.json")
+    changes = list(old_plan.get("world_changes") or [])
+    entry = {"at_step": step, "from_world": before, "to_world": after}
+    if not changes or changes[-1] != entry:  # not twice (every node of a multi-node run freezes)
+        changes.append(entry)
+    keep = {k: old_plan[k] for k in ("extended_from_steps", "extended_at_steps") if k in old_plan}
+    record = {**make_plan(cfg).to_dict(), "inputs": inputs, **keep, "world_changes": changes}
+    atomic_write_text(run_dir / "plan.json", json.dumps(record, indent=2) + "\n")
+    atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
+    tr = cfg.trainer
+    line = (f"World change: {before} -> {after} rank(s) from step {step}; trainer.accumulate_grad_batches "
+            f"{old.trainer.accumulate_grad_batches} -> {tr.accumulate_grad_batches} keeps "
+            f"trainer.global_batch_size={tr.global_batch_size}")
+    return f"{extended}\n{line}" if extended else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"

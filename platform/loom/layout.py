@@ -68,6 +68,14 @@ class ParallelLayout:
     def global_batch(self, micro_batch: int, accumulate: int) -> int:
         return micro_batch * accumulate * self.dp
 
+    def accumulation_for(self, global_batch: int, micro_batch: int) -> int | None:
+        """The gradient accumulation that makes `global_batch` at this layout's dp (None: no
+        whole number of micro batches per dp rank does)."""
+        per_step = micro_batch * self.dp
+        if global_batch < per_step or global_batch % per_step:
+            return None
+        return global_batch // per_step
+
     def parallel(self) -> dict:
         """summary.json's `parallel`: the degrees of every dimension and the pipeline's
         schedule and microbatches (null without a pipeline)."""

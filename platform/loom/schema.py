@@ -43,6 +43,9 @@ class SweepConfig:
 class TrainerConfig:
     max_steps: int = 200
     accumulate_grad_batches: int = 1
+    # Samples per optimizer step, a property of the run (null: micro x accumulation x dp of its
+    # first launch, recorded at freeze); accumulation is derived from it at every world size.
+    global_batch_size: int | None = None
     gradient_clip_val: float | None = 1.0  # 0 or null (`~trainer.gradient_clip_val`): no clipping
     log_every_n_steps: int = 10
     val_every_n_steps: int = 0

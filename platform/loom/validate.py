@@ -82,6 +82,23 @@ def normalize(cfg: DictConfig) -> None:
     """Each group fills in what it derives (in place, on validate's own copy)."""
     for group in GROUPS:
         GROUP_PACKAGES[group].normalize(cfg)
+    _normalize_global_batch(cfg)
+
+
+def _normalize_global_batch(cfg: DictConfig) -> None:
+    """`trainer.global_batch_size` set: the accumulation is derived from it (an explicit, different
+    accumulation is a contradiction). Null stays null: freeze records the first launch's."""
+    from loom.strategies.world import derive_accumulation
+
+    gbs, given = cfg.trainer.global_batch_size, cfg.trainer.accumulate_grad_batches
+    if gbs is None:
+        return
+    require(isinstance(gbs, int) and gbs >= 1, "trainer.global_batch_size", gbs,
+            "must be a positive integer, or null (micro batch x accumulation x data-parallel ranks)")
+    accum = derive_accumulation(cfg, gbs)
+    require(given in (1, accum), "trainer.accumulate_grad_batches", given,
+            f"contradicts trainer.global_batch_size={gbs}, which takes {accum} at this world; "
+            "set one of the two")
 
 
 def check(cfg: DictConfig) -> None:

@@ -1,9 +1,9 @@
 """One LightningDataModule for every dataset option, sharded by data-parallel rank.
 
 The dataset options differ only in how they produce a (train, val) pair of map-style
-datasets; sampling is the same for all: `ResumableDistributedSampler` (a seeded shuffle per
-epoch, disjoint shards per data-parallel rank, skips what a resumed epoch already consumed;
-`loom.data.position.DataPosition` keeps the position in every checkpoint).
+datasets; sampling is the same for all: `ResumableDistributedSampler` (one seeded global order per
+epoch, dealt to data-parallel ranks by micro batch, so a step is the same samples at any dp;
+`loom.data.position.DataPosition` keeps the position in that order in every checkpoint).
 
 Token corpora are tokenized in `prepare_data` (Lightning calls it on local rank 0 of each
 node, then every rank waits at a barrier) into the memory-mapped cache of loom.data.tokens;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
@@ -57,6 +57,9 @@ class LoomDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.train_sampler: ResumableDistributedSampler | None = None
+        tr = cfg.trainer  # samples per optimizer step: the run's, at any dp
+        self.global_batch = int(tr.get("global_batch_size") or
+                                cfg.dataset.batch_size * tr.accumulate_grad_batches * dp_size)
         record = os.environ.get(RECORD_ENV)
         self.record_dir = Path(record) if record else None
         self._served: deque = deque()
@@ -75,12 +78,12 @@ class LoomDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         self.train_set, self.val_set = self._build()
-        need = self.cfg.dataset.batch_size * self.dp_size
-        if len(self.train_set) < need:
+        if len(self.train_set) < self.global_batch:
             raise ValueError(
                 f"dataset={self.cfg.dataset.name}: the training split has {len(self.train_set)} samples, "
-                f"fewer than one global batch (dataset.batch_size={self.cfg.dataset.batch_size} x "
-                f"{self.dp_size} data-parallel ranks); use more data or a smaller batch")
+                f"fewer than one global batch ({self.global_batch} = dataset.batch_size="
+                f"{self.cfg.dataset.batch_size} x accumulation x {self.dp_size} data-parallel ranks); "
+                "use more data or a smaller batch")
         self._announce()
 
     def _announce(self) -> None:
@@ -116,8 +119,8 @@ class LoomDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = ResumableDistributedSampler(
-            self.train_set, num_replicas=self.dp_size, rank=self.dp_rank,
-            shuffle=True, seed=self.cfg.seed, drop_last=True,
+            self.train_set, num_replicas=self.dp_size, rank=self.dp_rank, micro_batch=self.cfg.dataset.batch_size,
+            global_batch=self.global_batch, shuffle=True, seed=self.cfg.seed,
         )
         dataset = _Noting(self.train_set, self._served) if self.record_dir else self.train_set
         return self._loader(dataset, self.train_sampler)
@@ -125,7 +128,7 @@ class LoomDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             return []
-        sampler = ResumableDistributedSampler(
+        sampler = DistributedSampler(
             self.val_set, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=True
         )
         return self._loader(self.val_set, sampler)

@@ -1,7 +1,12 @@
-"""The data position (epoch, batches consumed in it) as checkpointed Callback state.
+"""The data position as checkpointed Callback state: the epoch, and the samples of its global
+order the world has consumed (`loom.data.sampler`), so a run resumes at any data-parallel size.
 
 Counted by a callback rather than read from the sampler, because the DataLoader prefetches:
 the sampler has always handed out more indices than the model has trained on.
+
+A resume at another dp size (a world change) also rescales Lightning's own per-rank batch
+counters of the epoch (`batch_progress`, which decide accumulation boundaries and the epoch's
+end) to the new world's micro batches: the same samples, counted in the new world's batches.
 """
 
 from __future__ import annotations
@@ -15,12 +20,19 @@ class DataPosition(pl.Callback):
     def __init__(self) -> None:
         self.epoch = 0
         self.batches = 0  # micro-batches trained in `epoch` (this rank; equal on every rank)
-        self._restored: tuple[int, int] | None = None
+        self._restored: dict[str, int] | None = None
+
+    @staticmethod
+    def _shape(trainer: pl.Trainer) -> tuple[int, int]:
+        """(micro batch, data-parallel size) of this world."""
+        dm = trainer.datamodule
+        return int(dm.cfg.dataset.batch_size), int(dm.dp_size)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.epoch = trainer.current_epoch
-        if self._restored and self._restored[0] == self.epoch:
-            self.batches = self._restored[1]
+        if self._restored and self._restored["epoch"] == self.epoch:
+            micro, dp = self._shape(trainer)
+            self.batches = self._restored["samples"] // (micro * dp)
         else:
             self.batches = 0
         self._restored = None
@@ -29,20 +41,49 @@ class DataPosition(pl.Callback):
         self.batches += 1
         dm = trainer.datamodule
         if getattr(dm, "record_dir", None) is not None:  # LOOM_RECORD_SAMPLE_IDS (tests)
-            dm.record_trained_batch(trainer.global_rank, trainer.global_step, self.epoch)
+            # the optimizer step this micro batch belongs to (it has run on the step's last one)
+            step = trainer.global_step + (0 if self.batches % trainer.accumulate_grad_batches == 0 else 1)
+            dm.record_trained_batch(trainer.global_rank, step, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches": self.batches}
+        """`samples`: of the epoch's global order, consumed by the whole world; `batches` and `dp`:
+        this world's count (older checkpoints hold only `epoch` and `batches`)."""
+        micro, dp = self._shape(self._trainer) if getattr(self, "_trainer", None) else (0, 0)
+        return {"epoch": self.epoch, "batches": self.batches, "samples": self.batches * micro * dp, "dp": dp}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Tell the sampler to skip what this epoch already consumed."""
-        self._restored = (int(state["epoch"]), int(state["batches"]))
+        """Tell the sampler to skip what this epoch already consumed (at train start)."""
+        self._restored = {k: int(v) for k, v in state.items() if v is not None}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restored is None:
             return
         sampler = getattr(trainer.datamodule, "train_sampler", None)
-        if sampler is None:
-            return
-        epoch, batches = self._restored
-        sampler.resume_at(epoch, batches * trainer.datamodule.cfg.dataset.batch_size)
+        micro, dp = self._shape(trainer)
+        r = self._restored
+        if "samples" not in r:  # a checkpoint from before the global position: saved at this world
+            r["samples"], r["dp"] = r["batches"] * micro * dp, dp
+        if r["dp"] != dp:
+            rescale_batch_progress(trainer, r["dp"], dp)
+        # Lightning skips on_train_epoch_start when it restarts mid-epoch: the count starts here
+        self.epoch, self.batches = r["epoch"], r["samples"] // (micro * dp)
+        if sampler is not None:
+            sampler.resume_at(r["epoch"], r["samples"])
+
+
+def rescale_batch_progress(trainer: pl.Trainer, dp_old: int, dp_new: int) -> None:
+    """Lightning's per-rank batch counters of the epoch loop, restored from a world of `dp_old`
+    data-parallel ranks, in this world's batches (the same samples: x dp_old / dp_new). Each
+    counter keeps its offset from `ready` (a checkpoint saved mid-batch-end has completed =
+    ready - 1), so Lightning's restart logic still sees the stage it was saved at."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    this_epoch = progress.current.ready
+    earlier = progress.total.ready - this_epoch
+    for tracker, base in ((progress.current, 0), (progress.total, earlier * dp_old // dp_new)):
+        ready = base + this_epoch * dp_old // dp_new
+        offsets = {f: tracker.ready - getattr(tracker, f) for f in ("ready", "started", "processed", "completed")}
+        for field, offset in offsets.items():
+            setattr(tracker, field, ready - offset)

@@ -1,30 +1,71 @@
-"""A DistributedSampler that can start an epoch part-way through.
+"""The epoch's global sample order, dealt to data-parallel ranks by micro batch, resumable at
+any position of that order and at any data-parallel size.
 
-Lightning restarts an interrupted epoch from its first batch unless the loader is
-stateful, which replays data after a resume. This sampler keeps DistributedSampler's
-order (seeded by seed + epoch) and skips the samples this rank already consumed.
+Written by hand rather than subclassing DistributedSampler because DistributedSampler's order
+is per rank (`perm[rank::num_replicas]`): the samples rank r has consumed after k batches depend
+on the number of ranks, so a run resumed with another dp size would skip or repeat samples.
+Here the order is the world's: the epoch's seeded permutation (seed + epoch, the same
+`torch.randperm` DistributedSampler draws), cut to whole global batches; micro batch k of it
+(`order[k*micro:(k+1)*micro]`) goes to dp rank `k % dp`. One optimizer step is then always the
+next `global_batch` samples of the order, split into micro batches however many ranks and
+accumulation steps there are, so a global batch is the same set of samples at any dp, and a
+position is one number: the samples of the order consumed (`resume_at`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Sampler
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+class ResumableDistributedSampler(Sampler[int]):
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, *, micro_batch: int,
+                 global_batch: int | None = None, shuffle: bool = True, seed: int = 0) -> None:
+        self.n, self.dp, self.rank = len(dataset), int(num_replicas), int(rank)
+        self.micro = int(micro_batch)
+        self.global_batch = int(global_batch or self.micro * self.dp)
+        if self.global_batch % (self.micro * self.dp):
+            raise ValueError(f"global batch {self.global_batch} is not a whole number of micro batches "
+                             f"({self.micro}) on each of {self.dp} data-parallel ranks")
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), 0
         self.resume_epoch: int | None = None
         self.resume_samples = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def epoch_samples(self) -> int:
+        """Samples of the global order one epoch trains on: whole global batches only."""
+        return self.n // self.global_batch * self.global_batch
+
+    def global_order(self) -> list[int]:
+        """This epoch's sample ids in the order the world consumes them (the same at any dp)."""
+        import torch
+
+        if not self.shuffle:
+            return list(range(self.epoch_samples()))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()[: self.epoch_samples()]
+
     def resume_at(self, epoch: int, samples: int) -> None:
-        """The next iteration over `epoch` skips its first `samples` indices (this rank's)."""
-        self.resume_epoch, self.resume_samples = epoch, samples
+        """The next iteration over `epoch` starts after its first `samples` samples of the global
+        order (consumed by whatever world trained them; a whole number of this world's steps)."""
+        if samples % (self.micro * self.dp):
+            raise ValueError(f"resume position {samples} is not a step boundary for {self.dp} ranks x "
+                             f"micro batch {self.micro}")
+        self.resume_epoch, self.resume_samples = int(epoch), int(samples)
+
+    def __len__(self) -> int:
+        """This rank's share of a whole epoch (Lightning counts the epoch's batches from it)."""
+        return self.epoch_samples() // (self.micro * self.dp) * self.micro
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
+        order = self.global_order()
+        start = 0
         if self.resume_epoch == self.epoch and self.resume_samples:
-            indices = indices[self.resume_samples :]
+            start = self.resume_samples // self.micro
             self.resume_epoch, self.resume_samples = None, 0
-        return iter(indices)
+        for k in range(start + self.rank, len(order) // self.micro, self.dp):
+            yield from order[k * self.micro : (k + 1) * self.micro]

@@ -231,6 +231,10 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     ]
     if s.get("resumed_from_step") is not None:
         rows.append(("resumed from step", str(s["resumed_from_step"])))
+    history = s.get("world_history") or []
+    if len({h.get("world_size") for h in history}) > 1:  # the run changed its world
+        rows.append(("world history", ", ".join(f"{h.get('world_size')} rank(s) from step {h.get('start_step')} "
+                                                f"({h.get('reason')})" for h in history)))
     if s.get("final_weights"):
         rows.append(("final weights", str(s["final_weights"])))
     return rows

@@ -147,10 +147,13 @@ def newest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """A checkpoint, and the universal form a ZeRO resume at another world size derived from it
+    (`<name>.universal`, loom.strategies.deepspeed_universal)."""
+    for p in (path, path.with_name(path.name + ".universal")):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def write_final_weights(run_dir: Path, specs: list[Spec], tensors: Iterable[tuple[str, Any]],

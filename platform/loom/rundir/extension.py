@@ -66,7 +66,8 @@ def extend(old: DictConfig, cfg: DictConfig, plan: dict[str, Any], run_dir: Path
     totals, ats = old_plan.get("extended_from_steps", []), old_plan.get("extended_at_steps", [])
     if not (totals and totals[-1] == before and ats and ats[-1] == (step or 0)):  # not twice (multi-node)
         totals, ats = [*totals, before], [*ats, step or 0]
-    plan = {**plan, "extended_from_steps": totals, "extended_at_steps": ats}
+    changes = {"world_changes": old_plan["world_changes"]} if old_plan.get("world_changes") else {}
+    plan = {**plan, "extended_from_steps": totals, "extended_at_steps": ats, **changes}
     atomic_write_text(run_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
     atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
     what = "Continuing completed run" if completed else "Resuming run"

@@ -36,6 +36,8 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,
+        # one entry per attempt: {start_step, world_size, num_nodes, reason} (loom.rundir.world_history)
+        "world_history": [],
         "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None,
                        "mfu_error": None},
         "memory": {

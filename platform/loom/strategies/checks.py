@@ -104,7 +104,8 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool
     require(tp >= 1, "strategy.tensor_parallel", tp, "must be a positive integer (>= 1)")
     require(hw.devices % tp == 0, "strategy.tensor_parallel", tp,
             f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); "
-            f"valid choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0)}")
+            f"valid choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0)}; "
+            f"or keep it and use hardware.devices={', '.join(str(tp * k) for k in range(1, 5))}, ...")
     require(layout.world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {layout.world}")
     require(is_gpt, "model.name", model.name,
             f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: gpt_*. "

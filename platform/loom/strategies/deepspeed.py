@@ -14,11 +14,13 @@ Lightning's.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from loom.layout import ParallelLayout
+from loom.strategies import deepspeed_universal
 from loom.strategies.base import LoomStrategy, param_bytes, tensor_bytes
 from loom.strategies.deepspeed_config import resolved_deepspeed_config
 
@@ -44,7 +46,29 @@ def use_cpu_accelerator() -> None:
 
 
 class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
-    """Lightning's DeepSpeedStrategy with Loom's state methods."""
+    """Lightning's DeepSpeedStrategy with Loom's state methods, resuming at any data-parallel
+    world size (`deepspeed_universal`)."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        """A checkpoint of another data-parallel world size loads through its universal form
+        (`deepspeed_universal`); Lightning's client state (loops, callbacks, step) comes from the
+        original rank 0's file, which the converter copies into it."""
+        universal = deepspeed_universal.prepare(self, Path(checkpoint_path)) if Path(checkpoint_path).is_dir() \
+            else None
+        if universal is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config, universal):
+            return super().load_checkpoint(universal, weights_only)
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        """Lightning already divides the loss by `accumulate_grad_batches`; DeepSpeed's
+        `engine.backward` would divide it again (`scale_wrt_gas`, Lightning issue #6170), so
+        with accumulation N the gradients were 1/N^2 of the mean and clipping cut a different
+        step than at accumulation 1. Once is right: a world change re-derives the accumulation
+        and must leave the update as it was. (`manual_backward` is not divided by Lightning.)"""
+        if self.lightning_module.automatic_optimization:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def full_shape(self, t) -> tuple[int, ...]:
         """ZeRO-3 parameters are empty locally; `ds_shape` is their real shape."""

@@ -55,12 +55,13 @@ def resolve_degrees(node: Any, world: int, world_keys: str) -> dict[str, int]:
     if free:
         require(world % fixed == 0, f"strategy.{free[0]}", -1,
                 f"the other degrees ({shown}) multiply to {fixed}, which does not divide the world size "
-                f"{world} ({world_keys}); valid products: {_divisors(world)}")
+                f"{world} ({world_keys}); valid products: {_divisors(world)}; world sizes these degrees "
+                f"fit: {', '.join(str(fixed * k) for k in range(1, 5))}, ...")
         given[free[0]] = world // fixed
     else:
         require(fixed == world, "strategy", f"{shown} = {fixed}",
                 f"the degrees must multiply to the world size {world} ({world_keys}); change one of them, "
-                f"or set one to -1 to fill in the rest of the world")
+                f"or set one to -1 to fill in the rest of the world (the world size that fits them: {fixed})")
     return given
 
 

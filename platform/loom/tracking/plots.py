@@ -113,7 +113,26 @@ def _throughput(rows, title: str, path: Path) -> Path:
 
     _panel(ax2, rows, "perf/step_time_ms", label="step time (mean over ranks)", color="tab:purple",
            ylabel="ms / step", missing="step time", more=spread_and_wait)
+    for step, before, after in world_changes(rows):  # a run resumed at another world size
+        for ax in (ax1, ax2):
+            ax.axvline(step, color="tab:red", linestyle="--", linewidth=1)
+        ax1.annotate(f"world {before}→{after}", (step, 1.0), xycoords=("data", "axes fraction"),
+                     rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
     return _save(fig, path)
+
+
+def world_changes(rows: list[dict]) -> list[tuple[float, int, int]]:
+    """(step, world before, world after) wherever `sys/world_size` changes between logged steps:
+    the change is drawn at the last step of the old world (where the new one resumed)."""
+    out, prev = [], None
+    for r in rows:
+        w = r.get("sys/world_size")
+        if w is None:
+            continue
+        if prev is not None and int(w) != int(prev[1]):
+            out.append((prev[0], int(prev[1]), int(w)))
+        prev = (r["step"], w)
+    return out
 
 
 def _utilization(rows, title: str, path: Path) -> Path:

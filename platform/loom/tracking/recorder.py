@@ -101,6 +101,8 @@ class Recorder(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             loss = loss.detach()
+            if pl_module.automatic_optimization:  # Lightning hands back loss / accumulation
+                loss = loss * trainer.accumulate_grad_batches
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             self.loss_count += 1
         step = trainer.global_step
@@ -194,6 +196,7 @@ class Recorder(pl.Callback):
             "sys/cpu_percent": float(mean[col["cpu_percent"]]),
             "sys/rss_gb": float(mean[col["rss_gb"]]),
             "sys/rss_gb_max": float(gathered[:, col["rss_gb"]].max()),
+            "sys/world_size": float(self.world_size),  # changes when a run resumes at another world
         }
         if not self.token_data:  # a classifier: its items are samples, there are no tokens
             del row["perf/tokens_per_sec"]

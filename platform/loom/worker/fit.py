@@ -43,9 +43,17 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     # smaller than the profile's devices x num_nodes.
     formed = os.environ.get("WORLD_SIZE")
     layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
+    if cfg.trainer.get("global_batch_size"):  # the run's global batch at the world that formed
+        from loom.strategies.world import derive_accumulation
+
+        derive_accumulation(cfg, int(cfg.trainer.global_batch_size), world=layout.world)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
+    if rank == 0:  # this attempt in summary.json's world_history, before anything can kill it
+        from loom.rundir.world_history import record_attempt
+
+        record_attempt(run_dir, progress.start_step, layout.world, layout.num_nodes)
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
     with stop_signals(saver):
         progress.phase = "building the data"

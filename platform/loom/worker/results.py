@@ -126,6 +126,9 @@ class RunResults:
             throughput=rec.throughput_summary(trainer, self.plan.peak_flops_per_device),
             utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},
         )
+        from loom.rundir.world_history import read_history
+
+        self.summary["world_history"] = read_history(self.run_dir)
         write_summary(self.run_dir, self.summary)
         try:
             from loom.tracking.plots import write_plots
