@@ -106,7 +106,8 @@ def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
     parts = _epoch(dms, 0)
     assert not set(parts[0]) & set(parts[1])
     union = set(parts[0]) | set(parts[1])
-    assert union <= set(range(n)) and len(union) == n - n % 2  # the epoch (drop_last: one odd sample out)
+    gbs = dms[0].global_batch  # the epoch: whole global batches of the global order
+    assert union <= set(range(n)) and len(union) == n - n % gbs
     x, y = dms[0].train_set[parts[0][0]]
     if case.startswith("digits") or case.endswith("tensors"):
         assert x.dtype.is_floating_point and y.dim() == 0

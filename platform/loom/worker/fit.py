@@ -39,14 +39,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     progress = progress or Progress()
     frozen_plan = json.loads((run_dir / "plan.json").read_text())
     plan = Plan.from_dict(frozen_plan)
-    # The world torchrun actually formed: with elastic nodes (hardware.min_nodes) it may be
-    # smaller than the profile's devices x num_nodes.
-    formed = os.environ.get("WORLD_SIZE")
-    layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
-    if cfg.trainer.get("global_batch_size"):  # the run's global batch at the world that formed
-        from loom.strategies.world import derive_accumulation
-
-        derive_accumulation(cfg, int(cfg.trainer.global_batch_size), world=layout.world)
+    layout = formed_layout(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
@@ -97,6 +90,19 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         finally:
             run.write(trainer)
     return 0
+
+
+def formed_layout(cfg: DictConfig) -> ParallelLayout:
+    """The layout of the world torchrun actually formed (WORLD_SIZE: with hardware.min_nodes it
+    may be smaller than the profile's devices x num_nodes), never the profile's alone; the
+    accumulation in `cfg` is re-derived there to keep the run's trainer.global_batch_size."""
+    formed = os.environ.get("WORLD_SIZE")
+    layout = strategies.layout_of(cfg, world=int(formed) if formed else None)
+    if cfg.trainer.get("global_batch_size"):
+        from loom.strategies.world import derive_accumulation
+
+        derive_accumulation(cfg, int(cfg.trainer.global_batch_size), world=layout.world)
+    return layout
 
 
 @contextmanager
