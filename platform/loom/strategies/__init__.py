@@ -67,7 +67,9 @@ def lightning_precision(cfg: DictConfig) -> str:
     add casts. So fsdp/fsdp_tp train "bf16-mixed" as "32-true" as far as Lightning is concerned.
     """
     precision = str(cfg.hardware.precision)
-    fsdp2 = STRATEGIES[cfg.strategy.name].mixed_precision == "fsdp2" and layout_of(cfg).pp == 1
+    option = STRATEGIES[cfg.strategy.name]
+    # Under pipelining (pp, nd with pp > 1) autocast stays Lightning's: no FSDP2 policy there.
+    fsdp2 = option.mixed_precision == "fsdp2" and not (option.degrees and layout_of(cfg).pp > 1)
     if fsdp2 and precision == "bf16-mixed":
         return "32-true"
     return precision
