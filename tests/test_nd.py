@@ -98,8 +98,8 @@ def test_replicas_without_shards_or_pipeline_refused_fast(loom, tmp_path):
 def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(root, tmp_path_factory):
     """(dp_shard 2, pp 2): SIGKILL of one rank after the step-4 checkpoint; torchrun restarts all
     four, each stage's FSDP2 shards and optimizer states come back from DCP, and the run ends
-    with the loss curve and final weights of the uninterrupted run, bit for bit. (RNG state
-    under pipelining, with dropout, is test_pipeline.py's SIGKILL test.)"""
+    with the loss curve and final weights of the uninterrupted run, bit for bit.
+    """
     ref = _nd("dp2_pp2", root)
     kill_root = tmp_path_factory.mktemp("nd-kill")
     run_dir = kill_root / "gpt" / "dp2_pp2"

@@ -193,9 +193,6 @@ def bf16_runs(tmp_path_factory) -> dict:
         out[s] = run_loom("train", f"strategy={s}", *COMMON, "hardware.precision=bf16-mixed",
                           *EXTRA.get(s, []), root=root)
     out["fsdp_bf16_true"] = run_loom("train", "strategy=fsdp", *COMMON, "hardware.precision=bf16-true", root=root)
-    # bf16 is the default dtype inside the step: the stages' broadcast loss must stay fp32 on every rank
-    out["pp_bf16_true"] = run_loom("train", "strategy=pp", *COMMON, "hardware.precision=bf16-true", *EXTRA["pp"],
-                                   root=root)
     print(f"{len(out)} bf16 launches in {time.time() - t0:.0f} s")
     return out
 
@@ -205,7 +202,7 @@ def _rank0_log(r) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [*BF16_STRATEGIES, "fsdp_bf16_true", "pp_bf16_true"])
+@pytest.mark.parametrize("strategy", [*BF16_STRATEGIES, "fsdp_bf16_true"])
 def test_bf16_trains_on_cpu(bf16_runs, strategy):
     r = bf16_runs[strategy]
     assert r.rc == 0, r.out + r.err
