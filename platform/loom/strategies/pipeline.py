@@ -246,7 +246,10 @@ def _pipeline_strategy_class():
             lay = self.loom_layout
             if lay.tp > 1:
                 _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
-            if lay.dp > 1:
+            if lay.dp > 1 or lay.tp > 1:
+                # Under TP alone too (a 1-rank data-parallel mesh): the TP plan leaves embeddings and
+                # norms plain tensors beside the blocks' DTensors, and the fused/foreach optimizer
+                # kernels refuse a mix ("got mixed torch.Tensor and DTensor"); fsdp_tp does the same.
                 shard_stages(module, self.pipeline.chunks, self._device_mesh, lay, self.loom_cfg.strategy)
 
         def optimizer_state(self, optimizer) -> dict:
