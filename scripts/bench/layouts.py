@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tie", type=float, default=0.15, help="measured times closer than this fraction tie")
     ap.add_argument("--only", default="", help="comma-separated strategy names to run (default: all)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--measured", metavar="PATH", help="re-predict against the measured step times of an "
+                    "earlier --json (no training): how a change of the model ranks the same runs")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("overrides", nargs="*", default=None)
     args = ap.parse_args(argv)
@@ -98,7 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     todo = [c.to_dict() for c in result.candidates if not only or c.strategy in only]
     print(f"[layouts] {len(todo)} layouts of world {args.world}: {' '.join(base)}; "
           f"{args.steps} steps each, load {load()}", flush=True)
-    root, rows = fresh_root("layouts"), []
+    if args.measured:
+        done = {r["layout"]: r["measured_ms"] for r in json.loads(Path(args.measured).read_text())["rows"]}
+        rows = [{"layout": layout_name(c), "overrides": c["overrides"], "predicted_ms": c["predicted_step_s"] * 1e3,
+                 "measured_ms": done[layout_name(c)]} for c in todo if layout_name(c) in done]
+        for row in rows:
+            row["measured_over_predicted"] = row["measured_ms"] / row["predicted_ms"]
+            print(f"  {row['layout']:24s} predicted {row['predicted_ms']:8.1f} ms   measured "
+                  f"{row['measured_ms']:8.1f} ms   ratio {row['measured_over_predicted']:5.2f}", flush=True)
+        todo = []
+    root, rows = fresh_root("layouts"), rows if args.measured else []
     try:
         for i, c in enumerate(todo):
             over = [*base, *c["overrides"], f"trainer.max_steps={args.steps}"]

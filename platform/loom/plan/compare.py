@@ -20,7 +20,8 @@ train` accepts. The step time model, per device:
     step    = compute x (1 + bubble / (1 - bubble)) + comm + latency (+ host transfers when offloading)
 
 On CPU the ranks share `hardware.cpu_cores`: with more ranks than cores each computes at
-cores / world of its rate. Communication is counted as fully exposed (no overlap with
+cores / world of its rate, each call waits that much longer for its members to be scheduled,
+and a pipeline bubble idles only the cores the waiting stages would have had. Communication is counted as fully exposed (no overlap with
 compute): a pessimistic but uniform assumption, so the ranking between layouts is what it is
 for. scripts/bench/layouts.py measures every CPU layout against this prediction.
 """
@@ -47,7 +48,7 @@ FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak 
 FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect names no figure
 # Seconds per communication call, beside its bytes: gloo over loopback (CPU), NCCL within a
 # node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
-LATENCY_S = {"cpu": 1e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
+LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
 RECOMPUTE = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}  # forward = 1/3 of a step
 # Presets in the order a tie is broken (least communication and fewest moving parts first).
@@ -211,19 +212,31 @@ def predict(cfg: DictConfig, plan: Plan) -> tuple[float | None, float, float, fl
     """(compute s, communication s (bytes and calls), bubble fraction, step s) of one step of `plan`."""
     hw = cfg.hardware
     rate, _ = _rate(hw, plan.peak_flops_per_device)
-    if hw.accelerator == "cpu" and hw.get("cpu_cores"):  # ranks beyond the cores share them
-        rate *= min(1.0, float(hw.cpu_cores) / plan.world_size)
+    share = _oversubscription(hw, plan.world_size)
     compute = None
     if plan.flops_per_step is not None:
-        compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) / rate
+        compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) \
+            / rate * share
     bw, _ = _bandwidth(hw)
-    comm = plan.comm_bytes_per_step_per_device / (bw * GB) + sum(plan.comm_messages_per_step.values()) * _latency(hw)
+    calls = sum(plan.comm_messages_per_step.values())
+    comm = plan.comm_bytes_per_step_per_device / (bw * GB) + calls * _latency(hw) * share
     if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
         comm += plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
             / (PCIE_GBPS * GB)
     bubble = float((plan.pipeline or {}).get("bubble_fraction", 0.0))
-    step = None if compute is None else compute * (1 + bubble / (1 - bubble)) + comm
+    # The cores left idle: with `share` ranks per core, a stage waiting in the bubble gives its
+    # core to another rank, so the cores idle only when fewer runnable ranks than cores remain.
+    idle = max(0.0, 1.0 - (1.0 - bubble) * share)
+    step = None if compute is None else compute * (1 + idle / (1 - idle)) + comm
     return compute, comm, bubble, step
+
+
+def _oversubscription(hw: DictConfig, world: int) -> float:
+    """Ranks per core on CPU (>= 1): they share the cores, and a collective waits for every
+    member to be scheduled; 1 on GPUs (a device per rank)."""
+    if hw.accelerator != "cpu" or not hw.get("cpu_cores"):
+        return 1.0
+    return max(1.0, world / float(hw.cpu_cores))
 
 
 def _rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:

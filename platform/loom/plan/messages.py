@@ -32,19 +32,19 @@ def comm_messages(cfg: DictConfig, name: str, params: float, layout: ParallelLay
     micro = int(layout.pp_microbatches or 1) if layout.pp > 1 else 1  # forward/backward passes per micro batch
     if layout.dp > 1:
         out["data_parallel"] = _data_parallel_calls(cfg, name, params / (layout.tp * layout.pp), blocks,
-                                                    accum, micro)
-        if layout.hybrid:
+                                                    accum, micro, layout.dp_shard > 1)
+        if layout.dp_replicate > 1 and strategies.option(name).states == "all":
             out["data_parallel"] += blocks + 1  # HSDP: the shards' all-reduce across replicas, per unit
     if layout.tp > 1:
         out["tensor_parallel"] = 4 * blocks * accum * micro  # 2 forward + 2 backward all-reduces per block
     if layout.pp > 1:
         v = PP_SCHEDULES[str(layout.pp_schedule)].stages_per_rank
-        out["pipeline"] = 2 * 2 * v * micro * accum  # send + receive, activations forward and gradients backward
+        out["pipeline"] = 2 * v * micro * accum  # one activation forward, one gradient backward per stage
     return out
 
 
 def _data_parallel_calls(cfg: DictConfig, name: str, local_params: float, blocks: float, accum: int,
-                         micro: int) -> float:
+                         micro: int, sharded: bool) -> float:
     """Reductions (and gathers) over the data-parallel ranks per step; under pipelining a
     sharded unit is gathered for every microbatch and reduced after the last one."""
     grad_bytes = 4.0 * local_params
@@ -56,6 +56,8 @@ def _data_parallel_calls(cfg: DictConfig, name: str, local_params: float, blocks
         return 2 * buckets                  # reduce-scatter, then all-gather the updated parameters
     if states == "optimizer+grads":
         return (accum + 1) * buckets        # reduce-scatter every micro batch, all-gather once
+    if not sharded:
+        return 0.0                          # FSDP2 over replicas only: nothing to gather (HSDP's all-reduce above)
     s = cfg.strategy
     gathers = 1 if name == s.name and s.get("reshard_after_forward") is False else 2
     return accum * (blocks + 1) * (gathers * micro + 1)  # per unit (blocks + root): gathers + reduce-scatter
