@@ -103,7 +103,7 @@ def _listens(pids: list[int], port: int) -> bool:
     return False
 
 
-def _lose_a_node(root: Path, run_dir: Path, port: int, nodes: list[subprocess.Popen]) -> dict:
+def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen]) -> dict:
     """After the step-4 checkpoint: SIGKILL the non-host node's launcher process group."""
     deadline = time.monotonic() + 180
     while not (run_dir / "checkpoints" / f"step-{EVERY:07d}.ckpt").exists():
@@ -133,7 +133,7 @@ def runs(tmp_path_factory) -> dict:
     port, run_dir = _free_port(), root / "gpt" / "lost"
     nodes = _start_nodes(root, "lost", port, root / "ids-lost")
     try:
-        out.update(_lose_a_node(root, run_dir, port, nodes))
+        out.update(_lose_a_node(run_dir, port, nodes))
     finally:
         outs = _outputs(nodes, 240)
     out["survivor_out"] = outs[nodes.index(out["survivor"])]
