@@ -114,6 +114,13 @@ def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
     return "n/a" if v is None else f"{v:{spec}}{unit}"
 
 
+def world_history_text(history: list[dict[str, Any]]) -> str:
+    """The attempts of a run that restarted or changed its world, in one row: on an elastic run's
+    surviving node the only sign at the end that a node was lost and training went on without it."""
+    return ", ".join(f"{h.get('world_size')} rank(s) from step {h.get('start_step')} ({h.get('reason')})"
+                     for h in history)
+
+
 def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     """The one-screen summary the launcher prints at the end of `loom train`."""
     from rich.console import Console
@@ -144,6 +151,8 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
         rows.append(("error", f"{e['type']}: {e['message']} (rank {e['rank']}, step {e['step']}; {e['log']})"))
     if s.get("resumed_from_step") is not None:
         rows.append(("resumed from", f"step {s['resumed_from_step']}"))
+    if len(s.get("world_history") or []) > 1:
+        rows.append(("world history", world_history_text(s["world_history"])))
     if s.get("final_weights"):
         rows.append(("final weights", str(run_dir / s["final_weights"])))
     for k, v in rows:

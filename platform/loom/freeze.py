@@ -24,6 +24,7 @@ from loom.strategies.world import check_elastic_range, derive_accumulation, worl
 # and the export dtype only shapes final/model.safetensors; so a run can also resume with
 # checkpointing switched on to fit, and run ids frozen before these keys existed still hold.
 VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_endpoint",
+            "hardware.rdzv_keep_alive_s", "hardware.rdzv_last_call_s",
             "trainer.log_every_n_steps", "trainer.activation_checkpointing", "checkpoint.async",
             "checkpoint.export_dtype")
 

@@ -35,7 +35,7 @@ def compose(overrides: list[str]) -> DictConfig:
     found = recipes.discover(recipe_dirs)
     if recipes.chosen(overrides, found):
         recipes.register(found)
-    cfg = hydra_compose(_concrete(overrides))
+    cfg = hydra_compose(_schema_keys_settable(_concrete(overrides)))
     removal.apply_removals(cfg, removed)
     user_hw = {o.lstrip("+").partition("=")[0].removeprefix("hardware.") for o in overrides
                if o.lstrip("+").startswith("hardware.")}
@@ -52,6 +52,19 @@ def _concrete(overrides: list[str]) -> list[str]:
     if strategy and strategy[-1] == "single" and not user_set(overrides, "hardware.devices"):
         overrides = [*overrides, "hardware.devices=1"]
     return overrides
+
+
+def _schema_keys_settable(overrides: list[str]) -> list[str]:
+    """`hardware.<key>=v` for every key of the hardware schema, also where the chosen profile's
+    YAML leaves the key to the schema's default (hardware=cpu has no min_nodes or timeout_train_s):
+    Hydra refuses to set a key its YAML lacks without `+`, and Loom's message then named the key
+    among the valid ones. `++` sets it whether the YAML has it or not; unknown keys stay refused."""
+    from loom.hardware.schema import HardwareConfig
+    from loom.schema import field_names
+
+    fields = set(field_names(HardwareConfig))
+    return [f"++{o}" if o.partition("=")[0].removeprefix("hardware.") in fields and o.startswith("hardware.")
+            and "=" in o else o for o in overrides]
 
 
 def hydra_compose(overrides: list[str]) -> DictConfig:

@@ -94,6 +94,16 @@ def _check_rendezvous(hw: DictConfig) -> None:
         require(1 <= hw.min_nodes <= hw.num_nodes, "hardware.min_nodes", hw.min_nodes,
                 f"must be between 1 and hardware.num_nodes={hw.num_nodes} (torchrun --nnodes=min:max), "
                 "or null for a fixed number of nodes")
+    for key in ("rdzv_keep_alive_s", "rdzv_last_call_s"):
+        require(hw[key] >= 1, f"hardware.{key}", hw[key],
+                "must be a whole number of seconds >= 1 (torchrun's c10d rendezvous timing)")
+
+
+def elastic(hw: DictConfig) -> bool:
+    """Whether torchrun may form fewer nodes than hardware.num_nodes (hardware.min_nodes): a
+    lost node then shrinks the world instead of ending the run."""
+    low = hw.get("min_nodes")
+    return low is not None and low < hw.num_nodes
 
 
 def time_limit_s(text: str) -> int | None:

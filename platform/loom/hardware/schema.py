@@ -64,6 +64,11 @@ class HardwareConfig:
     pin_memory: bool = False
     prefetch_factor: int = 2          # batches each dataloader worker loads ahead (workers > 0)
     rdzv_endpoint: str | None = None  # host:port of the rendezvous (required for num_nodes > 1)
+    # Elastic runs (min_nodes < num_nodes), torchrun's c10d rendezvous timings: agents heartbeat
+    # every rdzv_keep_alive_s and a node silent for 3 of them counts as lost; once min_nodes have
+    # joined a round, it waits rdzv_last_call_s more for late nodes. torch's defaults: 5 s, 30 s.
+    rdzv_keep_alive_s: int = 5
+    rdzv_last_call_s: int = 30
     # Collective timeouts (s): generous while ranks build, load and compile; shorter once the first
     # step ran, so a hung rank fails the job (and NCCL's flight recorder dumps) in minutes.
     timeout_init_s: float = 600

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from loom.hardware.checks import elastic
 from loom.hardware.machine import usable_cores
 from loom.launch.console import StderrFilter, agent_log
 from loom.layout import ParallelLayout
@@ -33,8 +34,7 @@ from loom.layout import ParallelLayout
 def nnodes(cfg: DictConfig) -> str:
     """torchrun's --nnodes: `N`, or `MIN:N` for an elastic run (hardware.min_nodes)."""
     hw = cfg.hardware
-    low = hw.get("min_nodes")
-    return f"{low}:{hw.num_nodes}" if low is not None and low < hw.num_nodes else str(hw.num_nodes)
+    return f"{hw.min_nodes}:{hw.num_nodes}" if elastic(hw) else str(hw.num_nodes)
 
 
 def torchrun_command(cfg: DictConfig, run_dir: Path | str, endpoint: str | None = None,
@@ -54,7 +54,18 @@ def torchrun_command(cfg: DictConfig, run_dir: Path | str, endpoint: str | None 
         cmd.append("--standalone")
     else:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={cfg.run.id}"]
+        if elastic(hw):
+            cmd.append(rdzv_conf(hw))
     return [*cmd, "-m", "loom.worker", str(run_dir)]
+
+
+def rdzv_conf(hw: DictConfig) -> str:
+    """torchrun's --rdzv-conf of an elastic run. After a node is lost, the survivors' next round
+    waits until the lost node's heartbeats are 3 keep-alives old and then a last call for late
+    nodes: with torch's defaults (5 s x 3, 30 s) about 45 s with nothing training, which
+    hardware.rdzv_keep_alive_s / rdzv_last_call_s shorten (or lengthen, for slow-to-join nodes)."""
+    return (f"--rdzv-conf=last_call_timeout={hw.rdzv_last_call_s},keep_alive_interval={hw.rdzv_keep_alive_s},"
+            "keep_alive_max_attempt=3")
 
 
 def multi_node(cfg: DictConfig) -> bool:
@@ -147,29 +158,36 @@ def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     if multi_node(cfg):
         print(node_banner(cfg), flush=True)
         print(f"node {socket.gethostname()}: {shlex.join(cmd)}", flush=True)
-    rc = _run_agent(cmd, env, run_dir)
+    rc = _run_agent(cmd, env, run_dir, signal.SIGKILL if elastic(cfg.hardware) else signal.SIGTERM)
     if multi_node(cfg):
         print(f"node {socket.gethostname()}: torchrun exited with {rc}", flush=True)
     return rc
 
 
-def _die_with_launcher() -> None:
-    """In the agent, before exec: SIGTERM (a checkpointed stop) when the launcher dies, so a
-    killed launcher, whose run-dir lock is then gone, leaves no run training behind it."""
+def _die_with_launcher(death: signal.Signals) -> None:
+    """In the agent, before exec: `death` when the launcher dies, so a killed launcher, whose
+    run-dir lock is then gone, leaves no run training behind it. SIGTERM is a checkpointed stop
+    of the whole run (every rank agrees to stop). An elastic run's node whose launcher was killed
+    is lost for good instead: SIGKILL takes its agent (and, through loom.worker.main, its ranks)
+    down at once, as a failed machine would, so the other nodes' ranks fail, their agents
+    restart them and the rendezvous re-forms a smaller world (a SIGTERMed agent would stop its
+    ranks with SIGTERM, and the checkpointed stop would end every node's run as preempted)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, death)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
 
-def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
+def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path, death: signal.Signals = signal.SIGTERM) -> int:
     """torchrun in its own session (the terminal's Ctrl-C reaches the launcher only, which stops
     the agent once, with SIGTERM: its workers save a checkpoint at the next step boundary and
-    exit, `preempted`), its stderr through `StderrFilter` (no agent traceback on the console)."""
+    exit, `preempted`), its stderr through `StderrFilter` (no agent traceback on the console);
+    `death`: what the agent gets if the launcher dies (`_die_with_launcher`)."""
+    linux = sys.platform.startswith("linux")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_die_with_launcher if sys.platform.startswith("linux") else None)
+                            preexec_fn=(lambda: _die_with_launcher(death)) if linux else None)
     output = StderrFilter(proc.stderr, agent_log(run_dir)).start()
     stopping: list[int] = []
 

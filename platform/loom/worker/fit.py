@@ -44,9 +44,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
     if rank == 0:  # this attempt in summary.json's world_history, before anything can kill it
-        from loom.rundir.world_history import record_attempt
-
-        record_attempt(run_dir, progress.start_step, layout.world, layout.num_nodes)
+        _record_attempt(cfg, run_dir, progress.start_step, layout)
     saver = Checkpointing(run_dir, cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)
     with stop_signals(saver):
         progress.phase = "building the data"
@@ -103,6 +101,22 @@ def formed_layout(cfg: DictConfig) -> ParallelLayout:
 
         derive_accumulation(cfg, int(cfg.trainer.global_batch_size), world=layout.world)
     return layout
+
+
+def _record_attempt(cfg: DictConfig, run_dir: Path, start_step: int, layout: ParallelLayout) -> None:
+    """Append this attempt to the world history; a world torchrun re-formed with another size
+    (an elastic run that lost or regained a node) is said on the console, as a launch at another
+    world says it, since the launcher of a surviving node learns of the change only here."""
+    from loom.rundir.world_history import record_attempt
+
+    history = record_attempt(run_dir, start_step, layout.world, layout.num_nodes)
+    profile = int(cfg.hardware.devices) * int(cfg.hardware.num_nodes)
+    within_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or layout.world != profile
+    if history[-1]["reason"] == "world change" and within_launch:  # else loom.freeze said it
+        tr = cfg.trainer
+        log.info(f"World change: {history[-2]['world_size']} -> {layout.world} rank(s) on {layout.num_nodes} "
+                 f"node(s) from step {start_step}; trainer.accumulate_grad_batches {tr.accumulate_grad_batches} "
+                 f"keeps trainer.global_batch_size={tr.get('global_batch_size')}")
 
 
 @contextmanager

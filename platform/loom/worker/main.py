@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from loom.compose.hydra_options import apply_verbose
+from loom.hardware.checks import elastic
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
 from loom.worker.failure import Progress, record_failure
@@ -85,27 +86,30 @@ def quiet_progress_bars() -> None:
         os.environ.setdefault(key, "1")
 
 
-def die_with_parent() -> None:
-    """Under torchrun: get SIGTERM (-> checkpoint and stop) if the agent dies, instead of
-    training on as an orphan (torchrun starts workers in their own sessions)."""
+def die_with_parent(death: signal.Signals = signal.SIGTERM) -> None:
+    """Under torchrun: get `death` if the agent dies, instead of training on as an orphan
+    (torchrun starts workers in their own sessions). SIGTERM: checkpoint and stop, which every
+    rank agrees to, so the whole run stops. An elastic run passes SIGKILL: its agent dies only
+    with its node (loom.launch kills it with the launcher), and a rank that stopped the run
+    with a checkpoint would end the other nodes' run too instead of letting them go on alone."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(PR_SET_PDEATHSIG, death)
     if os.getppid() == 1:  # the agent died before we got here
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), death)
 
 
 def run(run_dir: Path) -> int:
     """Train the frozen run in `run_dir` on this rank; returns the process exit code. An
     exception is logged in full to logs/rank-N.log and recorded (loom.worker.failure), not
     printed: the launcher prints one paragraph from the record."""
-    die_with_parent()
     run_dir = Path(run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")
+    die_with_parent(signal.SIGKILL if elastic(cfg.hardware) else signal.SIGTERM)
     rank = int(os.environ.get("RANK", 0))
     setup_logging(run_dir, rank)
     quiet_progress_bars()
