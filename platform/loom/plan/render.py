@@ -57,18 +57,7 @@ def render(plan: dict[str, Any]) -> None:
         rows.append(("build host", f"{plan['build_host_bytes_per_rank'] / GB:,.2f} GB per rank "
                                    f"({plan['build_host_source']})"
                      + ("" if plan.get("build_host_ok", True) else " [red]does not fit the host[/red]")))
-    comm = plan["comm_bytes_per_step_per_device"]
-    detail = ", ".join(f"{k} {v / GB:,.3f}" for k, v in plan["comm_bytes_by_collective"].items() if v)
-    line = f"{comm / GB:,.3f} GB per device per step" + (f" ({detail})" if detail else "")
-    if plan["comm_time_s_at_measured_busbw"]:
-        line += f", ~{plan['comm_time_s_at_measured_busbw']:.3f} s at the probed bus bandwidth"
-    rows.append(("communication", line))
-    dims = plan.get("comm_bytes_by_dimension") or {}
-    calls = plan.get("comm_messages_per_step") or {}
-    if sum(1 for v in dims.values() if v) > 1 or any(calls.values()):
-        rows.append(("  by dimension", ", ".join(
-            f"{k.replace('_', '-')} {dims.get(k, 0) / GB:,.3f} GB in {calls.get(k, 0):g} calls"
-            for k in ("data_parallel", "tensor_parallel", "pipeline") if dims.get(k) or calls.get(k))))
+    rows += _comm_rows(plan)
     peak = plan["peak_flops_per_device"]
     rows.append(("peak", f"{peak / 1e12:,.4g} TFLOP/s per device ({plan['precision']})" if peak
                  else "unknown (MFU will be null)"))
@@ -81,6 +70,23 @@ def render(plan: dict[str, Any]) -> None:
         t.add_row(k, v)
     Console().print(t)
 
+
+
+def _comm_rows(plan: dict) -> list[tuple[str, str]]:
+    """Bytes per step by collective, and by mesh dimension with its number of calls."""
+    comm = plan["comm_bytes_per_step_per_device"]
+    detail = ", ".join(f"{k} {v / GB:,.3f}" for k, v in plan["comm_bytes_by_collective"].items() if v)
+    line = f"{comm / GB:,.3f} GB per device per step" + (f" ({detail})" if detail else "")
+    if plan["comm_time_s_at_measured_busbw"]:
+        line += f", ~{plan['comm_time_s_at_measured_busbw']:.3f} s at the probed bus bandwidth"
+    rows = [("communication", line)]
+    dims = plan.get("comm_bytes_by_dimension") or {}
+    calls = plan.get("comm_messages_per_step") or {}
+    if sum(1 for v in dims.values() if v) > 1 or any(calls.values()):
+        rows.append(("  by dimension", ", ".join(
+            f"{k.replace('_', '-')} {dims.get(k, 0) / GB:,.3f} GB in {calls.get(k, 0):g} calls"
+            for k in ("data_parallel", "tensor_parallel", "pipeline") if dims.get(k) or calls.get(k))))
+    return rows
 
 def _pipeline_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
     """The bubble, then one row per pipeline rank: its stages, blocks and memory per device."""
