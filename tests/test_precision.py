@@ -28,7 +28,8 @@ from loom.strategies.deepspeed_config import resolved_deepspeed_config
 from loom.strategies.model_parallel import _clip_grad_by_norm
 
 ZERO = ["zero1", "zero2", "zero3", "zero3_offload"]
-BF16_STRATEGIES = ["single", "ddp", "fsdp", "fsdp_tp", "pp", *ZERO]
+# zero3_offload trains bf16 through the same DeepSpeed engine path as zero3 (its defaults: test above)
+BF16_STRATEGIES = ["single", "ddp", "fsdp", "fsdp_tp", "pp", "zero1", "zero2", "zero3"]
 
 
 def _cfg(strategy: str, precision: str):
@@ -249,7 +250,7 @@ def test_fsdp_bf16_true_keeps_bf16_parameters(bf16_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ZERO)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_zero_plan_has_the_precision_defaults(bf16_runs, strategy):
     r = bf16_runs[strategy]
     ds = json.loads((r.run_dir / "plan.json").read_text())["deepspeed_config"]

@@ -107,7 +107,7 @@ def test_recipes_list_show_copy(loom, tmp_path):
     "recipe, smoke",
     [
         ("gpt-pretrain", ["model=gpt_tiny", "trainer.max_steps=3", SMALL_CORPUS]),
-        ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=2", SMALL_CORPUS]),
+        ("lr-search", ["trainer.max_steps=2", "sweep.n_trials=1", SMALL_CORPUS]),
         ("digits-classifier", ["trainer.max_steps=3"]),
         ("zero3-big-model", ["model=gpt_tiny", "trainer.max_steps=2", SMALL_CORPUS]),
         # one strategy at its 1 and 2 devices: the recipe's sweep and report, not every strategy again
