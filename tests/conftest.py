@@ -87,6 +87,25 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, ranks: int,
+                             timeout: float = 180) -> LoomResult:
+    """Once the step-`step` checkpoint exists, SIGKILL the last of the run's `ranks` workers;
+    torchrun restarts them all and the run must complete having resumed from `step` or later."""
+    import signal
+
+    wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc)
+    victims = worker_pids(run_dir)
+    assert len(victims) == ranks
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    r = LoomResult(0, out, "", run_dir)
+    s = r.summary()
+    assert s["status"] == "completed" and s["restarts"] == 1
+    assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= step
+    return r
+
+
 # One short run of every strategy, shared by tests/test_strategies.py and tests/test_plan.py.
 STEPS = 6
 B = 4  # micro batch per rank; `single` uses 2B

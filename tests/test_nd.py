@@ -7,12 +7,9 @@ built yet is refused at validation."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
-from conftest import FAST, LoomResult, refused_fast, run_loom, start_loom, wait_for, worker_pids
+from conftest import FAST, LoomResult, refused_fast, run_loom, sigkill_one_worker_after, start_loom
 from safetensors.torch import load_file
 
 STEPS = 10
@@ -104,16 +101,8 @@ def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(root, tmp_pat
     kill_root = tmp_path_factory.mktemp("nd-kill")
     run_dir = kill_root / "gpt" / "dp2_pp2"
     proc = start_loom(*_nd_args("dp2_pp2"), "hardware.max_restarts=1", root=kill_root)
-    wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
-    victims = worker_pids(run_dir)
-    assert len(victims) == 4
-    os.kill(victims[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    r = LoomResult(0, out, "", run_dir)
-    s = r.summary()
-    assert s["status"] == "completed" and s["restarts"] == 1
-    assert s["resumed_from_step"] is not None and 4 <= s["resumed_from_step"] < STEPS
+    r = sigkill_one_worker_after(proc, run_dir, 4, ranks=4, timeout=400)
+    assert r.summary()["resumed_from_step"] < STEPS
     assert r.losses() == ref.losses()
     wa = load_file(ref.run_dir / "final" / "model.safetensors")
     wb = load_file(run_dir / "final" / "model.safetensors")

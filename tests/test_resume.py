@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, LOOM, LoomResult, run_loom, start_loom, wait_for, worker_pids
+from conftest import FAST, LOOM, LoomResult, run_loom, sigkill_one_worker_after, start_loom, wait_for
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -51,16 +51,7 @@ def _start(root: Path, *extra: str) -> subprocess.Popen:
 def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=1")
-    wait_for(run_dir / "checkpoints" / "step-0000008.ckpt", proc)
-    victims = worker_pids(run_dir)
-    assert len(victims) == 2
-    os.kill(victims[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out
-    r = LoomResult(0, out, "", run_dir)
-    s = r.summary()
-    assert s["status"] == "completed" and s["restarts"] == 1
-    assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 8
+    r = sigkill_one_worker_after(proc, run_dir, 8, ranks=2)
     _assert_same_run(reference, r)
 
 
