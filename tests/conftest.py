@@ -1,7 +1,16 @@
-"""Shared helpers: run the real `loom` CLI in a subprocess against a temporary run root."""
+"""Shared helpers: run the real `loom` CLI in a subprocess against a temporary run root, count
+every training launch (tests/launches.py, tests/budget.toml), and share reference runs.
+
+Launches are the suite's cost. A behaviour is checked on a shared run where one fits: the
+registry `shared_run(*args)` starts each distinct argument list once per session (`PARITY`
+runs: the `single` reference at GLOBAL_BATCH is one run used by every parity test). A refusal
+is checked in-process (`refused`), not by a launch.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -11,6 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from launches import (  # noqa: F401  (pytest hooks: the launch ledger and budget)
+    LEDGER,
+    launching_fixture,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOM = [sys.executable, "-m", "loom.cli"]
@@ -48,11 +67,13 @@ def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = No
     if verb in ("train", "plan") and "--cfg" not in rest:
         cmd.append(f"run.root={root}")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=root)
-    run_dir = None
-    for line in p.stdout.splitlines():
-        if line.startswith("run dir: "):
-            run_dir = Path(line[len("run dir: "):].strip())
-    return LoomResult(p.returncode, p.stdout, p.stderr, run_dir)
+    run_dirs = [Path(line[len("run dir: "):].strip()) for line in p.stdout.splitlines()
+                if line.startswith("run dir: ")]
+    if verb == "train":  # each launched run (a sweep's trials too) prints its run dir once, at the end;
+        # a SLURM submission prints one too but trains nothing here (a shimmed job: count_launch)
+        submitted = sum(line.startswith(("submit it with: ", "Submitted run ")) for line in p.stdout.splitlines())
+        LEDGER.record(len(run_dirs) - submitted)
+    return LoomResult(p.returncode, p.stdout, p.stderr, run_dirs[-1] if run_dirs else None)
 
 
 def worker_pids(run_dir: Path) -> list[int]:
@@ -69,16 +90,24 @@ def worker_pids(run_dir: Path) -> list[int]:
     return pids
 
 
-def start_loom(*args: str, root: Path) -> subprocess.Popen:
-    """`loom <args> run.root=<root>` in the background (output merged into stdout), to kill or
-    signal part-way."""
-    env = {**os.environ, "WANDB_MODE": "offline"}
+def count_launch() -> None:
+    """A training run started by other means than run_loom / start_loom (a shimmed SLURM job)."""
+    LEDGER.record(1)
+
+
+def start_loom(*args: str, root: Path, env: dict | None = None, merge_stderr: bool = True,
+               **popen: object) -> subprocess.Popen:
+    """`loom <args> run.root=<root>` in the background (output merged into stdout unless
+    `merge_stderr` is false), to kill or signal part-way. Counted as one launch."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
     verb, *rest = args
-    return subprocess.Popen([*LOOM, verb, *rest, f"run.root={root}"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    LEDGER.record(1)
+    return subprocess.Popen([*LOOM, verb, *rest, f"run.root={root}"], cwd=root, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                            **popen)
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
     """Until `path` exists (a checkpoint, say), failing if `proc` exits first."""
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -93,7 +122,7 @@ def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, r
     torchrun restarts them all and the run must complete having resumed from `step` or later."""
     import signal
 
-    wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc)
+    wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc, timeout)
     victims = worker_pids(run_dir)
     assert len(victims) == ranks
     os.kill(victims[-1], signal.SIGKILL)
@@ -106,27 +135,66 @@ def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, r
     return r
 
 
-# One short run of every strategy, shared by tests/test_strategies.py and tests/test_plan.py.
-STEPS = 6
-B = 4  # micro batch per rank; `single` uses 2B
-COMMON = [*FAST, f"trainer.max_steps={STEPS}", f"dataset.batch_size={B}", "dataset.seq_len=64"]
+# ----------------------------------------------------------------------------- shared runs
+
+
+class SharedRuns:
+    """Session-wide registry of training runs keyed by their arguments: the first test asking for
+    an argument list launches it, every later one reads the same result."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs: dict[tuple, LoomResult] = {}
+
+    def get(self, *args: str, env: dict | None = None, timeout: float = 400) -> LoomResult:
+        key = (args, tuple(sorted((env or {}).items())))
+        if key not in self.runs:
+            root = self.root / f"run-{len(self.runs):03d}"
+            root.mkdir()
+            self.runs[key] = run_loom("train", *args, root=root, timeout=timeout, env=env)
+        return self.runs[key]
+
+
+@launching_fixture(scope="session")
+def shared(tmp_path_factory) -> SharedRuns:
+    return SharedRuns(tmp_path_factory.mktemp("shared"))
+
+
+# Parity runs: every strategy against `single` at the same global batch of GLOBAL_BATCH samples
+# (gpt_tiny, fp32, 10 steps). A strategy's micro batch is GLOBAL_BATCH / its data-parallel degree.
+STEPS = 10
+GLOBAL_BATCH = 8
+B = 4  # micro batch of a 2-way data-parallel run
+PARITY = [*FAST, "hardware=cpu", "model=gpt_tiny", f"trainer.max_steps={STEPS}", "dataset.seq_len=64"]
 # DDP runs with a gradient-compression hook (fp16 all-reduce): it must register on CPU/gloo
 # and its rounding (~1e-3 relative per gradient element) stays within the curve tolerance.
 PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
          "ddp": ["strategy.comm_hook=fp16_compress"]}
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
+COMMON = [*PARITY, f"dataset.batch_size={B}"]  # a 2-way data-parallel parity run, less its strategy
+SINGLE = ("strategy=single", "hardware.devices=1", *PARITY, f"dataset.batch_size={GLOBAL_BATCH}")
 
 
-@pytest.fixture(scope="session")
-def strategy_runs(tmp_path_factory) -> dict:
+def strategy_args(strategy: str) -> tuple[str, ...]:
+    """The parity run of `strategy` (2 ranks, or 4 for fsdp_tp's 2 x 2)."""
+    return (f"strategy={strategy}", "hardware.devices=2", *PARITY, f"dataset.batch_size={B}",
+            *PROCS.get(strategy, []))
+
+
+@launching_fixture(scope="session")
+def single_run(shared) -> LoomResult:
+    """`single` at GLOBAL_BATCH: the reference of every parity test."""
+    r = shared.get(*SINGLE)
+    assert r.rc == 0, r.out + r.err
+    return r
+
+
+@launching_fixture(scope="session")
+def strategy_runs(shared, single_run) -> dict:
     """One launch per strategy (+ the single-process reference), shared by the checks below."""
-    out = {}
-    root = tmp_path_factory.mktemp("strategies")
-    t0 = time.time()
-    out["single"] = run_loom("train", "strategy=single", *COMMON, f"dataset.batch_size={2 * B}", root=root)
+    out = {"single": single_run}
     for s in STRATEGIES:
-        out[s] = run_loom("train", f"strategy={s}", *COMMON, *PROCS.get(s, []), root=root)
-    print(f"{len(out)} launches in {time.time() - t0:.0f} s")
+        out[s] = shared.get(*strategy_args(s))
     return out
 
 
@@ -154,17 +222,30 @@ def killed_copy(run_dir: Path, root: Path, root2: Path, **summary: object) -> Pa
     return copy
 
 
-def refused_fast(loom, tmp_path: Path, *args: str) -> str:
-    """`loom train <args>` must be refused by validation: exit 2 within 3 s (no torch import,
-    no process), no run dir, no traceback. Returns stderr for the message checks."""
-    t0 = time.monotonic()
-    r = loom("train", *args)
-    took = time.monotonic() - t0
-    assert r.rc == 2, r.out + r.err
-    assert took < 3.0, took
-    assert not any(tmp_path.rglob("config.yaml")), "a run dir was created"
-    assert "Traceback" not in r.err
-    return r.err
+def refused(root: Path, *args: str) -> str:
+    """`loom train <args>` must be refused before anything is written: exit 2, no run dir, no
+    traceback. Runs the CLI's own `main` in this process (no subprocess, no launch: a launch
+    would fail the test); returns stderr for the message checks. That the CLI answers this way
+    without importing torch is tests/test_config.py's (one subprocess per kind of refusal)."""
+    from loom import cli, pipeline
+
+    def no_launch(*_a, **_k):
+        raise AssertionError(f"not refused: `loom train {' '.join(args)}` reached the launch")
+
+    err = io.StringIO()
+    saved, pipeline.launch = pipeline.launch, no_launch
+    sys.path.insert(0, str(root))  # as `python -m loom.cli` run in `root` would see it
+    try:
+        with contextlib.chdir(root), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = cli.main(["train", *args, f"run.root={root}"])
+    finally:
+        pipeline.launch = saved
+        sys.path.remove(str(root))
+    text = err.getvalue()
+    assert rc == 2, text
+    assert not any(Path(root).rglob("config.yaml")), "a run dir was created"
+    assert "Traceback" not in text
+    return text
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, LOOM, STEPS, refused_fast, run_loom, worker_pids
+from conftest import COMMON, LOOM, STEPS, refused, run_loom, worker_pids
 from safetensors.torch import load_file
 
 from loom.rundir import checkpoints
@@ -84,17 +84,18 @@ def test_dcp_dir_without_metadata_is_incomplete(tmp_path):
 
 
 def test_bad_checkpoint_input_fails_fast(loom, tmp_path):
-    err = refused_fast(loom, tmp_path, "strategy=zero2", "checkpoint.async=true")
+    err = refused(tmp_path, "strategy=zero2", "checkpoint.async=true")
     assert "checkpoint.async=True" in err and "strategy=zero2" in err and "fsdp, fsdp_tp" in err
-    err = refused_fast(loom, tmp_path, "strategy=ddp", "checkpoint.async=true")
+    err = refused(tmp_path, "strategy=ddp", "checkpoint.async=true")
     assert "checkpoint.async=True" in err and "fsdp, fsdp_tp" in err
-    err = refused_fast(loom, tmp_path, "checkpoint.export_dtype=fp8")
+    err = refused(tmp_path, "checkpoint.export_dtype=fp8")
     assert "checkpoint.export_dtype='fp8'" in err and "fp32, bf16, fp16" in err
 
 
 # ----------------------------------------------------------------------------- async resume
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_sigkill_under_async_checkpoints_resumes_bit_identical(strategy_runs, tmp_path):
     """fsdp with checkpoint.async=true: SIGKILL both ranks as soon as the step-4 save has

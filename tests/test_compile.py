@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, run_loom
+from conftest import FAST, launching_fixture, run_loom
 
 from loom.errors import ConfigError
 from loom.pipeline import resolve
@@ -50,7 +50,7 @@ def test_compile_is_refused_where_the_strategy_cannot_run_it(strategy):
     assert "trainer.compile" in str(e.value) and "recompile" in str(e.value)
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def compile_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("compile")
     t0 = time.time()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import FAST, LoomResult, refused_fast, run_loom
+from conftest import FAST, LoomResult, launching_fixture, refused, run_loom
 
 N = 6
 # checkpoint every 4 steps: N=6 is no multiple, so the run's last-step checkpoint is the one
@@ -19,7 +19,7 @@ SOURCE = [*FAST, "strategy=single", "dataset.batch_size=4", "dataset.seq_len=64"
           "checkpoint.export_dtype=bf16", "tracking=offline", "run.id=src"]
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, LoomResult]:
     """The source run to N steps, the same command to 2N, then to fewer steps, then to 2N again."""
     root = tmp_path_factory.mktemp("continue")
@@ -61,6 +61,7 @@ def test_lowered_max_steps_is_refused_and_the_run_untouched(runs):
     assert runs["second"].summary()["global_step"] == 2 * N
 
 
+@pytest.mark.launch
 def test_init_from_a_run_dir_starts_a_new_sharded_run_from_its_weights(runs, tmp_path):
     src = runs["second"]
     r = run_loom("train", *FAST, "strategy=fsdp", "dataset.batch_size=4", "dataset.seq_len=64",
@@ -81,12 +82,12 @@ def test_init_from_a_run_dir_starts_a_new_sharded_run_from_its_weights(runs, tmp
     ("model.d_model=64", "wte.weight [256, 128] in the file, [256, 64] in the model"),
 ])
 def test_init_from_a_mismatched_model_is_refused_before_launch(runs, loom, tmp_path, override, named):
-    err = refused_fast(loom, tmp_path, *FAST, f"model.init_from={runs['second'].run_dir}", override)
+    err = refused(tmp_path, *FAST, f"model.init_from={runs['second'].run_dir}", override)
     assert "model.init_from" in err and named in err
 
 
 def test_init_from_a_missing_source_is_refused(loom, tmp_path):
-    err = refused_fast(loom, tmp_path, *FAST, f"model.init_from={tmp_path / 'nowhere'}")
+    err = refused(tmp_path, *FAST, f"model.init_from={tmp_path / 'nowhere'}")
     assert "does not exist" in err
 
 

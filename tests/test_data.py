@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, LoomResult, run_loom, worker_pids
+from conftest import FAST, LOOM, LoomResult, launching_fixture, run_loom, worker_pids
 from tests_helpers import CORPUS, helpers_env, write_json_corpus
 
 from loom.data.sampler import ResumableDistributedSampler
@@ -203,7 +203,7 @@ def _ids(record: Path) -> dict[int, dict[int, tuple[int, list[int]]]]:
     return out
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def digits_reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits_ref")
     r = run_loom("train", *DIGITS, root=root, env={**helpers_env(root), "LOOM_RECORD_SAMPLE_IDS": str(root / "ids")})
@@ -230,6 +230,7 @@ def test_digits_two_ranks_see_disjoint_samples_covering_the_epoch(digits_referen
     assert r.losses()[30] < r.losses()[1]
 
 
+@pytest.mark.launch
 def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, digits_reference):
     ref, ref_ids = digits_reference
     env = {**os.environ, **helpers_env(tmp_path), "WANDB_MODE": "offline",
@@ -257,6 +258,7 @@ def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, d
     assert LoomResult(0, out, "", run_dir).losses() == ref.losses()
 
 
+@pytest.mark.launch
 def test_text_files_trains_and_the_packed_cache_is_reused(tmp_path, corpus):
     cache = tmp_path / "cache"
     args = [*BASE, "dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={cache}",

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, ROOT, B, refused_fast, run_loom
+from conftest import COMMON, ROOT, B, launching_fixture, refused, run_loom
 
 from loom.errors import ConfigError
 
@@ -68,7 +68,7 @@ def _autos(d) -> list:
     return []
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def hf_run(tmp_path_factory) -> dict:
     """The HF JSON under strategy=zero2 (2 ranks, run.id fixed) and the `single` reference."""
     root = tmp_path_factory.mktemp("dsjson")
@@ -119,7 +119,7 @@ def test_all_conflicts_in_one_message(loom, tmp_path):
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7}},
            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     path = _write(tmp_path / "ds.json", bad)
-    err = refused_fast(loom, tmp_path, "strategy=zero2", f"strategy.deepspeed_config={path}",
+    err = refused(tmp_path, "strategy=zero2", f"strategy.deepspeed_config={path}",
                        "dataset.batch_size=4", "optim.warmup_steps=10")
     assert "7 problems" in err, err
     for text in ("train_batch_size=999", "Loom sets train_batch_size=8 from dataset.batch_size=4 x trainer.accumulate_grad_batches=1 "
@@ -137,7 +137,7 @@ def test_unknown_and_ill_typed_keys_fail_fast(loom, tmp_path):
            "trian_batch_size": 8, "gradient_clipping": "high", "amp": {"enabled": True},
            "fp16": {"enabled": "auto", "loss_scale_windw": 100}, "optimizer": {"type": "Lamb"}}
     path = _write(tmp_path / "ds.json", bad)
-    err = refused_fast(loom, tmp_path, "strategy=zero2", f"strategy.deepspeed_config={path}")
+    err = refused(tmp_path, "strategy=zero2", f"strategy.deepspeed_config={path}")
     for text in ("zero_optimization.reduce_bucket_sise: unknown key", "did you mean reduce_bucket_size",
                  "zero_optimization.overlap_comm='yes': must be true or false or null",
                  "zero_optimization.allgather_bucket_size=-1: must be an integer >= 0",

@@ -14,6 +14,7 @@ METRICS = {"train/loss", "train/lr", "perf/step_time_ms", "perf/data_wait_ms", "
            "perf/tokens_per_sec", "sys/cpu_percent", "sys/rss_gb"}
 
 
+@pytest.mark.launch
 def test_default_job_two_processes_end_to_end(loom):
     args = ("train", "dataset.max_bytes=2000000", "trainer.max_steps=12", "trainer.log_every_n_steps=2",
             "checkpoint.every_n_steps=6")

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import LOOM, LoomResult, run_loom, wait_for
+from conftest import LOOM, LoomResult, launching_fixture, run_loom, wait_for
 
 from loom.data.sampler import ResumableDistributedSampler
 
@@ -101,7 +101,7 @@ def _preempted(root: Path, rid: str, *extra: str, ids: Path) -> LoomResult:
     return LoomResult(proc.returncode, out, "", run_dir)
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def elastic(tmp_path_factory) -> dict:
     """The reference, then per strategy: 2 ranks preempted -> 1 rank -> 2 ranks (raised max_steps)."""
     root = tmp_path_factory.mktemp("elastic")
@@ -171,6 +171,7 @@ def test_world_that_cannot_keep_the_global_batch_is_refused_naming_the_sizes(ela
     assert (run_dir / "config.yaml").read_text() == before  # refusals leave the run as it was
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_fsdp_tp_resumes_from_four_to_two_ranks_and_refuses_three(elastic):
     root, ids = elastic["root"], elastic["root"] / "ids-tp"

@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, LoomResult
+from conftest import FAST, LOOM, LoomResult, launching_fixture
 
 STEPS, EVERY, GBS = 20, 4, 4
 TOL = 1e-4
@@ -119,7 +119,7 @@ def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen]) -> dic
             "killed_at": json.loads((run_dir / "world_history.json").read_text())}
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The uninterrupted 2-node reference, then the same command losing a node."""
     root = tmp_path_factory.mktemp("elastic_nodes")

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LoomResult, run_loom
+from conftest import FAST, LoomResult, launching_fixture, run_loom
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def _chain(strategy: str, root: Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def chains(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("elastic_zero")
     t0 = time.time()

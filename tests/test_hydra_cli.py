@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, refused_fast, run_loom
+from conftest import FAST, launching_fixture, refused, run_loom
 from omegaconf import OmegaConf
 
 TINY = [*FAST, "strategy=single", "model=gpt_tiny", "trainer.max_steps=2", "dataset.batch_size=2",
@@ -24,7 +24,7 @@ def _cfg_job(loom, *overrides: str) -> OmegaConf:
     return OmegaConf.create(r.out)
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def exact_dir_run(tmp_path_factory):
     """One tiny run whose run dir is given by hydra.run.dir, with debug logs for `loom`."""
     root = tmp_path_factory.mktemp("hydra_run")
@@ -54,7 +54,7 @@ def test_hydra_verbose_turns_on_debug_logs(exact_dir_run):
 
 
 def test_hydra_run_dir_in_a_sweep_is_refused(loom, tmp_path):
-    err = refused_fast(loom, tmp_path, "-m", "optim.lr=0.1,0.01", f"hydra.run.dir={tmp_path / 'x'}")
+    err = refused(tmp_path, "-m", "optim.lr=0.1,0.01", f"hydra.run.dir={tmp_path / 'x'}")
     assert "run.dir" in err and "sweep" in err and "run.root" in err
 
 
@@ -71,7 +71,7 @@ def test_hydra_run_dir_in_a_sweep_is_refused(loom, tmp_path):
     ("--dry-run", ["--dry-run", "hardware.launcher=slurm", "loom plan"]),
 ])
 def test_refused_fast_naming_the_key(loom, tmp_path, override, needles):
-    err = refused_fast(loom, tmp_path, *([override] if override != "--dry-run" else [override, "strategy=single"]))
+    err = refused(tmp_path, *([override] if override != "--dry-run" else [override, "strategy=single"]))
     for needle in needles:
         assert needle in err, (needle, err)
 
@@ -134,7 +134,7 @@ def test_gpu_profile_on_cpu_is_rederived_not_shown_as_both(loom, tmp_path):
     cpu = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml")
     assert plan["host_capacity_bytes"] == pytest.approx(0.8 * cpu.host_memory_gb * 1e9)  # not the DGX's 2 TB
     # what the user sets explicitly wins: a contradiction is refused, a value is kept
-    err = refused_fast(loom, tmp_path, "hardware=h100x8", "hardware.accelerator=cpu", "hardware.backend=nccl")
+    err = refused(tmp_path, "hardware=h100x8", "hardware.accelerator=cpu", "hardware.backend=nccl")
     assert "hardware.backend" in err and "gloo" in err
     r, plan = _plan(loom, tmp_path, "hardware=h100x8", "hardware.accelerator=cpu", "hardware.devices=2",
                     "hardware.peak_tflops.fp32=1.5")

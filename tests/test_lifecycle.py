@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOOM, LoomResult, refused_fast, run_loom
+from conftest import LOOM, LoomResult, refused, run_loom
 
 MODELS = '''
 import os
@@ -130,6 +130,7 @@ def test_run_lock_is_exclusive_shared_for_nodes_and_freed_by_the_kernel(tmp_path
     node.communicate("\n")
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched(root):
     args = _gated(root, "once")
@@ -153,6 +154,7 @@ def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched
     assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_resumes(root):
     args = _gated(root, "ctrlc")
@@ -180,11 +182,12 @@ def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_
 
 
 def test_a_typo_in_a_constructor_argument_is_refused_at_validation(root, loom):
-    err = refused_fast(loom, root, *BASE, "model.module._target_=lifecycle_factory.make_net",
+    err = refused(root, *BASE, "model.module._target_=lifecycle_factory.make_net",
                        "+model.module.widht=32")
     assert "model.module.widht" in err and "did you mean 'width'" in err and "accepts: width" in err
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
     """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise TypeError

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from conftest import COMMON, FAST, PROCS, run_loom
+from conftest import COMMON, FAST, PROCS, launching_fixture, run_loom
 from torch import nn
 
 from loom.models import build_module
@@ -95,7 +95,7 @@ def test_user_module_with_reset_parameters_is_built_on_meta_reproducibly():
 # ----------------------------------------------------------------------------- real processes
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def big_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("meta")
     out = {"single": run_loom("train", "strategy=single", "hardware.devices=1", *BIG, "dataset.batch_size=2",
@@ -128,6 +128,7 @@ def test_meta_built_strategies_start_from_the_same_weights(big_runs):
         assert abs(big_runs[s].losses()[1] - ref) < 1e-4, (s, big_runs[s].losses()[1], ref)
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])  # the two wrapping paths (FSDP2 units, DeepSpeed)
 def test_activation_checkpointing_changes_no_loss(strategy, strategy_runs, tmp_path):
@@ -141,6 +142,7 @@ def test_activation_checkpointing_changes_no_loss(strategy, strategy_runs, tmp_p
         assert abs(got[step] - ref[step]) <= AC_TOL, (step, got[step], ref[step])
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_activation_checkpointing_lowers_peak_memory(tmp_path):
     """One process, activations dominating (4 layers, 64 x 256 tokens:

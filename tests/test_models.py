@@ -123,6 +123,7 @@ def test_custom_target_validation_does_not_import_torch_for_loom(tmp_path):
 # ----------------------------------------------------------------------------- real runs
 
 
+@pytest.mark.launch
 def test_hf_dataset_with_a_local_tokenizer_trains_an_hf_causal_lm(tmp_path, hf_assets):
     cache = tmp_path / "cache"
     r = run_loom("train", *BASE, "dataset=hf", f"dataset.path={hf_assets['data']}", "dataset.text_column=content",
@@ -141,6 +142,7 @@ def test_hf_dataset_with_a_local_tokenizer_trains_an_hf_causal_lm(tmp_path, hf_a
     assert not unexpected and not [k for k in missing if "lm_head" not in k]
 
 
+@pytest.mark.launch
 def test_mlp_trains_on_synthetic_tensors(tmp_path):
     r = run_loom("train", *BASE, "dataset=synthetic", "dataset.kind=tensors", "dataset.shape=[8,4]",
                  "dataset.num_samples=2048", "model=mlp", "trainer.max_steps=20", root=tmp_path)
@@ -154,6 +156,7 @@ def test_mlp_trains_on_synthetic_tensors(tmp_path):
     assert state["layers.1.weight"].shape == (128, 32)
 
 
+@pytest.mark.launch
 def test_custom_nn_module_with_a_loss_trains_on_synthetic_tokens(tmp_path):
     r = run_loom("train", *BASE, "dataset=synthetic", "dataset.seq_len=16", "model=custom",
                  "model.module._target_=tests_helpers.TinyTokenNet", "+model.module.width=16",
@@ -169,6 +172,7 @@ def test_custom_nn_module_with_a_loss_trains_on_synthetic_tokens(tmp_path):
     assert plan["params"] == 256 * 16 + 16 * 256 + 256  # counted on the meta device
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_gpt_125m_trains_for_real(loom):
     """The largest GPT this 24 GiB machine can train (87M params; gpt_1b/gpt_7b states alone need

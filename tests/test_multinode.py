@@ -65,6 +65,7 @@ def _rank_zero_worker(run_dir: Path) -> int | None:
     return None
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_two_nodes_train_one_run(tmp_path):
     steps = 6
@@ -86,6 +87,7 @@ def test_two_nodes_train_one_run(tmp_path):
     assert not list(run_dir.glob("*.tmp"))
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_killed_worker_on_one_node_restarts_both_nodes_and_resumes(tmp_path):
     steps = 12

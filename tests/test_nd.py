@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST, LoomResult, refused_fast, run_loom, sigkill_one_worker_after, start_loom
+from conftest import (
+    FAST,
+    LoomResult,
+    launching_fixture,
+    refused,
+    run_loom,
+    sigkill_one_worker_after,
+    start_loom,
+)
 from safetensors.torch import load_file
 
 STEPS = 10
@@ -29,7 +37,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("nd")
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def single(root) -> LoomResult:
     r = run_loom("train", "strategy=single", "hardware.devices=1", f"dataset.batch_size={GLOBAL_BATCH}",
                  *ARGS, root=root)
@@ -57,6 +65,7 @@ def _nd(name: str, root) -> LoomResult:
     return _RUNS[name]
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_nd_matches_single(name, root, single):
@@ -84,13 +93,14 @@ def test_nd_matches_single(name, root, single):
 def test_replicas_without_shards_or_pipeline_refused_fast(loom, tmp_path):
     """The one combination nd does not build yet (dp_replicate > 1 with dp_shard = 1 and pp = 1):
     exit 2 before anything starts, naming the degrees and what would run."""
-    err = refused_fast(loom, tmp_path, "hardware=cpu", "model=gpt_tiny", "strategy=nd", "hardware.devices=4",
+    err = refused(tmp_path, "hardware=cpu", "model=gpt_tiny", "strategy=nd", "hardware.devices=4",
                        "strategy.dp_replicate=2", "strategy.dp_shard=1", "strategy.tp=2")
     for needle in ("dp_replicate=2 dp_shard=1 tp=2 pp=1", "not built yet", "strategy=ddp"):
         assert needle in err, (needle, err)
 
 
 # ----------------------------------------------------------------------------- resume
+@pytest.mark.launch
 @pytest.mark.slow
 def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(root, tmp_path_factory):
     """(dp_shard 2, pp 2): SIGKILL of one rank after the step-4 checkpoint; torchrun restarts all

@@ -85,6 +85,7 @@ def test_unknown_optimizer_values_are_refused(override, key, choices, tmp_path):
     assert "Traceback" not in msg
 
 
+@pytest.mark.launch
 def test_fused_and_unfused_adamw_train_the_same(tmp_path):
     losses = {}
     for fused in ("true", "false"):
@@ -97,6 +98,7 @@ def test_fused_and_unfused_adamw_train_the_same(tmp_path):
         assert loss == pytest.approx(losses["false"][step], abs=1e-5), step
 
 
+@pytest.mark.launch
 def test_sgd_with_momentum_trains(tmp_path):
     r = run_loom("train", *TINY, "optim=sgd", root=tmp_path)
     assert r.rc == 0, r.out[-2000:] + r.err[-2000:]
@@ -115,6 +117,7 @@ class _Regression(__import__("loom.models.lit", fromlist=["LoomModule"]).LoomMod
         return (self.model(x).float() - y).pow(2).mean() * 1e3  # large gradients: clipping must act
 
 
+@pytest.mark.launch
 def test_clipping_with_bf16_autocast_and_fused_adamw(tmp_path):
     """Lightning's autocast plugin refuses to clip for a fused optimizer (a guard for fp16's loss
     scaler). bf16 has no scaler: Loom clips the true gradients and keeps the fused kernel.

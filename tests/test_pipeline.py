@@ -4,8 +4,7 @@ single-device keys and shapes (each stage's tensors gathered from its owner)."""
 
 from __future__ import annotations
 
-import pytest
-from conftest import FAST, run_loom
+from conftest import FAST, launching_fixture, run_loom
 from safetensors.torch import load_file
 
 STEPS = 10
@@ -14,7 +13,7 @@ ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", f"trainer.ma
         "dataset.batch_size=4", "dataset.seq_len=64"]
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pp")
     out = {"single": run_loom("train", "strategy=single", "hardware.devices=1", *ARGS, root=root)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import FAST, LoomResult, refused_fast, run_loom
+from conftest import FAST, LoomResult, launching_fixture, refused, run_loom
 
 STEPS = 3
 ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=8", f"trainer.max_steps={STEPS}",
@@ -28,7 +28,7 @@ SCHEDULES = {
 }
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, LoomResult]:
     root = tmp_path_factory.mktemp("schedules")
     out = {"single": run_loom("train", "strategy=single", "hardware.devices=1", *ARGS, root=root)}
@@ -72,8 +72,8 @@ def test_stage_placement(runs, key):
     (["hardware.precision=16-mixed"],
      ["hardware.precision='16-mixed'", "strategy.pp=2", "gradient scaler", "32-true, bf16-mixed, bf16-true"]),
 ])
-def test_pipeline_options_refused_fast(loom, tmp_path, args, needles):
-    err = refused_fast(loom, tmp_path, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", "strategy=pp",
+def test_pipeline_options_refused(tmp_path, args, needles):
+    err = refused(tmp_path, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", "strategy=pp",
                        "hardware.devices=2", *args)
     for needle in needles:
         assert needle in err, (needle, err)

@@ -94,6 +94,7 @@ def test_auto_with_nothing_fitting_exits_3_naming_the_closest(tmp_path):
     assert p.rc == 3 and "the closest is strategy=" in p.err, p.err
 
 
+@pytest.mark.launch
 def test_auto_trains_at_two_cpu_ranks(tmp_path):
     r = run_loom("train", "strategy=auto", "model=gpt_tiny", "hardware=cpu", "hardware.devices=2",
                  "trainer.max_steps=2", "trainer.val_every_n_steps=0", *FAST, root=tmp_path)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, run_loom
+from conftest import FAST, launching_fixture, run_loom
 from omegaconf import OmegaConf
 
 from loom.errors import ConfigError
@@ -186,7 +186,7 @@ EXTRA = {"single": ["hardware.devices=1", "dataset.batch_size=8"],
          "pp": ["hardware.devices=2", "dataset.batch_size=8"]}  # one data-parallel rank: the global batch
 
 
-@pytest.fixture(scope="session")
+@launching_fixture(scope="session")
 def bf16_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("precision")
     out, t0 = {}, time.time()

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, LOOM, LoomResult, run_loom, sigkill_one_worker_after, start_loom, wait_for
+from conftest import (
+    FAST,
+    LOOM,
+    LoomResult,
+    launching_fixture,
+    run_loom,
+    sigkill_one_worker_after,
+    start_loom,
+    wait_for,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -36,7 +45,7 @@ def _assert_same_run(a: LoomResult, b: LoomResult) -> None:
         assert torch.equal(wa[k], wb[k]), k
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def reference(tmp_path_factory) -> LoomResult:
     """The uninterrupted run every other one must reproduce."""
     r = run_loom("train", *ARGS, root=tmp_path_factory.mktemp("reference"))
@@ -48,6 +57,7 @@ def _start(root: Path, *extra: str) -> subprocess.Popen:
     return start_loom("train", *ARGS, *extra, root=root)
 
 
+@pytest.mark.launch
 def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=1")
@@ -66,6 +76,7 @@ def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:
     return run_dir, LoomResult(143, out, "", run_dir).summary()
 
 
+@pytest.mark.launch
 def test_sigterm_preempts_and_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
     """SIGTERM to the launcher: a checkpoint at the step the ranks stopped at, `last` pointing to
     it, no final weights. Then that newest checkpoint is truncated (a kill during its write): the
@@ -110,6 +121,7 @@ def test_checkpoint_with_a_pickle_payload_is_refused_without_running_it(tmp_path
     assert not marker.exists()
 
 
+@pytest.mark.launch
 def test_checkpoint_write_error_fails_the_run_loudly(tmp_path):
     run_dir = tmp_path / "gpt" / "r"
     from loom.freeze import freeze
@@ -155,6 +167,7 @@ def test_hostile_target_is_refused_before_anything_runs(tmp_path, how):
 
 
 
+@pytest.mark.launch
 def test_a_secret_in_env_and_config_reaches_the_model_but_no_file(tmp_path):
     """The config names the secret by `${oc.env:...}`; the worker resolves it (the module checks
     it got the real value), and no byte under the run dir holds it (wandb files included)."""

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM
+from conftest import FAST, LOOM, count_launch
 from slurm_shims import install
 
 # The SLURM profile on CPU "nodes" (the profile itself is for H100 nodes).
@@ -141,7 +141,7 @@ def _wait(cond, what: str, timeout: float, log: Path) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.slow
+@pytest.mark.launch
 def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     install(bin_dir, state)
@@ -151,6 +151,7 @@ def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
               *FAST, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=4", env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "SLURM job 4242" in p.stdout
+    count_launch()  # the shimmed job trains: two nodes, then requeued
     run_dir = tmp_path / "gpt" / "sl"
     log = run_dir / "slurm" / "slurm-4242.out"
     pids = state / "pids"

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import STEPS, STRATEGIES, B, refused_fast
+from conftest import STEPS, STRATEGIES, B, refused
 
 pytestmark = pytest.mark.slow
 
@@ -116,23 +116,23 @@ def test_ddp_comm_hook_registers_on_cpu(runs):
 
 
 def test_bad_strategy_input_fails_fast(loom, tmp_path):
-    err = refused_fast(loom, tmp_path, "strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=3")
+    err = refused(tmp_path, "strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=3")
     assert "strategy.tensor_parallel=3" in err and "hardware.devices=4" in err and "1, 2, 4" in err
-    err = refused_fast(loom, tmp_path, "strategy=ddp", "strategy.comm_hook=zip")
+    err = refused(tmp_path, "strategy=ddp", "strategy.comm_hook=zip")
     assert "strategy.comm_hook='zip'" in err and "powersgd" in err
-    err = refused_fast(loom, tmp_path, "strategy=zero2", f"strategy.deepspeed_config={tmp_path / 'missing.json'}")
+    err = refused(tmp_path, "strategy=zero2", f"strategy.deepspeed_config={tmp_path / 'missing.json'}")
     assert "strategy.deepspeed_config" in err and "no such file" in err
     bad = tmp_path / "bad.json"
     bad.write_text('{"zero_optimization": {"stage": 2},')
-    err = refused_fast(loom, tmp_path, "strategy=zero2", f"strategy.deepspeed_config={bad}")
+    err = refused(tmp_path, "strategy=zero2", f"strategy.deepspeed_config={bad}")
     assert "not valid JSON" in err
     conflict = tmp_path / "conflict.json"
     conflict.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7}}))
-    err = refused_fast(loom, tmp_path, "strategy=zero3", f"strategy.deepspeed_config={conflict}")
+    err = refused(tmp_path, "strategy=zero3", f"strategy.deepspeed_config={conflict}")
     assert "zero_optimization.stage=2" in err and "zero_optimization.stage=3" in err and "strategy=zero3" in err
-    err = refused_fast(loom, tmp_path, "strategy=zero3_offload", "model=gpt_7b")
+    err = refused(tmp_path, "strategy=zero3_offload", "model=gpt_7b")
     assert "hardware.host_memory_gb" in err and "zero3_offload" in err
-    err = refused_fast(loom, tmp_path, "strategy=zero1", "strategy.offload_params=true")
+    err = refused(tmp_path, "strategy=zero1", "strategy.offload_params=true")
     assert "strategy.offload_params" in err
 
 

@@ -21,6 +21,7 @@ def _manifest(root: Path) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_sweep_of_two_ddp_trials_resumes_after_a_kill_and_reruns_nothing(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline"}
@@ -59,6 +60,7 @@ def test_sweep_of_two_ddp_trials_resumes_after_a_kill_and_reruns_nothing(tmp_pat
     assert "Starting run" not in third.out and "Resuming run" not in third.out
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_optuna_sweep_reports_three_trials_to_the_study(loom, tmp_path):
     r = loom("train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
@@ -102,6 +104,7 @@ def test_recipes_list_show_copy(loom, tmp_path):
     assert r.rc == 0 and "max_steps: 7" in r.out and "experiment: gpt-pretrain" in r.out
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe, smoke",
@@ -122,6 +125,7 @@ def test_recipe_smoke_run(loom, tmp_path, recipe, smoke):
     assert summaries and all(s["status"] == "completed" for s in summaries)
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_finetune_hf_recipe_smoke_run_on_local_stand_ins(loom, tmp_path):
     """The recipe names gpt2 + wikitext (hub artifacts); tests never reach the network, so the

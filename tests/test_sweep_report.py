@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, killed_copy, refused_fast, run_loom
+from conftest import FAST, killed_copy, launching_fixture, refused, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 3
@@ -19,7 +19,7 @@ DIGITS = ("train", "dataset=digits", "model=mlp", "strategy=single", "tracking=c
           "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2")
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def sweep(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("lr_sweep")
     r = run_loom(*SWEEP, root=root, timeout=300)
@@ -112,7 +112,7 @@ def test_validation_is_logged_at_the_last_step_and_in_the_summary(sweep):
     assert "| model | gpt_tiny, " in md and " parameters |" in md and "| dataset | tinycode |" in md
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def digits(tmp_path_factory) -> SimpleNamespace:
     """A classifier run, then a copy of it marked as killed after its step-4 checkpoint (no
     summary first_loss: the launcher's failure summary has none), resumed by the same command."""
@@ -155,6 +155,7 @@ def _corpus(tmp_path: Path) -> str:
     return f"dataset.paths=[{tmp_path}/*.txt]"
 
 
+@pytest.mark.launch
 def test_three_text_files_warn_of_an_empty_validation_split(tmp_path):
     r = run_loom("train", "dataset=text_files", _corpus(tmp_path), "strategy=single", "tracking=csv",
                  "trainer.max_steps=1", "dataset.seq_len=32", "dataset.batch_size=4", root=tmp_path, timeout=200)
@@ -168,6 +169,6 @@ def test_three_text_files_warn_of_an_empty_validation_split(tmp_path):
 def test_periodic_validation_over_an_empty_split_is_refused(loom, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    err = refused_fast(loom, tmp_path, "dataset=text_files", _corpus(corpus), "trainer.val_every_n_steps=5")
+    err = refused(tmp_path, "dataset=text_files", _corpus(corpus), "trainer.val_every_n_steps=5")
     assert "trainer.val_every_n_steps=5" in err and "validation split is empty" in err
     assert "dataset.val_every" in err

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, LOOM, killed_copy, run_loom
+from conftest import FAST, LOOM, killed_copy, launching_fixture, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TOKEN": "sentinel-token-0987654321"}
@@ -41,7 +41,7 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tracking")
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def ddp_run(root):
     r = run_loom(*DDP_ARGS, root=root, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
@@ -49,7 +49,7 @@ def ddp_run(root):
     return SimpleNamespace(result=r, run_dir=r.run_dir, plots_after_train=plots)
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def single_run(root, ddp_run):
     r = run_loom(*SINGLE_ARGS, root=root)
     assert r.rc == 0, r.out + r.err
@@ -57,7 +57,7 @@ def single_run(root, ddp_run):
     return r
 
 
-@pytest.fixture(scope="module")
+@launching_fixture(scope="module")
 def resumed_run(root, ddp_run):
     """ddp_run's dir, copied to another root and marked the way a killed run is left
     (status failed: the launcher writes that), resumed by the same command."""
