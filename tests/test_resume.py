@@ -19,9 +19,9 @@ from conftest import (
     LoomResult,
     launching_fixture,
     run_loom,
-    sigkill_one_worker_after,
     start_loom,
     wait_for,
+    worker_pids,
 )
 from safetensors.torch import load_file
 
@@ -58,11 +58,24 @@ def _start(root: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.launch
-def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
+def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
+    """hardware.max_restarts=0: a SIGKILLed rank is a failure torchrun may not restart. The run
+    ends exit 1, summary.json `failed`, and one paragraph saying no rank recorded an error and
+    where the logs are. (A SIGKILL that torchrun restarts and that resumes exactly: test_data's
+    digits run, which also checks each step's samples and the final weights.)"""
     run_dir = tmp_path / "gpt" / "r"
-    proc = _start(tmp_path, "hardware.max_restarts=1")
-    r = sigkill_one_worker_after(proc, run_dir, 8, ranks=2)
-    _assert_same_run(reference, r)
+    proc = _start(tmp_path, "hardware.max_restarts=0")
+    wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
+    victims = worker_pids(run_dir)
+    assert len(victims) == 2
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out
+    s = LoomResult(1, out, "", run_dir).summary()
+    assert s["status"] == "failed" and s["restarts"] == 0, s
+    assert s["global_step"] < STEPS and not (run_dir / "final").exists()
+    assert "without a rank recording an error" in out and str(run_dir / "logs") in out, out[-3000:]
+    assert "Traceback" not in out
 
 
 def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:
