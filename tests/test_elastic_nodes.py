@@ -17,7 +17,9 @@ waiting at the rendezvous, stops its rank (SIGTERM: a checkpointed stop) and the
 re-forms and resumes from that checkpoint. So that the node returns while the world-1 attempt
 still trains, the model (`HeldAtWorldOne`, written into the runs' root) holds a world-1
 attempt after HOLD_AFTER micro-batches until the process is asked to stop, and says so with a
-`<gate>.held` file: the test starts the returning node once that file exists.
+`<gate>.held1` file: the test starts the returning node once that file exists. (The model
+is a tiny one, a whole run takes a second or two: it also holds the first attempt after step 4
+until the test has killed the node, so the loss happens mid-run.)
 
 Checked against an uninterrupted 2-node run of the same command (also the suite's two-node
 run: test_multinode checks a fixed-size one through its restart test): every step's loss
@@ -43,7 +45,7 @@ import pytest
 from conftest import FAST, LoomResult, launching_fixture, start_loom
 
 STEPS, EVERY, GBS = 20, 4, 4
-HOLD_AFTER = 2 * EVERY  # micro-batches of a world-1 attempt (2 a step) before it holds
+HOLD_AFTER = EVERY  # training micro-batches of an attempt before it holds (2 a step at world 1)
 TOL = 1e-4
 ARGS = [*FAST, f"checkpoint.every_n_steps={EVERY}", f"trainer.max_steps={STEPS}", "dataset.batch_size=2",
         "dataset.seq_len=32", "hardware=cpu", "hardware.num_nodes=2", "hardware.devices=1", "hardware.min_nodes=1",
@@ -66,18 +68,22 @@ def _asked_to_stop() -> bool:
 
 
 class HeldAtWorldOne(TinyTokenNet):
-    """Holds a world-1 attempt after `after` training micro-batches until it is asked to stop."""
+    """Holds a training forward where the test must act: at world 2, after `after` micro-batches
+    until `<gate>.go2` exists (the test kills a node meanwhile); at world 1, after `after`
+    micro-batches until it is asked to stop (the returning node restarts it). Each hold first
+    creates `<gate>.held2` / `<gate>.held1`."""
 
     def __init__(self, gate: str, after: int) -> None:
         super().__init__()
         self.gate, self.after, self.calls = gate, after, 0
 
     def forward(self, x):
-        if self.training and (not dist.is_initialized() or dist.get_world_size() == 1):
+        if self.training:
             self.calls += 1
-            if self.calls > self.after:
-                open(self.gate + ".held", "a").close()
-                while not os.path.exists(self.gate) and not _asked_to_stop():
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.calls > self.after and not os.path.exists(f"{self.gate}.go{world}"):
+                open(f"{self.gate}.held{world}", "a").close()
+                while not os.path.exists(f"{self.gate}.go{world}") and not _asked_to_stop():
                     time.sleep(0.05)
         return super().forward(x)
 '''
@@ -95,7 +101,7 @@ def _start_node(root: Path, rid: str, port: int, ids: Path) -> subprocess.Popen:
 
     env = {**helpers_env(root), "OMP_NUM_THREADS": "1", "LOOM_RECORD_SAMPLE_IDS": str(ids)}
     return start_loom("train", *ARGS, f"hardware.rdzv_endpoint=127.0.0.1:{port}", f"run.id={rid}",
-                      f"+model.module.gate={root / 'gate'}", root=root, env=env, start_new_session=True)
+                      f"+model.module.gate={root / ('gate-' + rid)}", root=root, env=env, start_new_session=True)
 
 
 def _start_nodes(root: Path, rid: str, port: int, ids: Path) -> list[subprocess.Popen]:
@@ -161,14 +167,17 @@ def _wait(cond, what: str, nodes: list[subprocess.Popen], timeout: float = 300) 
         time.sleep(0.05)
 
 
-def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen]) -> dict:
-    """After the step-4 checkpoint: SIGKILL the non-host node's launcher process group."""
-    _wait((run_dir / "checkpoints" / f"step-{EVERY:07d}.ckpt").exists, "checkpoint", nodes)
+def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen], gate: Path) -> dict:
+    """Once the ranks hold after the step-4 checkpoint: SIGKILL the non-host node's launcher
+    process group, then let the survivor go on (into a collective its peer will not join)."""
+    _wait(Path(f"{gate}.held2").exists, "the world-2 hold", nodes)
+    assert (run_dir / "checkpoints" / f"step-{EVERY:07d}.ckpt").exists()
     hosts = [_listens(_tree(p.pid), port) for p in nodes]
     assert sorted(hosts) == [False, True], hosts
     victim = nodes[hosts.index(False)]
     tree = _tree(victim.pid)
     os.killpg(victim.pid, signal.SIGKILL)
+    Path(f"{gate}.go2").touch()
     return {"victim": victim, "tree": tree, "survivor": nodes[hosts.index(True)],
             "killed_at": json.loads((run_dir / "world_history.json").read_text())}
 
@@ -179,6 +188,8 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("elastic_nodes")
     (root / "nodes_models.py").write_text(MODELS)
     out: dict = {"root": root}
+    for world in (1, 2):  # the reference never holds
+        (root / f"gate-ref.go{world}").touch()
     ref = _start_nodes(root, "ref", _free_port(), root / "ids-ref")
     out["ref_outs"] = _outputs(ref, 400)
     out["ref_rc"] = [p.returncode for p in ref]
@@ -186,9 +197,9 @@ def runs(tmp_path_factory) -> dict:
     port, run_dir = _free_port(), root / "gpt" / "lost"
     nodes = _start_nodes(root, "lost", port, root / "ids-lost")
     try:
-        out.update(_lose_a_node(run_dir, port, nodes))
+        out.update(_lose_a_node(run_dir, port, nodes, root / "gate-lost"))
         survivor = out["survivor"]
-        _wait((root / "gate.held").exists, "world-1 attempt holding", [survivor])
+        _wait((root / "gate-lost.held1").exists, "the world-1 hold", [survivor])
         out["world_one"] = json.loads((run_dir / "world_history.json").read_text())
         nodes.append(_start_node(root, "lost", port, root / "ids-back"))  # the node returns
     finally:
