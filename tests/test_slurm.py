@@ -325,7 +325,7 @@ def test_the_job_requeues_only_a_signalled_attempt_that_made_progress(tmp_path, 
         assert "scontrol requeue 4242" in calls and "requeueing job 4242" in out, out
         assert summary["status"] == "completed"  # the requeued attempt ran
         return
-    assert "requeue" not in calls and "requeueing" not in out, out
+    assert "scontrol requeue" not in calls and "requeueing job" not in out, out
     assert summary["status"] == "preempted" and len(pids.read_text().split()) == 1
     if case == "no progress":
         assert "without progress since the last start: not requeueing" in out, out
