@@ -234,3 +234,28 @@ def test_fsdp_tp_preempted_at_four_ranks_resumes_at_two_and_refuses_three(elasti
     ref = elastic["ref"].losses()
     assert max(abs(two.losses()[k] - ref[k]) for k in range(1, 9)) < TOL
     assert _ids(ids, dedupe_tp=2) == {k: v for k, v in _ids(root / "ids-ref").items() if k <= 8}
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_pipelined_nd_preempted_resumes_at_its_world_and_refuses_another(elastic):
+    """SIGTERM under strategy=nd with 2 pipeline stages (pp 2 x dp 1): a checkpointed stop. A
+    pipelined run does not accumulate (its microbatches are the schedule's), so the global batch
+    fixes its data-parallel degree: world 4 (dp 2) is refused naming the world that keeps it, and
+    the same world resumes on the reference's curve."""
+    root = elastic["root"]
+    nd = ["strategy=nd", "strategy.pp=2", "dataset.batch_size=4", "trainer.global_batch_size=4",
+          "trainer.max_steps=8"]
+    first = _preempted(root, "nd", *nd, "hardware.devices=2", ids=root / "ids-nd")
+    assert first.rc == 143, first.out
+    s = first.summary()
+    stopped = s["global_step"]
+    assert s["status"] == "preempted" and 2 <= stopped < 8 and s["parallel"]["pp"] == 2, s
+    four = _train(root, "nd", *nd, "hardware.devices=4")
+    assert four.rc == 2 and "World sizes that keep strategy=nd and trainer.global_batch_size=4: 2 " in four.err, four.err
+    again = _train(root, "nd", *nd, "hardware.devices=2")
+    assert again.rc == 0, again.out + again.err
+    s = again.summary()
+    assert s["status"] == "completed" and s["global_step"] == 8 and s["resumed_from_step"] == stopped
+    ref = elastic["ref"].losses()
+    assert max(abs(again.losses()[k] - ref[k]) for k in range(1, 9)) < TOL, (again.losses(), ref)

@@ -60,9 +60,10 @@ def _start(root: Path, *extra: str) -> subprocess.Popen:
 @pytest.mark.launch
 def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
     """hardware.max_restarts=0: a SIGKILLed rank is a failure torchrun may not restart. The run
-    ends exit 1, summary.json `failed`, and one paragraph saying no rank recorded an error and
-    where the logs are. (A SIGKILL that torchrun restarts and that resumes exactly: test_data's
-    digits run, which also checks each step's samples and the final weights.)"""
+    ends exit 1 after one attempt, summary.json `failed` with the surviving rank's error (its
+    collective lost the peer), the summary table and one paragraph naming the rank and its log,
+    no traceback (the error text holds "[...]": printed as text, not rich markup). A SIGKILL that
+    torchrun restarts and that resumes exactly: test_data's digits run (samples and weights)."""
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=0")
     wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
@@ -72,10 +73,14 @@ def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1, out
     s = LoomResult(1, out, "", run_dir).summary()
-    assert s["status"] == "failed" and s["restarts"] == 0, s
-    assert s["global_step"] < STEPS and not (run_dir / "final").exists()
-    assert "without a rank recording an error" in out and str(run_dir / "logs") in out, out[-3000:]
-    assert "Traceback" not in out
+    assert s["status"] == "failed" and s["restarts"] == 0 and s["global_step"] < STEPS, s
+    assert s["error"]["rank"] == 0 and "Connection closed by peer" in s["error"]["message"], s["error"]
+    assert not (run_dir / "final").exists()
+    assert "loom run r: failed" in out and "Traceback" not in out, out[-3000:]
+    paragraph = [line for line in out.splitlines() if line.startswith("Training failed")]
+    assert len(paragraph) == 1 and f"Full traceback: {run_dir / 'logs' / 'rank-0.log'}" in paragraph[0], out[-3000:]
+    for rank in (0, 1):  # one attempt each: no restart
+        assert (run_dir / "logs" / f"rank-{rank}.log").read_text().count("started, attempt") == 1
 
 
 def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:
