@@ -158,10 +158,10 @@ def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
     first = int(pids.read_text().split()[0])
 
     # the time limit nears: SLURM sends SIGUSR1 to the batch script (--signal=B:USR1@...)
-    _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 150, log)
+    _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 300, log)
     os.kill(first, signal.SIGUSR1)
-    _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 90, log)
-    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 150, log)
+    _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 300, log)
+    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 400, log)
 
     calls = (state / "calls.log").read_text()
     assert "scontrol requeue 4242" in calls and calls.count("srun --nodes") == 2
@@ -301,7 +301,7 @@ def _job_without_training(tmp_path: Path, preempted_at: tuple[int, int]) -> tupl
     env = _env([bin_dir], LOOM_SHIM_STATE=str(state))
     subprocess.run(["sbatch", str(run_dir / "slurm" / "job.sbatch")], env=env, check=True, capture_output=True)
     log = run_dir / "slurm" / "slurm-4242.out"
-    _wait((state / "srun.ready").exists, "the job step started", 60, log)
+    _wait((state / "srun.ready").exists, "the job step started", 180, log)
     return run_dir, state, int((state / "pids").read_text().split()[0])
 
 
@@ -317,7 +317,7 @@ def test_the_job_requeues_only_a_signalled_attempt_that_made_progress(tmp_path, 
     else:
         os.kill(pid, signal.SIGUSR1)
     pids = state / "pids"
-    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the job(s) ended", 60, log)
+    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the job(s) ended", 180, log)
     calls, out = (state / "calls.log").read_text(), log.read_text()
     assert "srun stopped by 15" in calls, calls  # the ranks got their SIGTERM: a checkpointed stop
     summary = json.loads((run_dir / "summary.json").read_text())
