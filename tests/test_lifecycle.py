@@ -167,6 +167,7 @@ def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_sam
     assert (run_dir / "checkpoints" / f"step-{stopped:07d}.ckpt").exists()
     assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1  # not by the second
 
+    (root / "gate-ctrlc").touch()  # the resumed run trains straight on
     again = run_loom("train", *args, root=root, timeout=150)
     assert again.rc == 0 and "Resuming run ctrlc" in again.out, again.out + again.err
     s = again.summary()
