@@ -12,6 +12,7 @@ state in `state_dir`: `calls.log` (every call), `pids` (each started batch scrip
 - scontrol show hostnames LIST: one name a line; scontrol requeue ID: start the job's script
   again with SLURM_RESTART_COUNT + 1 (the requeued job).
 - squeue: reports no active job.
+`install_step_srun` swaps srun for one that trains nothing (see STEP_SRUN).
 """
 
 from __future__ import annotations
@@ -117,3 +118,38 @@ def install(bin_dir: Path, state_dir: Path) -> None:
         path = bin_dir / name
         path.write_text(f"#!{sys.executable}\n{COMMON}\n{body}")
         path.chmod(0o755)
+
+
+# A stand-in for `srun` that trains nothing, for the job script's own logic (what it does with
+# the ranks' outcome): it writes the summary.json the ranks would have written and exits as
+# they would. First attempt: waits for SIGTERM (the script's USR1 trap, or scancel), then writes
+# `preempted.json` from the state dir and exits 143. A requeued attempt (SLURM_RESTART_COUNT
+# > 0) writes `completed.json` and exits 0. It runs in the run dir (the script cd's there).
+STEP_SRUN = r'''
+import shutil
+log("srun", *sys.argv[1:])
+
+def write(name):
+    shutil.copy(os.path.join(STATE, name), "summary.json")
+
+if int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0:
+    write("completed.json")
+    sys.exit(0)
+
+def stop(signum, frame):
+    log("srun stopped by", str(signum))
+    write("preempted.json")
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(STATE, "srun.ready"), "w").close()
+while True:
+    time.sleep(0.05)
+'''
+
+
+def install_step_srun(bin_dir: Path) -> None:
+    """Replace the installed `srun` with STEP_SRUN (after `install`)."""
+    path = bin_dir / "srun"
+    path.write_text(f"#!{sys.executable}\n{COMMON}\n{STEP_SRUN}")
+    path.chmod(0o755)

@@ -4,22 +4,22 @@
   `safetensors.torch.load_file`, bit for bit, in every export dtype.
 - Bad input: async checkpoints on a strategy that cannot, an export dtype Loom does not write:
   exit 2 in validation, naming the key and the choices.
-- For real (slow): `checkpoint.async=true` under FSDP2, the job SIGKILLed after a checkpoint
-  became visible (the next one then still in flight), resumed by the same command: the curve and
-  the final weights are bit-identical to the uninterrupted fsdp run of `strategy_runs`.
+- For real (slow): `checkpoint.async=true` under fsdp_tp (FSDP2 x tensor parallel, 4 ranks: the
+  DTensor states of both meshes), the job SIGKILLed after a checkpoint became visible (the next
+  one then still in flight), resumed by the same command: the curve and the final weights are
+  bit-identical to the uninterrupted fsdp_tp run of `strategy_runs`.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, LOOM, STEPS, refused, run_loom, worker_pids
+from conftest import COMMON, PROCS, STEPS, refused, run_loom, start_loom, strategy_args, worker_pids
 from safetensors.torch import load_file
 
 from loom.rundir import checkpoints
@@ -97,31 +97,30 @@ def test_bad_checkpoint_input_fails_fast(loom, tmp_path):
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_sigkill_under_async_checkpoints_resumes_bit_identical(strategy_runs, tmp_path):
-    """fsdp with checkpoint.async=true: SIGKILL both ranks as soon as the step-4 save has
+def test_sigkill_under_async_checkpoints_resumes_bit_identical(shared, tmp_path):
+    """fsdp_tp with checkpoint.async=true: SIGKILL the 4 ranks as soon as the step-4 save has
     started (step 2 was renamed into place just before it; step 4 is being written in the
     background, or written but not yet renamed, which waits for the step-6 save). The same
     command resumes from the newest complete checkpoint and ends exactly where the
-    uninterrupted fsdp run of `strategy_runs` (same config, synchronous checkpoints) ended."""
-    ref = strategy_runs["fsdp"]
+    uninterrupted fsdp_tp parity run (same config, synchronous checkpoints) ended."""
+    ref = shared.get(*strategy_args("fsdp_tp"))  # the parity run of strategy_runs (one launch per session)
     assert ref.rc == 0, ref.out + ref.err
-    args = ["strategy=fsdp", *COMMON, "checkpoint.every_n_steps=2", "checkpoint.async=true", "run.id=a"]
+    args = ["strategy=fsdp_tp", *COMMON, *PROCS["fsdp_tp"], "checkpoint.every_n_steps=2", "checkpoint.async=true",
+            "run.id=a"]
     ckpts = tmp_path / "gpt" / "a" / "checkpoints"
-    env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen([*LOOM, "train", *args, f"run.root={tmp_path}"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 180
+    proc = start_loom("train", *args, root=tmp_path, start_new_session=True)
+    deadline = time.monotonic() + 300
     while not (ckpts / "step-0000004.ckpt.partial").exists():
-        assert proc.poll() is None, "exited before the step-4 save started"
-        assert time.monotonic() < deadline
+        assert proc.poll() is None, "exited before the step-4 save started: " + proc.stdout.read()
+        assert time.monotonic() < deadline, "the step-4 save never started"
         time.sleep(0.02)
     run_dir = ckpts.parent
     victims = worker_pids(run_dir)
-    assert len(victims) == 2
+    assert len(victims) == 4
     for pid in victims:  # the ranks themselves: SIGKILL (the launcher's group would only
         os.kill(pid, signal.SIGKILL)  # SIGTERM them, via PDEATHSIG: a graceful preemption)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.communicate()
     # a renamed checkpoint is always complete; anything in flight is still `.partial`
     for c in checkpoints.complete_checkpoints(run_dir):
         assert checkpoints.problem(c) is None, c

@@ -8,17 +8,24 @@ The learning rate is flat after a 2-step warmup (optim.min_lr_ratio=1.0), so a c
 with a raised trainer.max_steps (rundir/extension.py) is the same schedule as the reference's:
 each chain is preempted (SIGTERM) at 2 ranks, resumes at 1 to PHASE_STEPS, then grows back to 2
 ranks with max_steps raised to STEPS.
+
+The two chains check different things on the same curve: fsdp (DCP resharding) is preempted by
+a SIGTERM to one of its ranks, not the launcher, and validates every VAL_EVERY steps at every
+world; zero1 (DeepSpeed's universal checkpoint) is preempted by a SIGTERM to its launcher.
+ddp's own elastic resume is the reference's strategy (it shares the sampler and accumulation
+path checked here) and the two-node tests' (test_elastic_nodes).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import LOOM, LoomResult, launching_fixture, run_loom, wait_for
+from conftest import LoomResult, launching_fixture, run_loom, start_loom, wait_for, worker_pids
 
 from loom.data.sampler import ResumableDistributedSampler
 
@@ -27,9 +34,10 @@ TOL = 1e-4
 ARGS = ["dataset.max_bytes=2000000", "tracking=csv", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2",
         "dataset.batch_size=2", "dataset.seq_len=32", "optim.warmup_steps=2", "optim.min_lr_ratio=1.0",
         "hardware.dataloader_workers=0"]
-# zero2 / zero3 join the chains once the ZeRO universal-checkpoint conversion lands (issue 18,
-# strategies/deepspeed_universal.py): add them here.
-CHAIN_STRATEGIES = ["ddp", "fsdp"]
+CHAIN_STRATEGIES = ["fsdp", "zero1"]
+VAL_EVERY = 4
+# What each chain adds to the shared ARGS, and whom its SIGTERM goes to.
+CHAIN = {"fsdp": ([f"trainer.val_every_n_steps={VAL_EVERY}"], "rank"), "zero1": ([], "launcher")}
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -86,18 +94,19 @@ def _train(root: Path, rid: str, *extra: str, ids: Path | None = None) -> LoomRe
     return run_loom("train", *ARGS, f"run.id={rid}", *extra, root=root, env=env)
 
 
-def _preempted(root: Path, rid: str, *extra: str, ids: Path) -> LoomResult:
-    """A 2-rank run SIGTERMed once its step-2 checkpoint exists (exit 143, preempted)."""
-    import os
-    import subprocess
-
-    env = {**os.environ, "WANDB_MODE": "offline", "LOOM_RECORD_SAMPLE_IDS": str(ids)}
-    proc = subprocess.Popen([*LOOM, "train", *ARGS, f"run.id={rid}", *extra, f"run.root={root}"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher") -> LoomResult:
+    """A 2-rank run SIGTERMed once its step-2 checkpoint exists (exit 143, preempted): at its
+    launcher, or at its last rank (`at="rank"`: the ranks agree to stop at the next boundary)."""
+    proc = start_loom("train", *ARGS, f"run.id={rid}", *extra, root=root, env={"LOOM_RECORD_SAMPLE_IDS": str(ids)})
     run_dir = root / "gpt" / rid
     wait_for(run_dir / "checkpoints" / "step-0000002.ckpt", proc)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    if at == "rank":
+        ranks = worker_pids(run_dir)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
     return LoomResult(proc.returncode, out, "", run_dir)
 
 
@@ -109,11 +118,13 @@ def elastic(tmp_path_factory) -> dict:
     out["ref"] = _train(root, "ref", "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
                         ids=root / "ids-ref")
     for s in CHAIN_STRATEGIES:
-        ids = root / f"ids-{s}"
-        first = _preempted(root, s, f"strategy={s}", "hardware.devices=2", f"trainer.max_steps={PHASE_STEPS}", ids=ids)
+        ids, (more, at) = root / f"ids-{s}", CHAIN[s]
+        first = _preempted(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={PHASE_STEPS}",
+                           ids=ids, at=at)
         out[f"{s}-preempted"] = first.summary() if first.rc == 143 else {}  # later phases rewrite it
-        shrunk = _train(root, s, f"strategy={s}", "hardware.devices=1", f"trainer.max_steps={PHASE_STEPS}", ids=ids)
-        grown = _train(root, s, f"strategy={s}", "hardware.devices=2", f"trainer.max_steps={STEPS}", ids=ids)
+        shrunk = _train(root, s, f"strategy={s}", *more, "hardware.devices=1", f"trainer.max_steps={PHASE_STEPS}",
+                        ids=ids)
+        grown = _train(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={STEPS}", ids=ids)
         out[s] = (first, shrunk, grown)
     return out
 
@@ -155,36 +166,96 @@ def test_preempted_run_shrinks_to_one_rank_then_grows_back(elastic, strategy):
     plan = json.loads((grown.run_dir / "plan.json").read_text())
     assert plan["world_changes"] == [{"at_step": stopped, "from_world": 2, "to_world": 1},
                                      {"at_step": PHASE_STEPS, "from_world": 1, "to_world": 2}]
-    assert (grown.run_dir / "plots" / "throughput.png").is_file()
+    assert _world_change_lines(grown.run_dir / "plots" / "throughput.png") == 2
+    if strategy == "fsdp":
+        _assert_periodic_validation(grown, stopped)
+
+
+def _assert_periodic_validation(run: LoomResult, stopped: int) -> None:
+    """trainer.val_every_n_steps at every world: val/loss every VAL_EVERY steps, whichever
+    attempt trained them (and once where the preempted attempt stopped: the end of its fit),
+    and the last one in summary.json `validation`."""
+    val = {int(r["step"]): float(r["val/loss"]) for r in run.metrics() if r.get("val/loss")}
+    periodic = set(range(VAL_EVERY, STEPS + 1, VAL_EVERY))
+    assert periodic <= set(val) <= periodic | {stopped}, val
+    assert any(stopped < k <= PHASE_STEPS for k in val)  # one of them at world 1
+    v = run.summary()["validation"]
+    assert v["step"] == STEPS and abs(v["loss"] - val[STEPS]) < 1e-6, v
+
+
+def _world_change_lines(png: Path) -> int:
+    """The dashed vertical lines `loom report` draws at each world change (plots.py: tab:red,
+    spanning both panels): image columns in which a red run covers over a quarter of the
+    height (the rotated red label beside each line is far shorter); adjacent columns are one
+    line (antialiasing)."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    img = mpimg.imread(png)[..., :3]
+    red = (np.abs(img - np.array([0xD6, 0x27, 0x28]) / 255).max(axis=-1) < 0.12)
+    cols = np.flatnonzero(red.sum(axis=0) > 0.25 * img.shape[0])
+    return int(len(cols) and 1 + np.count_nonzero(np.diff(cols) > 1))
 
 
 @pytest.mark.slow
 def test_world_that_cannot_keep_the_global_batch_is_refused_naming_the_sizes(elastic):
-    run_dir = elastic["ddp"][2].run_dir
+    run_dir = elastic["zero1"][2].run_dir
     before = (run_dir / "config.yaml").read_text()
-    r = _train(elastic["root"], "ddp", "strategy=ddp", "hardware.devices=3", f"trainer.max_steps={STEPS + 2}")
+    r = _train(elastic["root"], "zero1", "strategy=zero1", "hardware.devices=3", f"trainer.max_steps={STEPS + 2}")
     assert r.rc == 2, r.out + r.err
     assert "world of 3 rank(s)" in r.err and "trainer.global_batch_size=4: 1, 2" in r.err, r.err
     assert "Traceback" not in r.err
-    other = _train(elastic["root"], "ddp", "strategy=fsdp", "hardware.devices=2", f"trainer.max_steps={STEPS + 2}")
-    assert other.rc == 2 and "strategy.name: 'ddp' -> 'fsdp'" in other.err, other.err
+    other = _train(elastic["root"], "zero1", "strategy=fsdp", "hardware.devices=2", f"trainer.max_steps={STEPS + 2}")
+    assert other.rc == 2 and "strategy.name: 'zero1' -> 'fsdp'" in other.err, other.err
     assert (run_dir / "config.yaml").read_text() == before  # refusals leave the run as it was
 
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_fsdp_tp_resumes_from_four_to_two_ranks_and_refuses_three(elastic):
+def test_fsdp_tp_preempted_at_four_ranks_resumes_at_two_and_refuses_three(elastic):
+    """SIGTERM under fsdp_tp (2 x 2): the 4 ranks stop at a checkpoint; 3 ranks are refused (tp
+    must divide the world), 2 ranks (1 x 2) reshard it through DCP and follow the curve."""
     root, ids = elastic["root"], elastic["root"] / "ids-tp"
     tp = ["strategy=fsdp_tp", "strategy.tensor_parallel=2"]
-    first = _train(root, "tp", *tp, "hardware.devices=4", "trainer.global_batch_size=4", "trainer.max_steps=4", ids=ids)
-    assert first.rc == 0, first.out + first.err
+    first = _preempted(root, "tp", *tp, "hardware.devices=4", "trainer.global_batch_size=4", "trainer.max_steps=8",
+                       ids=ids)
+    assert first.rc == 143, first.out
+    s = first.summary()
+    stopped = s["global_step"]
+    assert s["status"] == "preempted" and 2 <= stopped < 8 and s["world_size"] == 4, s
+    assert (first.run_dir / "checkpoints" / f"step-{stopped:07d}.ckpt").exists()
     three = _train(root, "tp", *tp, "hardware.devices=3", "trainer.max_steps=8")
     assert three.rc == 2 and "hardware.devices=2, 4, 6" in three.err, three.err
     two = _train(root, "tp", *tp, "hardware.devices=2", "trainer.max_steps=8", ids=ids)
     assert two.rc == 0, two.out + two.err
-    assert "World change: 4 -> 2 rank(s) from step 4" in two.out
+    assert f"World change: 4 -> 2 rank(s) from step {stopped}" in two.out
     s = two.summary()
     assert s["world_size"] == 2 and s["parallel"]["tp"] == 2 and s["global_step"] == 8
     ref = elastic["ref"].losses()
     assert max(abs(two.losses()[k] - ref[k]) for k in range(1, 9)) < TOL
     assert _ids(ids, dedupe_tp=2) == {k: v for k, v in _ids(root / "ids-ref").items() if k <= 8}
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_pipelined_nd_preempted_resumes_at_its_world_and_refuses_another(elastic):
+    """SIGTERM under strategy=nd with 2 pipeline stages (pp 2 x dp 1): a checkpointed stop. A
+    pipelined run does not accumulate (its microbatches are the schedule's), so the global batch
+    fixes its data-parallel degree: world 4 (dp 2) is refused naming the world that keeps it, and
+    the same world resumes on the reference's curve."""
+    root = elastic["root"]
+    nd = ["strategy=nd", "strategy.pp=2", "dataset.batch_size=4", "trainer.global_batch_size=4",
+          "trainer.max_steps=8"]
+    first = _preempted(root, "nd", *nd, "hardware.devices=2", ids=root / "ids-nd")
+    assert first.rc == 143, first.out
+    s = first.summary()
+    stopped = s["global_step"]
+    assert s["status"] == "preempted" and 2 <= stopped < 8 and s["parallel"]["pp"] == 2, s
+    four = _train(root, "nd", *nd, "hardware.devices=4")
+    assert four.rc == 2 and "World sizes that keep strategy=nd and trainer.global_batch_size=4: 2 " in four.err, four.err
+    again = _train(root, "nd", *nd, "hardware.devices=2")
+    assert again.rc == 0, again.out + again.err
+    s = again.summary()
+    assert s["status"] == "completed" and s["global_step"] == 8 and s["resumed_from_step"] == stopped
+    ref = elastic["ref"].losses()
+    assert max(abs(again.losses()[k] - ref[k]) for k in range(1, 9)) < TOL, (again.losses(), ref)

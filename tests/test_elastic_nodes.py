@@ -1,4 +1,5 @@
-"""Elastic nodes: a node lost for good mid-run; the other node goes on alone and completes the run.
+"""Elastic nodes: a node lost for good mid-run; the other node goes on alone; the node comes
+back and the world grows back to two nodes; the run completes on the reference's curve.
 
 Two loopback "nodes" (one `loom train` launcher each, 1 process per node, hardware.min_nodes=1)
 train one run. Once its step-4 checkpoint exists, the node that does not host the c10d
@@ -11,10 +12,22 @@ node's heartbeats expire after 3 x hardware.rdzv_keep_alive_s, then a last call 
 hardware.rdzv_last_call_s), and the rank resumes from the last checkpoint at world 1 with the
 accumulation doubled, keeping trainer.global_batch_size=4.
 
-Checked against an uninterrupted 2-node run of the same command: every step's loss within 1e-4
-(the same math in another summation order), the same samples consumed (count, and each step's
-samples after the change), and world_history 2 -> 1. The last call must also let both nodes
-join the first round (both launchers start together), so it is 5 s, not 1.
+The node then returns (the same command, started again): the survivor's agent sees a node
+waiting at the rendezvous, stops its rank (SIGTERM: a checkpointed stop) and the world of two
+re-forms and resumes from that checkpoint. So that the node returns while the world-1 attempt
+still trains, the model (`HeldAtWorldOne`, written into the runs' root) holds a world-1
+attempt after HOLD_AFTER micro-batches until the process is asked to stop, and says so with a
+`<gate>.held1` file: the test starts the returning node once that file exists. (The model
+is a tiny one, a whole run takes a second or two: it also holds the first attempt after step 4
+until the test has killed the node, so the loss happens mid-run.)
+
+Checked against an uninterrupted 2-node run of the same command (also the suite's two-node
+run: test_multinode checks a fixed-size one through its restart test): every step's loss
+within 1e-4 (the same math in another summation order), the same samples consumed (count, and
+no step trained a sample the reference did not train at that step), world_history 2 -> 1 -> 2.
+The timings are wide for a loaded machine: heartbeats every 2 s, a 15 s last call (both nodes
+of the reference join at once: the round closes when the second joins, without waiting), a
+60 s collective timeout (a dead peer's closed sockets fail the survivor's collective at once).
 """
 
 from __future__ import annotations
@@ -29,14 +42,51 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, LoomResult, launching_fixture
+from conftest import FAST, LoomResult, launching_fixture, start_loom
 
 STEPS, EVERY, GBS = 20, 4, 4
+HOLD_AFTER = EVERY  # training micro-batches of an attempt before it holds (2 a step at world 1)
 TOL = 1e-4
 ARGS = [*FAST, f"checkpoint.every_n_steps={EVERY}", f"trainer.max_steps={STEPS}", "dataset.batch_size=2",
         "dataset.seq_len=32", "hardware=cpu", "hardware.num_nodes=2", "hardware.devices=1", "hardware.min_nodes=1",
-        "hardware.max_restarts=1", "hardware.timeout_train_s=10", "hardware.rdzv_keep_alive_s=1",
-        "hardware.rdzv_last_call_s=5"]
+        "hardware.max_restarts=1", "hardware.timeout_train_s=60", "hardware.rdzv_keep_alive_s=2",
+        "hardware.rdzv_last_call_s=15", "model=custom", "model.module._target_=nodes_models.HeldAtWorldOne",
+        f"+model.module.after={HOLD_AFTER}", "security.allow_targets=[nodes_models.]"]
+MODELS = '''
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from tests_helpers import TinyTokenNet
+
+
+def _asked_to_stop() -> bool:
+    """Whether Loom's preemption handler (the SIGTERM handler of a training rank) was called."""
+    saver = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return getattr(saver, "requested_signal", None) is not None
+
+
+class HeldAtWorldOne(TinyTokenNet):
+    """Holds a training forward where the test must act: at world 2, after `after` micro-batches
+    until `<gate>.go2` exists (the test kills a node meanwhile); at world 1, after `after`
+    micro-batches until it is asked to stop (the returning node restarts it). Each hold first
+    creates `<gate>.held2` / `<gate>.held1`."""
+
+    def __init__(self, gate: str, after: int) -> None:
+        super().__init__()
+        self.gate, self.after, self.calls = gate, after, 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.calls > self.after and not os.path.exists(f"{self.gate}.go{world}"):
+                open(f"{self.gate}.held{world}", "a").close()
+                while not os.path.exists(f"{self.gate}.go{world}") and not _asked_to_stop():
+                    time.sleep(0.05)
+        return super().forward(x)
+'''
 
 
 def _free_port() -> int:
@@ -45,12 +95,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_node(root: Path, rid: str, port: int, ids: Path) -> subprocess.Popen:
+    """One node's launcher, in its own process group (as on its own machine)."""
+    from tests_helpers import helpers_env
+
+    env = {**helpers_env(root), "OMP_NUM_THREADS": "1", "LOOM_RECORD_SAMPLE_IDS": str(ids)}
+    return start_loom("train", *ARGS, f"hardware.rdzv_endpoint=127.0.0.1:{port}", f"run.id={rid}",
+                      f"+model.module.gate={root / ('gate-' + rid)}", root=root, env=env, start_new_session=True)
+
+
 def _start_nodes(root: Path, rid: str, port: int, ids: Path) -> list[subprocess.Popen]:
-    """Both nodes' launchers at once, each in its own process group (as on its own machine)."""
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "LOOM_RECORD_SAMPLE_IDS": str(ids)}
-    cmd = [*LOOM, "train", *ARGS, f"hardware.rdzv_endpoint=127.0.0.1:{port}", f"run.id={rid}", f"run.root={root}"]
-    return [subprocess.Popen(cmd, cwd=root, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True) for _ in range(2)]
+    return [_start_node(root, rid, port, ids) for _ in range(2)]
 
 
 def _outputs(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -103,42 +158,55 @@ def _listens(pids: list[int], port: int) -> bool:
     return False
 
 
-def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen]) -> dict:
-    """After the step-4 checkpoint: SIGKILL the non-host node's launcher process group."""
-    deadline = time.monotonic() + 180
-    while not (run_dir / "checkpoints" / f"step-{EVERY:07d}.ckpt").exists():
-        assert all(p.poll() is None for p in nodes), "a node exited early:\n" + "\n".join(_outputs(nodes, 60))
-        assert time.monotonic() < deadline, "no checkpoint"
-        time.sleep(0.01)
+def _wait(cond, what: str, nodes: list[subprocess.Popen], timeout: float = 300) -> None:
+    """Until `cond()`, failing if a node's launcher exits first or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert all(p.poll() is None for p in nodes), f"a node exited before {what}:\n" + "\n".join(_outputs(nodes, 60))
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _lose_a_node(run_dir: Path, port: int, nodes: list[subprocess.Popen], gate: Path) -> dict:
+    """Once the ranks hold after the step-4 checkpoint: SIGKILL the non-host node's launcher
+    process group, then let the survivor go on (into a collective its peer will not join)."""
+    _wait(Path(f"{gate}.held2").exists, "the world-2 hold", nodes)
+    assert (run_dir / "checkpoints" / f"step-{EVERY:07d}.ckpt").exists()
     hosts = [_listens(_tree(p.pid), port) for p in nodes]
     assert sorted(hosts) == [False, True], hosts
     victim = nodes[hosts.index(False)]
     tree = _tree(victim.pid)
     os.killpg(victim.pid, signal.SIGKILL)
+    Path(f"{gate}.go2").touch()
     return {"victim": victim, "tree": tree, "survivor": nodes[hosts.index(True)],
             "killed_at": json.loads((run_dir / "world_history.json").read_text())}
 
 
 @launching_fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The uninterrupted 2-node reference, then the same command losing a node."""
+    """The uninterrupted 2-node reference, then the same command losing a node that comes back."""
     root = tmp_path_factory.mktemp("elastic_nodes")
+    (root / "nodes_models.py").write_text(MODELS)
     out: dict = {"root": root}
-    t0 = time.monotonic()
+    for world in (1, 2):  # the reference never holds
+        (root / f"gate-ref.go{world}").touch()
     ref = _start_nodes(root, "ref", _free_port(), root / "ids-ref")
-    out["ref_outs"] = _outputs(ref, 240)
+    out["ref_outs"] = _outputs(ref, 400)
     out["ref_rc"] = [p.returncode for p in ref]
     out["ref"] = LoomResult(0, "", "", root / "gpt" / "ref")
-    t1 = time.monotonic()
     port, run_dir = _free_port(), root / "gpt" / "lost"
     nodes = _start_nodes(root, "lost", port, root / "ids-lost")
     try:
-        out.update(_lose_a_node(run_dir, port, nodes))
+        out.update(_lose_a_node(run_dir, port, nodes, root / "gate-lost"))
+        survivor = out["survivor"]
+        _wait((root / "gate-lost.held1").exists, "the world-1 hold", [survivor])
+        out["world_one"] = json.loads((run_dir / "world_history.json").read_text())
+        nodes.append(_start_node(root, "lost", port, root / "ids-back"))  # the node returns
     finally:
-        outs = _outputs(nodes, 240)
+        outs = _outputs(nodes, 400)
     out["survivor_out"] = outs[nodes.index(out["survivor"])]
+    out["back_out"], out["back_rc"] = outs[-1], nodes[-1].returncode
     out["run"] = LoomResult(out["survivor"].returncode, out["survivor_out"], "", run_dir)
-    print(f"reference {t1 - t0:.1f} s, node lost {time.monotonic() - t1:.1f} s")
     return out
 
 
@@ -153,33 +221,51 @@ def _micro_batches(ids: Path) -> dict[str, list[tuple[int, list[int]]]]:
 
 @pytest.mark.slow
 def test_reference_two_nodes_complete(runs):
+    """Both launchers run the same command and train one run in one run dir (named by run.id);
+    global rank 0 writes the run's files, each launcher says which node it is."""
     assert runs["ref_rc"] == [0, 0], "\n\n".join(runs["ref_outs"])
+    run_dir = runs["ref"].run_dir
     s = runs["ref"].summary()
-    assert s["status"] == "completed" and s["world_size"] == 2 and s["restarts"] == 0
+    assert s["status"] == "completed" and s["world_size"] == 2 and s["num_nodes"] == 2 and s["restarts"] == 0
     assert [(h["world_size"], h["reason"]) for h in s["world_history"]] == [(2, "start")]
+    for out in runs["ref_outs"]:
+        assert "one of 1:2 node(s) x 1 process(es)" in out and "rendezvous at 127.0.0.1:" in out
+        assert f"run dir: {run_dir}" in out and "completed" in out
+    for key in ("peak_rss_gb_per_rank", "param_bytes_per_rank", "optim_state_bytes_per_rank"):
+        assert len(s["memory"][key]) == 2, key
+    assert sorted(x.name for x in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
+    assert (run_dir / "final" / "model.safetensors").exists() and not list(run_dir.glob("*.tmp"))
 
 
 @pytest.mark.slow
-def test_lost_node_leaves_the_survivor_to_complete_the_run_alone(runs):
+def test_lost_node_leaves_the_survivor_alone_then_the_world_grows_back(runs):
     out = runs["survivor_out"]
     assert runs["victim"].returncode == -signal.SIGKILL
     assert runs["killed_at"] == [{"start_step": 0, "world_size": 2, "num_nodes": 2, "reason": "start"}]
-    deadline = time.monotonic() + 10  # the launcher's death took its agent and rank down with it
+    deadline = time.monotonic() + 60  # the launcher's death took its agent and rank down with it
     while any(_alive(pid) for pid in runs["tree"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in runs["tree"] if _alive(pid)], "the lost node's agent or rank lived on"
-    assert runs["run"].rc == 0, out
-    s = runs["run"].summary()
-    assert s["status"] == "completed" and s["global_step"] == STEPS, out
-    assert s["world_size"] == 1 and s["num_nodes"] == 1 and s["restarts"] == 1
-    resumed = s["resumed_from_step"]
-    assert resumed is not None and resumed >= EVERY and resumed % EVERY == 0 and resumed < STEPS
-    assert s["world_history"] == [
-        {"start_step": 0, "world_size": 2, "num_nodes": 2, "reason": "start"},
-        {"start_step": resumed, "world_size": 1, "num_nodes": 1, "reason": "world change"}]
-    # the surviving node's launcher says what happened
+    # the survivor alone, from the last checkpoint, keeping the global batch
+    (start, alone) = runs["world_one"]
+    resumed = alone["start_step"]
+    assert start["world_size"] == 2 and resumed >= EVERY and resumed % EVERY == 0 and resumed < STEPS
+    assert alone == {"start_step": resumed, "world_size": 1, "num_nodes": 1, "reason": "world change"}
     assert (f"World change: 2 -> 1 rank(s) on 1 node(s) from step {resumed}; trainer.accumulate_grad_batches 2 "
             f"keeps trainer.global_batch_size={GBS}") in out
+    # the node came back: both launchers end with the completed run at world 2 again
+    assert runs["run"].rc == 0, out
+    assert runs["back_rc"] == 0, runs["back_out"]
+    s = runs["run"].summary()
+    assert s["status"] == "completed" and s["global_step"] == STEPS, out
+    assert s["world_size"] == 2 and s["num_nodes"] == 2
+    regrown = s["world_history"][-1]["start_step"]
+    assert s["world_history"] == [
+        {"start_step": 0, "world_size": 2, "num_nodes": 2, "reason": "start"},
+        {"start_step": resumed, "world_size": 1, "num_nodes": 1, "reason": "world change"},
+        {"start_step": regrown, "world_size": 2, "num_nodes": 2, "reason": "world change"}], s["world_history"]
+    assert resumed < regrown < STEPS and s["resumed_from_step"] == regrown
+    assert f"World change: 1 -> 2 rank(s) on 2 node(s) from step {regrown}" in out
     assert "loom run lost: completed" in out and "world history" in out  # a row of the summary table
 
 
@@ -193,21 +279,22 @@ def test_lost_node_run_matches_the_uninterrupted_one(runs):
     assert worst < TOL, (worst, la, lb)
     assert abs(ref.summary()["final_loss"] - run.summary()["final_loss"]) < TOL
     assert run.summary()["samples"] == ref.summary()["samples"] == STEPS * GBS
-    # After the change the survivor alone writes rank-0.txt: its last lines are the world-1
-    # attempt's micro batches (2 per step); each step trained exactly the reference's samples.
-    resumed = run.summary()["resumed_from_step"]
+    # Every micro batch any attempt of any node trained at step k holds samples of the
+    # reference's step k (no shifted sample), and the attempts together trained all of them.
     expected: dict[int, list[int]] = defaultdict(list)
     for rows in _micro_batches(runs["root"] / "ids-ref").values():
         for step, ids in rows:
             expected[step] += ids
-    tail = _micro_batches(runs["root"] / "ids-lost")["rank-0"][-2 * (STEPS - resumed):]
-    trained: dict[int, list[int]] = defaultdict(list)
-    for step, ids in tail:
-        trained[step] += ids
-    assert sorted(trained) == list(range(resumed + 1, STEPS + 1))
-    assert all(sorted(trained[k]) == sorted(expected[k]) and len(trained[k]) == GBS for k in trained)
-    print(f"loss difference at most {worst:.2e}; resumed at step {resumed}; world_history "
-          f"{[(h['world_size'], h['reason']) for h in run.summary()['world_history']]}")
+    trained: dict[int, set[int]] = defaultdict(set)
+    for d in ("ids-lost", "ids-back"):
+        for rows in _micro_batches(runs["root"] / d).values():
+            for step, ids in rows:
+                assert set(ids) <= set(expected[step]), (d, step, ids, expected[step])
+                trained[step] |= set(ids)
+    assert all(len(v) == GBS for v in expected.values())
+    assert {k: sorted(v) for k, v in trained.items()} == {k: sorted(v) for k, v in expected.items()}
+    print(f"loss difference at most {worst:.2e}; world_history "
+          f"{[(h['world_size'], h['start_step']) for h in run.summary()['world_history']]}")
 
 
 def test_elastic_rendezvous_timings_reach_torchrun_and_do_not_change_the_run():

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOOM, LoomResult, refused, run_loom
+from conftest import refused, run_loom, start_loom
 
 MODELS = '''
 import os
+import signal
 import time
 
 import pytorch_lightning as pl
@@ -28,8 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _asked_to_stop() -> bool:
+    """Whether Loom's preemption handler (the SIGINT/SIGTERM handler of a training run) was called."""
+    saver = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    return getattr(saver, "requested_signal", None) is not None
+
+
 class Gated(pl.LightningModule):
-    """A digits classifier whose steps after the first wait for the file `gate`."""
+    """A digits classifier whose steps after the first wait for the file `gate`, or for the
+    run to be asked to stop (then the step ends and the run stops at its boundary)."""
 
     def __init__(self, gate: str) -> None:
         super().__init__()
@@ -37,7 +45,7 @@ class Gated(pl.LightningModule):
         self.gate = gate
 
     def training_step(self, batch, batch_idx):
-        while self.global_step >= 1 and not os.path.exists(self.gate):
+        while self.global_step >= 1 and not os.path.exists(self.gate) and not _asked_to_stop():
             time.sleep(0.05)
         x, y = batch
         return F.cross_entropy(self.net(x), y)
@@ -73,9 +81,7 @@ def _gated(root: Path, run_id: str) -> list[str]:
 
 def _start(root: Path, args: list[str]) -> subprocess.Popen:
     """`loom train` in the background, in its own process group (as a terminal's job)."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    return subprocess.Popen([*LOOM, "train", *args, f"run.root={root}"], cwd=root, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return start_loom("train", *args, root=root, merge_stderr=False, start_new_session=True)
 
 
 def _wait_for_step_1(proc: subprocess.Popen, timeout: float = 150) -> str:
@@ -132,38 +138,24 @@ def test_run_lock_is_exclusive_shared_for_nodes_and_freed_by_the_kernel(tmp_path
 
 @pytest.mark.launch
 @pytest.mark.slow
-def test_second_launch_of_a_running_run_exits_2_and_the_first_finishes_untouched(root):
-    args = _gated(root, "once")
-    first = _start(root, args)
-    try:
-        _wait_for_step_1(first)
-        t0 = time.monotonic()
-        second = run_loom("train", *args, root=root, timeout=120)
-        assert second.rc == 2, second.out + second.err
-        assert f"pid {first.pid}" in second.err and "tail -f" in second.err and "rank-0.log" in second.err
-        assert "Traceback" not in second.err and "Resuming" not in second.out
-        print(f"second launch refused in {time.monotonic() - t0:.1f} s")
-    finally:
-        (root / "gate-once").touch()
-    out, err = first.communicate(timeout=150)
-    assert first.returncode == 0, out + err
-    run_dir = root / "gpt" / "once"
-    r = LoomResult(0, out, err, run_dir)
-    assert r.summary()["status"] == "completed" and r.summary()["error"] is None
-    assert _steps(run_dir) == list(range(1, STEPS + 1))  # no row written twice
-    assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1
-
-
-@pytest.mark.launch
-@pytest.mark.slow
-def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_resumes(root):
+def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_same_command_resumes(root):
+    """One gated 1-process run, held after step 1: the same command launched again meanwhile
+    exits 2 naming the running launcher; Ctrl-C then stops the first at a checkpoint (exit 143,
+    two lines, no traceback; the gate lets the held step end once the signal arrived, no
+    sleep); the same command resumes it to the end, no step written twice."""
     args = _gated(root, "ctrlc")
     run = _start(root, args)
-    _wait_for_step_1(run)
-    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
-    time.sleep(0.5)
-    (root / "gate-ctrlc").touch()  # step 1 or 2 ends: the boundary where the run saves and stops
-    out, err = run.communicate(timeout=120)
+    try:
+        _wait_for_step_1(run)
+        second = run_loom("train", *args, root=root, timeout=120)
+        assert second.rc == 2, second.out + second.err
+        assert f"pid {run.pid}" in second.err and "tail -f" in second.err and "rank-0.log" in second.err
+        assert "Traceback" not in second.err and "Resuming" not in second.out
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
+        out, err = run.communicate(timeout=150)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode == 143, out + err
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     message = [line for line in err.splitlines() if not line.startswith("warning:")]
@@ -173,11 +165,14 @@ def test_sigint_to_a_one_process_run_checkpoints_exits_143_and_the_same_command_
     stopped = s["global_step"]
     assert s["status"] == "preempted" and stopped in (1, 2)  # the signal may beat step 1's boundary
     assert (run_dir / "checkpoints" / f"step-{stopped:07d}.ckpt").exists()
+    assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1  # not by the second
 
+    (root / "gate-ctrlc").touch()  # the resumed run trains straight on
     again = run_loom("train", *args, root=root, timeout=150)
     assert again.rc == 0 and "Resuming run ctrlc" in again.out, again.out + again.err
     s = again.summary()
     assert s["status"] == "completed" and s["resumed_from_step"] == stopped and s["global_step"] == STEPS
+    assert s["error"] is None
     assert _steps(run_dir) == list(range(1, STEPS + 1))
 
 

@@ -19,9 +19,9 @@ from conftest import (
     LoomResult,
     launching_fixture,
     run_loom,
-    sigkill_one_worker_after,
     start_loom,
     wait_for,
+    worker_pids,
 )
 from safetensors.torch import load_file
 
@@ -58,11 +58,29 @@ def _start(root: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.launch
-def test_sigkill_of_one_worker_restarts_and_resumes_bit_identical(tmp_path, reference):
+def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
+    """hardware.max_restarts=0: a SIGKILLed rank is a failure torchrun may not restart. The run
+    ends exit 1 after one attempt, summary.json `failed` with the surviving rank's error (its
+    collective lost the peer), the summary table and one paragraph naming the rank and its log,
+    no traceback (the error text holds "[...]": printed as text, not rich markup). A SIGKILL that
+    torchrun restarts and that resumes exactly: test_data's digits run (samples and weights)."""
     run_dir = tmp_path / "gpt" / "r"
-    proc = _start(tmp_path, "hardware.max_restarts=1")
-    r = sigkill_one_worker_after(proc, run_dir, 8, ranks=2)
-    _assert_same_run(reference, r)
+    proc = _start(tmp_path, "hardware.max_restarts=0")
+    wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
+    victims = worker_pids(run_dir)
+    assert len(victims) == 2
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out
+    s = LoomResult(1, out, "", run_dir).summary()
+    assert s["status"] == "failed" and s["restarts"] == 0 and s["global_step"] < STEPS, s
+    assert s["error"]["rank"] == 0 and "Connection closed by peer" in s["error"]["message"], s["error"]
+    assert not (run_dir / "final").exists()
+    assert "loom run r: failed" in out and "Traceback" not in out, out[-3000:]
+    paragraph = [line for line in out.splitlines() if line.startswith("Training failed")]
+    assert len(paragraph) == 1 and f"Full traceback: {run_dir / 'logs' / 'rank-0.log'}" in paragraph[0], out[-3000:]
+    for rank in (0, 1):  # one attempt each: no restart
+        assert (run_dir / "logs" / f"rank-{rank}.log").read_text().count("started, attempt") == 1
 
 
 def _preempt_after(tmp_path: Path, step: int) -> tuple[Path, dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAST, LOOM, count_launch
-from slurm_shims import install
+from slurm_shims import install, install_step_srun
 
 # The SLURM profile on CPU "nodes" (the profile itself is for H100 nodes).
 CPU = ["hardware=slurm", "hardware.accelerator=cpu", "hardware.backend=gloo", "hardware.precision=32-true",
@@ -158,10 +158,10 @@ def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
     first = int(pids.read_text().split()[0])
 
     # the time limit nears: SLURM sends SIGUSR1 to the batch script (--signal=B:USR1@...)
-    _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 150, log)
+    _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 300, log)
     os.kill(first, signal.SIGUSR1)
-    _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 90, log)
-    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 150, log)
+    _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 300, log)
+    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 400, log)
 
     calls = (state / "calls.log").read_text()
     assert "scontrol requeue 4242" in calls and calls.count("srun --nodes") == 2
@@ -211,3 +211,121 @@ def test_a_sweep_of_slurm_trials_records_submitted_jobs_then_their_outcome(tmp_p
 def test_optuna_sweeps_are_refused_on_slurm(tmp_path):
     p = _loom(tmp_path, "train", "-m", *CPU, "hydra/sweeper=optuna", "optim.lr=interval(1e-4,1e-2)")
     assert p.returncode == 2 and "optuna" in p.stderr and "SLURM" in p.stderr
+
+
+# ----------------------------------------------------------------------------- the script's own rules
+
+
+def test_another_template_from_loom_slurm_template(tmp_path, monkeypatch):
+    """LOOM_SLURM_TEMPLATE names a site's own template: its lines and the filled placeholders;
+    a placeholder Loom does not know is refused, naming it and the known ones."""
+    from loom.errors import ConfigError
+    from loom.launch.slurm import render
+    from loom.pipeline import resolve
+
+    site = tmp_path / "site.sbatch"
+    site.write_text("#!/bin/bash\n{{sbatch_lines}}\n#SBATCH --comment=site-template\nmodule load site-env\n"
+                    "srun {{srun_options}} \\\n  {{torchrun}}\n")
+    monkeypatch.setenv("LOOM_SLURM_TEMPLATE", str(site))
+    script = render(resolve(["hardware=slurm", "run.id=t"]), tmp_path)
+    assert "#SBATCH --comment=site-template" in script and "module load site-env" in script
+    assert "#SBATCH --nodes=2" in script and "-m loom.worker" in script and "{{" not in script
+    assert "trap on_usr1" not in script  # not Loom's own template
+    site.write_text("{{sbatch_lines}}\n{{site_only}}\n")
+    with pytest.raises(ConfigError, match="site_only.*known: "):
+        render(resolve(["hardware=slurm", "run.id=t"]), tmp_path)
+
+
+def test_an_elastic_run_asks_slurm_for_a_node_range():
+    """hardware.min_nodes: `--nodes=min-max`, torchrun's --nnodes=min:max, and no
+    --kill-on-bad-exit (a lost node must not end the job step of the others)."""
+    from loom.launch.slurm import render
+    from loom.pipeline import resolve
+
+    script = render(resolve(["hardware=slurm", "hardware.num_nodes=4", "hardware.min_nodes=2", "run.id=e"]), "/r")
+    assert "--nodes=2-4" in _sbatch_lines(script) and "--nnodes=2:4" in script
+    assert "--kill-on-bad-exit" not in script
+    fixed = render(resolve(["hardware=slurm", "hardware.num_nodes=4", "run.id=e"]), "/r")
+    assert "--nodes=4" in _sbatch_lines(fixed) and "--kill-on-bad-exit=1" in fixed
+
+
+def test_a_run_whose_job_is_still_queued_is_not_submitted_again(tmp_path, monkeypatch):
+    """`loom train` asks squeue about the run's last job: queued or running, it refuses (naming
+    the job, its state and scancel) and sbatch is not called; a finished job does not hold it."""
+    from loom.errors import ConfigError
+    from loom.launch.slurm import submit
+    from loom.pipeline import resolve
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "squeue-state"
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\ncat {state}\n")
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'sbatch.log'}\necho 778\n")
+    for f in ("squeue", "sbatch"):
+        (bin_dir / f).chmod(0o755)
+    monkeypatch.setenv("PATH", _env([bin_dir])["PATH"])
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    (run_dir / "slurm" / "job_id").write_text("777\n")
+    cfg = resolve([*CPU, "hardware.devices=1", "run.id=q"])
+    state.write_text("PENDING\n")
+    with pytest.raises(ConfigError, match=r"SLURM job 777 \(PENDING\)") as e:
+        submit(cfg, run_dir)
+    assert "scancel 777" in str(e.value) and not (tmp_path / "sbatch.log").exists()
+    state.write_text("")  # squeue no longer lists it: the job ended
+    assert submit(cfg, run_dir) == 0
+    assert (tmp_path / "sbatch.log").exists() and (run_dir / "slurm" / "job_id").read_text() == "778\n"
+
+
+def _job_without_training(tmp_path: Path, preempted_at: tuple[int, int]) -> tuple[Path, Path, int]:
+    """A frozen run's real job script (`--dry-run`: nothing trains), submitted to the shims with
+    an srun that trains nothing (slurm_shims.STEP_SRUN); the summary its ranks "write" when
+    stopped says (global_step, resumed_from_step) = `preempted_at`. Returns (run dir, state, pid)."""
+    from loom.rundir.config_file import load_frozen
+    from loom.rundir.summary import empty_summary
+    from loom.strategies import layout_of
+
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    install(bin_dir, state)
+    install_step_srun(bin_dir)
+    p = _loom(tmp_path, "train", "--dry-run", *CPU, "hardware.devices=1", "run.id=j", *FAST)
+    assert p.returncode == 0, p.stderr
+    run_dir = tmp_path / "gpt" / "j"
+    cfg = load_frozen(run_dir / "config.yaml")
+    base = empty_summary(cfg, "j", layout_of(cfg))
+    step, start = preempted_at
+    (state / "preempted.json").write_text(json.dumps({**base, "status": "preempted", "global_step": step,
+                                                      "resumed_from_step": start}))
+    (state / "completed.json").write_text(json.dumps({**base, "status": "completed", "global_step": 12,
+                                                      "resumed_from_step": step}))
+    env = _env([bin_dir], LOOM_SHIM_STATE=str(state))
+    subprocess.run(["sbatch", str(run_dir / "slurm" / "job.sbatch")], env=env, check=True, capture_output=True)
+    log = run_dir / "slurm" / "slurm-4242.out"
+    _wait((state / "srun.ready").exists, "the job step started", 180, log)
+    return run_dir, state, int((state / "pids").read_text().split()[0])
+
+
+@pytest.mark.parametrize("case", ["progress", "no progress", "scancel"])
+def test_the_job_requeues_only_a_signalled_attempt_that_made_progress(tmp_path, case):
+    """SIGUSR1 (the time limit nears) -> the step stops preempted -> requeue, unless that attempt
+    made no progress (global_step == resumed_from_step: it would loop); a job you scancel (SIGTERM
+    to the job's processes) is never requeued."""
+    run_dir, state, pid = _job_without_training(tmp_path, (4, 4) if case == "no progress" else (8, 4))
+    log = run_dir / "slurm" / "slurm-4242.out"
+    if case == "scancel":
+        os.killpg(pid, signal.SIGTERM)
+    else:
+        os.kill(pid, signal.SIGUSR1)
+    pids = state / "pids"
+    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the job(s) ended", 180, log)
+    calls, out = (state / "calls.log").read_text(), log.read_text()
+    assert "srun stopped by 15" in calls, calls  # the ranks got their SIGTERM: a checkpointed stop
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if case == "progress":
+        assert "scontrol requeue 4242" in calls and "requeueing job 4242" in out, out
+        assert summary["status"] == "completed"  # the requeued attempt ran
+        return
+    assert "scontrol requeue" not in calls and "requeueing job" not in out, out
+    assert summary["status"] == "preempted" and len(pids.read_text().split()) == 1
+    if case == "no progress":
+        assert "without progress since the last start: not requeueing" in out, out

@@ -125,6 +125,7 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     """The one-screen summary the launcher prints at the end of `loom train`."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from loom.rundir.summary import validation_text
 
@@ -156,7 +157,7 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     if s.get("final_weights"):
         rows.append(("final weights", str(run_dir / s["final_weights"])))
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(k, Text(v))  # plain text: an error message's "[...]" is not rich markup
     Console().print(t)
 
 

@@ -80,6 +80,7 @@ class Checkpointing(pl.Callback):
         self._device = torch.device("cpu")
         self._pending_rng: dict[str, Any] | None = None
         self._last_saved = -1
+        self._step_at_batch_start = -1
         self._pending: Path | None = None  # saved, not yet renamed into place (checkpoint.async)
 
     # ------------------------------------------------------------------ signals
@@ -112,6 +113,7 @@ class Checkpointing(pl.Callback):
 
     # ------------------------------------------------------------------ step boundary
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_batch_start = trainer.global_step
         if self._pending_rng is not None:
             # Restored here, after the resumed epoch's DataLoader iterator drew its seed.
             set_rng_state(self._pending_rng)
@@ -119,7 +121,10 @@ class Checkpointing(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step == self._last_saved:  # mid gradient accumulation, or already saved
+        # Only at an optimizer-step boundary: a micro-batch that did not step (mid gradient
+        # accumulation) would save step N with part of step N+1's samples consumed (the data
+        # position then is no step boundary, and the resume fails or skips samples).
+        if step == self._last_saved or step == self._step_at_batch_start:
             return
         if self._stop_requested(step, last=step >= trainer.max_steps):
             log.info(f"preemption signal received: saving a checkpoint at step {step} and stopping")
