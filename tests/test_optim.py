@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from loom.optim.build import make_optimizer
 from loom.plan.memory import per_param_bytes
 
+
 def _optim(name: str, **kw) -> OmegaConf:
     base = {"name": name, "lr": 0.05, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8,
             "momentum": 0.9, "nesterov": False, "fused": "auto"}
