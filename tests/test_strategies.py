@@ -131,7 +131,7 @@ def _log(r, rank: int = 0) -> str:
 def test_readme_options_carried_by_the_parity_runs_take_effect(runs):
     """conftest.PROCS: each option's effect, on runs whose curves match `single` above."""
     # ddp: the bf16 gradient-compression hook is registered (Lightning alone would skip it on CPU)
-    assert "ddp comm hook bf16_compress_hook registered on cpu" in _log(runs["ddp"])
+    assert "ddp comm hook bf16_compress_hook_gloo registered on cpu" in _log(runs["ddp"])
     # fsdp: FSDP2's own parameter groups keep the gathered block parameters for backward;
     # fsdp_tp (the default) reshards them
     assert "fsdp: 2 unit(s) sharded, 2 keep their parameters gathered, 0 reshard them" in _log(runs["fsdp"])
