@@ -166,19 +166,33 @@ STEPS = 10
 GLOBAL_BATCH = 8
 B = 4  # micro batch of a 2-way data-parallel run
 PARITY = [*FAST, "hardware=cpu", "model=gpt_tiny", f"trainer.max_steps={STEPS}", "dataset.seq_len=64"]
-# DDP runs with a gradient-compression hook (fp16 all-reduce): it must register on CPU/gloo
-# and its rounding (~1e-3 relative per gradient element) stays within the curve tolerance.
+# Each parity run also carries a README option whose effect its own checks assert (test_strategies):
+# ddp all-reduces bf16-compressed gradients (bf16_compress: ~4e-3 relative rounding per element,
+# which Adam's normalized step turns into curve differences far below 1e-3); fsdp keeps the
+# gathered parameters from forward to backward (reshard_after_forward=false: the same values, one
+# all-gather fewer); zero3 recomputes its blocks' activations (activation checkpointing: the same
+# math) and exports bf16 final weights; zero3_offload also offloads its parameter partitions.
 PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
-         "ddp": ["strategy.comm_hook=fp16_compress"]}
+         "ddp": ["strategy.comm_hook=bf16_compress"],
+         "fsdp": ["strategy.reshard_after_forward=false"],
+         "zero3": ["trainer.activation_checkpointing=full", "checkpoint.export_dtype=bf16"],
+         "zero3_offload": ["strategy.offload_params=true"]}
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
 COMMON = [*PARITY, f"dataset.batch_size={B}"]  # a 2-way data-parallel parity run, less its strategy
 SINGLE = ("strategy=single", "hardware.devices=1", *PARITY, f"dataset.batch_size={GLOBAL_BATCH}")
 
 
-def strategy_args(strategy: str) -> tuple[str, ...]:
-    """The parity run of `strategy` (2 ranks, or 4 for fsdp_tp's 2 x 2)."""
-    return (f"strategy={strategy}", "hardware.devices=2", *PARITY, f"dataset.batch_size={B}",
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def strategy_args(strategy: str, *extra: str) -> tuple[str, ...]:
+    """The parity run of `strategy` (2 ranks, or 4 for fsdp_tp's 2 x 2); `extra` overrides add
+    to it or replace the parity run's value of the same key (Hydra refuses a key given twice)."""
+    base = (f"strategy={strategy}", "hardware.devices=2", *PARITY, f"dataset.batch_size={B}",
             *PROCS.get(strategy, []))
+    replaced = {_key(a) for a in extra}
+    return (*(a for a in base if _key(a) not in replaced), *extra)
 
 
 @launching_fixture(scope="session")

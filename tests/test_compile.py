@@ -1,27 +1,25 @@
 """`trainer.compile`: torch.compile (inductor's C++ backend on CPU) of each FSDP unit or of
 the whole model, under the strategies that can run it; refused where they cannot.
 
-One eager `single` launch is the reference for compiled fsdp (with activation checkpointing,
-per-block compile before fully_shard), ddp and zero2 (whole model) launches: every strategy
+The eager reference is the shared `single` run (conftest.single_run); the compiled runs are the
+parity runs of fsdp (plus activation checkpointing, per-block compile before fully_shard), ddp
+and zero2 (whole model) with `trainer.compile=true` (conftest.strategy_args): every strategy
 matches `single` eagerly (tests/test_strategies.py), so a compiled run must too, within 1e-3
-after 10 steps (inductor fuses and reorders float32 math: measured differences ~1e-6).
+after 10 steps (inductor fuses and reorders float32 math: measured differences ~1e-6). The fsdp
+one is also the test that activation checkpointing under FSDP2 trains like `single`.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, launching_fixture, run_loom
+from conftest import STEPS, launching_fixture, strategy_args
 
 from loom.errors import ConfigError
 from loom.pipeline import resolve
 
-STEPS = 10
-B = 4
-COMMON = [*FAST, "model=gpt_tiny", f"trainer.max_steps={STEPS}", f"dataset.batch_size={B}", "dataset.seq_len=64"]
 COMPILED = {"fsdp": ["trainer.activation_checkpointing=full"], "ddp": [], "zero2": []}
 
 
@@ -51,13 +49,10 @@ def test_compile_is_refused_where_the_strategy_cannot_run_it(strategy):
 
 
 @launching_fixture(scope="module")
-def compile_runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("compile")
-    t0 = time.time()
-    out = {"eager": run_loom("train", "strategy=single", *COMMON, f"dataset.batch_size={2 * B}", root=root)}
+def compile_runs(shared, single_run) -> dict:
+    out = {"eager": single_run}
     for s, extra in COMPILED.items():
-        out[s] = run_loom("train", f"strategy={s}", *COMMON, "trainer.compile=true", *extra, root=root)
-    print(f"{len(out)} launches in {time.time() - t0:.0f} s")
+        out[s] = shared.get(*strategy_args(s, "trainer.compile=true", *extra))
     return out
 
 
@@ -83,5 +78,7 @@ def test_compiled_losses_match_eager(compile_runs, strategy):
     assert ("torch.compile: 2 unit forward(s)" if strategy == "fsdp" else "torch.compile: 1 whole-model") in log
     assert "torch.compile" not in _logs(ref.run_dir)
     assert "recompile_limit" not in (r.err + log)  # compiled for real, no fallback to eager
+    if strategy == "fsdp":
+        assert "activation checkpointing (full): 2 of" in log
     final = load_file(str(r.run_dir / "final" / "model.safetensors"))
     assert final.keys() == load_file(str(ref.run_dir / "final" / "model.safetensors")).keys()

@@ -1,7 +1,7 @@
 """A Hugging Face DeepSpeed JSON drops in, and what a run reads is part of what it is.
 
 - A typical HF ZeRO-2 JSON full of "auto" trains on 2 CPU processes through Loom's zero2
-  strategy, with Loom's optimizer and schedule (same curve as `single`), the resolved JSON in
+  strategy, with Loom's optimizer and schedule (same curve as the shared `single` run), the resolved JSON in
   plan.json; editing the file afterwards is refused on resume (explicit run.id), naming it.
 - Every conflict with the run config, and every unknown or ill-typed key (DeepSpeed's own key
   set, from a torch-free table), is reported at once: exit 2 in validation.
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, ROOT, B, launching_fixture, refused, run_loom
+from conftest import ROOT, B, launching_fixture, refused, run_loom, strategy_args
 
 from loom.errors import ConfigError
 
@@ -69,16 +69,13 @@ def _autos(d) -> list:
 
 
 @launching_fixture(scope="module")
-def hf_run(tmp_path_factory) -> dict:
-    """The HF JSON under strategy=zero2 (2 ranks, run.id fixed) and the `single` reference."""
+def hf_run(tmp_path_factory, single_run) -> dict:
+    """The HF JSON under zero2's parity run (2 ranks, batch 4 each, run.id fixed), and the shared
+    `single` reference. Loom's default schedule runs (cosine; the JSON's WarmupLR is a warning)."""
     root = tmp_path_factory.mktemp("dsjson")
     ds = _write(root / "ds_zero2.json", HF_ZERO2)
-    # optim.min_lr_ratio=1.0: Loom's schedule is then WarmupLR's shape (constant after warmup).
-    args = [*COMMON, "optim.min_lr_ratio=1.0"]
-    zero2 = ["train", "strategy=zero2", f"strategy.deepspeed_config={ds}", "run.id=hf-zero2", *args]
-    return {"root": root, "json": ds, "args": zero2,
-            "run": run_loom(*zero2, root=root),
-            "single": run_loom("train", "strategy=single", *args, f"dataset.batch_size={2 * B}", root=root)}
+    zero2 = ["train", *strategy_args("zero2", f"strategy.deepspeed_config={ds}", "run.id=hf-zero2")]
+    return {"root": root, "json": ds, "args": zero2, "run": run_loom(*zero2, root=root), "single": single_run}
 
 
 @pytest.mark.slow

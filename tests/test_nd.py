@@ -1,4 +1,5 @@
-"""strategy=nd on CPU (gloo), real processes, against `single` at the same global batch (8):
+"""strategy=nd on CPU (gloo), real processes, against the shared `single` run (conftest.SINGLE:
+gpt_tiny's 2 blocks, so a pipeline stage is one block) at the same global batch (8):
 (dp_shard 2, pp 2) at 4 ranks, (dp_shard 2, tp 2, pp 2) and (dp_replicate 2, dp_shard 2, tp 2)
 at 8 ranks. Same step-1 and final losses, and final/model.safetensors with the single-device
 keys, shapes and (nearly) values. The 8-rank runs take about a minute each on 2 cores.
@@ -10,20 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    FAST,
+    GLOBAL_BATCH,
+    PARITY,
+    STEPS,
     LoomResult,
-    launching_fixture,
     refused,
-    run_loom,
     sigkill_one_worker_after,
     start_loom,
 )
 from safetensors.torch import load_file
 
-STEPS = 10
-GLOBAL_BATCH = 8
-ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", f"trainer.max_steps={STEPS}",
-        "dataset.seq_len=64"]
 # name -> (degrees, ranks); each data-parallel rank reads GLOBAL_BATCH / dp samples.
 LAYOUTS = {
     "dp2_pp2": ({"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}, 4),
@@ -32,44 +29,27 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("nd")
-
-
-@launching_fixture(scope="module")
-def single(root) -> LoomResult:
-    r = run_loom("train", "strategy=single", "hardware.devices=1", f"dataset.batch_size={GLOBAL_BATCH}",
-                 *ARGS, root=root)
-    assert r.rc == 0, r.out + r.err
-    return r
-
-
-_RUNS: dict[str, LoomResult] = {}
-
-
 def _nd_args(name: str) -> list[str]:
-    """The run of layout `name`, checkpointed every 4 steps: the SIGKILL test's reference too."""
+    """The run of layout `name` (a parity run: micro batch GLOBAL_BATCH / dp), checkpointed
+    every 4 steps under a fixed run id: the SIGKILL test's reference too."""
     degrees, ranks = LAYOUTS[name]
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    return ["train", "strategy=nd", f"hardware.devices={ranks}", f"dataset.batch_size={GLOBAL_BATCH // dp}",
-            *(f"strategy.{k}={v}" for k, v in degrees.items()), *ARGS, "checkpoint.every_n_steps=4", f"run.id={name}"]
+    return ["strategy=nd", f"hardware.devices={ranks}", f"dataset.batch_size={GLOBAL_BATCH // dp}",
+            *(f"strategy.{k}={v}" for k, v in degrees.items()), *PARITY, "checkpoint.every_n_steps=4", f"run.id={name}"]
 
 
-def _nd(name: str, root) -> LoomResult:
-    """One run per layout for the whole module (the matching test and the resume test share it)."""
-    if name not in _RUNS:
-        r = run_loom(*_nd_args(name), root=root, timeout=400)
-        assert r.rc == 0, r.out + r.err
-        _RUNS[name] = r
-    return _RUNS[name]
+def _nd(name: str, shared) -> LoomResult:
+    """One run per layout for the session (the matching test and the resume test share it)."""
+    r = shared.get(*_nd_args(name), timeout=600)
+    assert r.rc == 0, r.out + r.err
+    return r
 
 
 @pytest.mark.launch
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_nd_matches_single(name, root, single):
-    run = _nd(name, root)
+def test_nd_matches_single(name, shared, single_run):
+    run, single = _nd(name, shared), single_run
     degrees, ranks = LAYOUTS[name]
     ref, got = single.losses(), run.losses()
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -102,15 +82,15 @@ def test_replicas_without_shards_or_pipeline_refused_fast(loom, tmp_path):
 # ----------------------------------------------------------------------------- resume
 @pytest.mark.launch
 @pytest.mark.slow
-def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(root, tmp_path_factory):
+def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(shared, tmp_path_factory):
     """(dp_shard 2, pp 2): SIGKILL of one rank after the step-4 checkpoint; torchrun restarts all
     four, each stage's FSDP2 shards and optimizer states come back from DCP, and the run ends
     with the loss curve and final weights of the uninterrupted run, bit for bit.
     """
-    ref = _nd("dp2_pp2", root)
+    ref = _nd("dp2_pp2", shared)
     kill_root = tmp_path_factory.mktemp("nd-kill")
     run_dir = kill_root / "gpt" / "dp2_pp2"
-    proc = start_loom(*_nd_args("dp2_pp2"), "hardware.max_restarts=1", root=kill_root)
+    proc = start_loom("train", *_nd_args("dp2_pp2"), "hardware.max_restarts=1", root=kill_root)
     r = sigkill_one_worker_after(proc, run_dir, 4, ranks=4, timeout=400)
     assert r.summary()["resumed_from_step"] < STEPS
     assert r.losses() == ref.losses()

@@ -1,25 +1,22 @@
-"""strategy=pp at 2 ranks on CPU (gloo), real processes: the same losses as `single` at the
-same global batch, every single-stage schedule the same, and final/model.safetensors with the
-single-device keys and shapes (each stage's tensors gathered from its owner)."""
+"""strategy=pp at 2 ranks on CPU (gloo), real processes: the same losses as the shared `single`
+run at the same global batch (8), every single-stage schedule the same, and
+final/model.safetensors with the single-device keys and shapes (each stage's tensors gathered
+from its owner). gpt_tiny's 2 blocks make one block per stage."""
 
 from __future__ import annotations
 
-from conftest import FAST, launching_fixture, run_loom
+from conftest import GLOBAL_BATCH, PARITY, STEPS, launching_fixture
 from safetensors.torch import load_file
 
-STEPS = 10
-# pp has one data-parallel rank: both stages read the same batch of 4, split into 2 microbatches.
-ARGS = [*FAST, "hardware=cpu", "model=gpt_tiny", "model.n_layer=4", f"trainer.max_steps={STEPS}",
-        "dataset.batch_size=4", "dataset.seq_len=64"]
+# pp has one data-parallel rank: both stages read the whole global batch, split into 2 microbatches.
+PP = ("strategy=pp", "hardware.devices=2", *PARITY, f"dataset.batch_size={GLOBAL_BATCH}")
 
 
 @launching_fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("pp")
-    out = {"single": run_loom("train", "strategy=single", "hardware.devices=1", *ARGS, root=root)}
+def runs(shared, single_run) -> dict:
+    out = {"single": single_run}
     for sched in ("1f1b", "gpipe"):
-        out[sched] = run_loom("train", "strategy=pp", "hardware.devices=2", f"strategy.pp_schedule={sched}",
-                              *ARGS, root=root)
+        out[sched] = shared.get(*PP, f"strategy.pp_schedule={sched}")
     for r in out.values():
         assert r.rc == 0, r.out + r.err
     return out
@@ -51,6 +48,7 @@ def test_final_weights_have_single_keys_and_shapes(runs):
     got = load_file(runs["1f1b"].run_dir / "final" / "model.safetensors")
     assert list(got) == list(ref)
     assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in ref.items()}
-    assert {"blocks.3.attn.qkv.weight", "wte.weight", "lm_head.weight"} <= set(got)
+    # blocks.0 lives on stage 0 (with the embeddings), blocks.1 on stage 1 (with the head)
+    assert {"blocks.0.attn.qkv.weight", "blocks.1.attn.qkv.weight", "wte.weight", "lm_head.weight"} <= set(got)
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst < 1e-3, worst

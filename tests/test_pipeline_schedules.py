@@ -1,7 +1,10 @@
 """Every pipeline schedule trains like `single` (CPU, gloo, real processes), and the schedule
 options torch would reject at the first step are refused before anything starts.
 
-One `single` run of an 8-block gpt_tiny is the reference for all of them: the multi-stage
+One `single` run of an 8-block gpt_tiny is the reference for all of them, this module's own and
+not the shared `single` (conftest.SINGLE, 2 blocks): a multi-stage schedule needs 2 pp stages of
+at least one block each, 8 for interleaved 1F1B at pp 4, so no run here can use a 2-block
+model, and comparing with a single of another model would compare nothing. The multi-stage
 schedules at pp 2 (4 stages of 2 blocks; gpipe and 1f1b at pp 2 are in tests/test_pipeline.py)
 and interleaved 1F1B at pp 4 (8 stages of 1 block). Every run reads the same global batch of 4,
 so step-1 loss, the last step's and the validation loss (the schedule's forward-only `eval`)

@@ -3,13 +3,16 @@
 One launch per strategy checks completion, a falling loss, the bytes each rank holds and the
 step-1 loss against `single`. (Resuming each strategy, at the same world and at another one, is
 test_resume.py's, test_elastic.py's and test_elastic_zero.py's.) Bad strategy input must fail in
-validation (exit 2, no run dir).
+validation (exit 2, no run dir). Each parity run also carries a README option (conftest.PROCS:
+a ddp comm hook, fsdp's reshard_after_forward=false, zero3's activation checkpointing and bf16
+export, zero3_offload's offload_params), whose effect is asserted here while its curve still
+matches `single`.
 
 Why step-1 losses must agree: every strategy builds the same model from the same seed before
-any sharding, and the samples match. A 2-rank run with micro batch B gives rank r the indices
-perm[r::2] of DistributedSampler's seeded permutation (same seed, same dataset length, so the
-same permutation), and `single` with batch 2B reads perm[0:2B]: the same 2B windows (checked
-below, without processes). The logged loss is the mean over ranks of equal-size batch means,
+any sharding, and the samples match. Loom's sampler (data/sampler.py) deals the epoch's seeded
+global order by micro batch: at 2 ranks with micro batch B, step k is order[2kB:(2k+2)B] split
+between the ranks, and `single` at batch 2B reads the same 2B windows (checked below through
+the data module, without processes). The logged loss is the mean over ranks of equal-size batch means,
 i.e. the mean over the 2B windows. What differs is only float32 summation order (sharded or
 TP-split matmuls, a mean of two means): relative error ~1e-7 x a few reductions, far below the
 1e-4 tolerance, while any difference in data or weights changes the loss by > 1e-3.
@@ -42,15 +45,29 @@ def runs(strategy_runs) -> dict:
     return strategy_runs
 
 
-def test_distributed_sampler_matches_single_batch():
-    """The 2-rank first batches together are the single-process first batch (same seed)."""
-    from torch.utils.data import DistributedSampler
+def _first_batches(dp: int, micro: int, steps: int) -> list[list[int]]:
+    """The sample ids of each of the first `steps` optimizer steps, all ranks together, through
+    Loom's data module configured as the worker configures it (LoomDataModule(cfg, dp_rank,
+    dp_size).train_dataloader(), ResumableDistributedSampler inside)."""
+    from loom.data.module import LoomDataModule
+    from loom.pipeline import resolve
 
-    data = list(range(1001))
-    one = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=1234, drop_last=True))
-    ranks = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=1234, drop_last=True))
-             for r in (0, 1)]
-    assert sorted(ranks[0][:B] + ranks[1][:B]) == sorted(one[: 2 * B])
+    cfg = resolve(["hardware=cpu", "model=gpt_tiny", f"dataset.batch_size={micro}", "hardware.dataloader_workers=0"])
+    per_rank = []
+    for rank in range(dp):
+        dm = LoomDataModule(cfg, dp_rank=rank, dp_size=dp)
+        dm.train_set = list(range(1001))
+        loader = iter(dm.train_dataloader())
+        per_rank.append([next(loader).tolist() for _ in range(steps)])
+    return [sorted(x for r in per_rank for x in r[k]) for k in range(steps)]
+
+
+def test_loom_sampler_gives_every_rank_its_part_of_single_batch():
+    """Step k of a 2-rank run at micro batch B reads the very samples of `single`'s step k at
+    batch 2B (the premise of every loss comparison below), and the ranks' halves differ."""
+    single, two = _first_batches(1, 2 * B, 3), _first_batches(2, B, 3)
+    assert two == single
+    assert len(set(single[0])) == 2 * B and single[0] != single[1]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -107,9 +124,47 @@ def test_bytes_per_rank(runs):
     assert all(x < total / 2 for x in mem["fsdp_tp"]["param_bytes_per_rank"]), mem["fsdp_tp"]
 
 
-def test_ddp_comm_hook_registers_on_cpu(runs):
-    log = (runs["ddp"].run_dir / "logs" / "rank-0.log").read_text()
-    assert "ddp comm hook fp16_compress_hook registered on cpu" in log
+def _log(r, rank: int = 0) -> str:
+    return (r.run_dir / "logs" / f"rank-{rank}.log").read_text()
+
+
+def test_readme_options_carried_by_the_parity_runs_take_effect(runs):
+    """conftest.PROCS: each option's effect, on runs whose curves match `single` above."""
+    # ddp: the bf16 gradient-compression hook is registered (Lightning alone would skip it on CPU)
+    assert "ddp comm hook bf16_compress_hook_gloo registered on cpu" in _log(runs["ddp"])
+    # fsdp: FSDP2's own parameter groups keep the gathered block parameters for backward;
+    # fsdp_tp (the default) reshards them
+    assert "fsdp: 2 unit(s) sharded, 2 keep their parameters gathered, 0 reshard them" in _log(runs["fsdp"])
+    assert "fsdp: 2 unit(s) sharded, 0 keep their parameters gathered, 2 reshard them" in _log(runs["fsdp_tp"])
+    # zero3_offload: the ZeRO-3 optimizer offloads the parameter partitions too; zero3 offloads nothing
+    for rank in (0, 1):
+        assert "zero3: parameter partitions offloaded: True, optimizer states offloaded: True" in \
+            _log(runs["zero3_offload"], rank)
+        assert "zero3: parameter partitions offloaded: False, optimizer states offloaded: False" in \
+            _log(runs["zero3"], rank)
+    # zero3: both blocks are checkpointed (the recompute is the same math: its curve matched single's)
+    assert "activation checkpointing (full): 2 of" in _log(runs["zero3"])
+
+
+def test_sharded_export_dtype_bf16_loads_into_the_model(runs):
+    """checkpoint.export_dtype=bf16 under zero3 (gathered from partitions): every floating tensor
+    of final/model.safetensors is bf16, equals single's final weights to bf16 rounding, and the
+    file loads into a fresh gpt_tiny."""
+    import torch
+    from safetensors.torch import load_file
+
+    from loom.models import build_module
+    from loom.pipeline import resolve
+
+    got = load_file(str(runs["zero3"].run_dir / "final" / "model.safetensors"))
+    ref = load_file(str(runs["single"].run_dir / "final" / "model.safetensors"))
+    assert {v.dtype for v in got.values()} == {torch.bfloat16}
+    assert {v.dtype for v in ref.values()} == {torch.float32}
+    for k in ref:
+        torch.testing.assert_close(got[k].float(), ref[k], rtol=1e-2, atol=1e-3)
+    module = build_module(resolve(["model=gpt_tiny", "strategy=single", "hardware=cpu", "hardware.devices=1"]))
+    module.configure_model()
+    module.model.load_state_dict({k: v.float() for k, v in got.items()}, strict=True)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 from loom.layout import ParallelLayout
 
 
-def ddp_comm_hook(name: str | None, powersgd_rank: int) -> dict[str, Any]:
+def ddp_comm_hook(name: str | None, powersgd_rank: int, cpu: bool = False) -> dict[str, Any]:
     """DDPStrategy kwargs for a gradient-compression hook from torch's default hooks."""
     if name is None:
         return {}
@@ -18,13 +18,26 @@ def ddp_comm_hook(name: str | None, powersgd_rank: int) -> dict[str, Any]:
     if name == "fp16_compress":
         return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
     if name == "bf16_compress":
-        return {"ddp_comm_hook": default_hooks.bf16_compress_hook}
+        return {"ddp_comm_hook": _bf16_compress_on_gloo() if cpu else default_hooks.bf16_compress_hook}
     if name == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
         )
         return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
     raise ValueError(f"unknown comm hook {name}")
+
+
+def _bf16_compress_on_gloo():
+    """torch's bf16_compress_hook, unchanged, under another name: DDP refuses that hook by its
+    name unless CUDA 11+ with NCCL 2.10+ (NCCL's bf16 all-reduce), a guard that does not apply
+    to gloo, which all-reduces bf16 tensors on CPU. Without this, the README's
+    `strategy.comm_hook=bf16_compress` crashed every CPU run at DDP setup."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16_compress_hook_gloo(state, bucket):
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    return bf16_compress_hook_gloo
 
 
 def _ddp_strategy_class():
@@ -69,5 +82,5 @@ def build(cfg: DictConfig, layout: ParallelLayout):
         process_group_backend=cfg.hardware.backend,
         find_unused_parameters=s.find_unused_parameters,
         bucket_cap_mb=s.bucket_cap_mb,
-        **ddp_comm_hook(s.comm_hook, s.powersgd_rank),
+        **ddp_comm_hook(s.comm_hook, s.powersgd_rank, cpu=cfg.hardware.accelerator == "cpu"),
     )

@@ -60,6 +60,11 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
         with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config, universal):
             return super().load_checkpoint(universal, weights_only)
 
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        log_offload(engine)
+        return engine, ds_optimizer
+
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """Lightning already divides the loss by `accumulate_grad_batches`; DeepSpeed's
         `engine.backward` would divide it again (`scale_wrt_gas`, Lightning issue #6170), so
@@ -167,7 +172,19 @@ class CPUDeepSpeedStrategy(LoomDeepSpeedStrategy):
             lr_scheduler=lr_scheduler,
             dist_init_required=False,
         )
+        log_offload(engine)
         return engine, ds_optimizer
+
+
+def log_offload(engine) -> None:
+    """What the ZeRO-3 optimizer offloads, read back from it (its `offload_param` and
+    `offload_optimizer` flags): the log says what runs, not what the config asked for."""
+    import logging
+
+    opt = engine.optimizer
+    if hasattr(opt, "offload_param"):
+        logging.getLogger("loom").info(f"zero3: parameter partitions offloaded: {bool(opt.offload_param)}, "
+                                       f"optimizer states offloaded: {bool(opt.offload_optimizer)}")
 
 
 def build(cfg: DictConfig, layout: ParallelLayout):

@@ -250,11 +250,22 @@ def shard_roots(roots: list, units: tuple[type, ...], dp_mesh, reshard_after_for
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
+    sharded = []
     for root in roots:
         for sub in list(root.modules()):
             if sub is not root and isinstance(sub, units):
                 fully_shard(sub, **kw)
+                sharded.append(sub)
         fully_shard(root, **kw)
+    log.info(f"fsdp: {len(sharded)} unit(s) sharded, {_resharding(sharded)} after forward")
+
+
+def _resharding(sharded: list) -> str:
+    """What FSDP2 itself will do with the units' gathered parameters after their forward (read
+    back from its parameter groups, so the log says what runs, not what was asked)."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in sharded]
+    keeps = sum(g is not None and g.post_forward_mesh_info is None for g in groups)
+    return f"{keeps} keep their parameters gathered, {len(groups) - keeps} reshard them"
 
 
 def _unit_classes(module, names) -> tuple[type, ...]:
