@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -88,9 +87,8 @@ def test_removing_an_optional_key_nulls_it(loom):
 
 
 def test_help_lists_groups_and_options(loom, tmp_path):
-    t0 = time.monotonic()
-    r = loom("train", "--help")
-    assert r.rc == 0 and time.monotonic() - t0 < 3.0, r.err
+    r = loom("train", "--help")  # torch-free: tests/test_config.py; its speed: scripts/bench/cli_latency.py
+    assert r.rc == 0, r.err
     assert "== Configuration groups ==" in r.out and "--dry-run" in r.out and "--cfg" in r.out
     conf = Path(__file__).resolve().parents[1] / "conf"
     lines = {ln.split(":")[0]: ln for ln in r.out.splitlines() if ":" in ln}

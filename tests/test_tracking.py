@@ -1,4 +1,4 @@
-"""Tracking that tells the truth: throughput against an independent stopwatch, MFU, one wandb
+"""Tracking that tells the truth: throughput bracketed by an independent stopwatch, MFU, one wandb
 run per Loom run (also across a resume), no secrets in the run dir, reports and plots.
 
 Real trainings are slow on 2 cores, so a few module-scoped runs serve many checks:
@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,6 +87,8 @@ def _log_times(run_dir: Path) -> dict[str, float]:
             times["last_step"] = t
         elif msg.startswith("training loop ended"):
             times["end"] = t
+            loop, val = re.search(r": ([\d.]+) s training, ([\d.]+) s validation", msg).groups()
+            times["loop_s"], times["val_s"] = float(loop), float(val)
     return times
 
 
@@ -120,15 +121,19 @@ def _assert_png(path: Path) -> None:
 # ----------------------------------------------------------------------------- throughput
 
 
-def test_tokens_per_sec_matches_an_independent_stopwatch(ddp_run):
-    """The independent measure: the wall-clock timestamps Python's logging puts on rank 0's
-    "training loop started" line (on_train_start) and on the last step's line. They bracket
-    exactly the training steps of this attempt: the end-of-run validation comes after the last
-    step's line (and is excluded from train_time_s, as in Lightning's ThroughputMonitor), and
-    STEPS is not a checkpoint step, so nothing but the last step's tail is outside the bracket.
-    A different clock (time.time vs perf_counter) and different code (the log record, not the
-    recorder's accumulators) measure the same interval, so a miscounted denominator (start-up,
-    validation, a previous attempt) shows up as a mismatch."""
+def test_tokens_per_sec_is_over_this_attempts_training_loop(ddp_run):
+    """train_time_s, the denominator of every rate, must be the training loop's time: no start-up
+    before it, no validation in it, every step in it. Checked by ordering against two independent
+    records, never by a ratio of clocks (which a loaded machine skews):
+    - a lower bound: each logged row's step_time_ms_min is at most rank 0's own window, and rank 0's
+      windows tile the loop up to the last step's log, so their sum cannot exceed train_time_s (a
+      denominator that drops steps, or subtracts validation twice, falls below it);
+    - an upper bound: the timestamps Python's logging puts on rank 0's "training loop started" and
+      "training loop ended" lines (another clock, other code) bracket the loop, so train_time_s
+      cannot exceed their difference (one that counts start-up, or the whole process, exceeds it;
+      the 50 ms margin covers the 1 ms log resolution and the microseconds between the clock read
+      and the log record);
+    - the "ended" line's own figures: train_time_s is its training time, validation is beside it."""
     s = ddp_run.result.summary()
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == STEPS
     tokens = _tokens_this_attempt(s)
@@ -137,19 +142,17 @@ def test_tokens_per_sec_matches_an_independent_stopwatch(ddp_run):
     # the summary's rate is tokens / train_time_s (train_time_s is rounded to 1 ms)
     assert tps * train_time == pytest.approx(tokens, rel=0.005)
 
+    rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # log_every_n_steps=1
+    assert sum(float(r["perf/step_time_ms_min"]) for r in rows) / 1000 <= train_time + 0.001
+
     t = _log_times(ddp_run.run_dir)
     assert {"start", "last_step", "end"} <= set(t), t
-    stopwatch = t["last_step"] - t["start"]
-    assert train_time == pytest.approx(stopwatch, rel=0.05), (train_time, stopwatch)
-    assert tps == pytest.approx(tokens / stopwatch, rel=0.05)
-    # validation ran after the last step and is not counted as training time
-    assert train_time <= t["end"] - t["start"] + 0.01
-    assert s["wall_time_s"] > train_time
-
-    # the per-step rows add up to the same loop time (log_every_n_steps=1: one row per step)
-    rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
-    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
-    assert sum(float(r["perf/step_time_ms"]) for r in rows) / 1000 == pytest.approx(stopwatch, rel=0.05)
+    assert t["start"] <= t["last_step"] <= t["end"]
+    assert train_time <= t["end"] - t["start"] + 0.05, (train_time, t)
+    loop, val = t["loop_s"], t["val_s"]
+    assert train_time == pytest.approx(loop, abs=0.0015) and val > 0  # end-of-run validation, not counted
+    assert s["wall_time_s"] > train_time + val
 
 
 def _recorder(peak: float | None, world: int = 2):
@@ -234,14 +237,12 @@ def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):
 def test_tracking_wandb_without_a_key_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "NETRC")}
     env.update(HOME=str(tmp_path), WANDB_MODE="offline", WANDB_SILENT="true")
-    t0 = time.perf_counter()
     p = subprocess.run([*LOOM, "train", *BASE, "tracking=wandb", "strategy=single", "trainer.max_steps=1", f"run.root={tmp_path / 'runs'}"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "WANDB_API_KEY" in p.stderr and "tracking=offline" in p.stderr
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "runs").exists()
-    assert time.perf_counter() - t0 < 30
 
 
 def test_tracking_checks_finds_a_netrc_key(tmp_path, monkeypatch):
