@@ -1,9 +1,11 @@
 """Tracking that tells the truth: throughput bracketed by an independent stopwatch, MFU, one wandb
 run per Loom run (also across a resume), no secrets in the run dir, reports and plots.
 
-Real trainings are slow on 2 cores, so a few module-scoped runs serve many checks:
-  ddp_run      2 ranks, tracking=offline (wandb offline + CSV), secrets in the environment
-  single_run   1 process, CSV only; with ddp_run it forms a 2-run "sweep" dir
+Real trainings are slow on 2 cores, so shared runs serve many checks:
+  ddp_run      the default 2-rank job, tracking=offline (wandb offline + CSV), secrets in the
+               environment: DDP_ARGS, shared with tests/test_e2e.py (one launch for both)
+  single_run   the parity suite's `single` reference (tests/conftest.py); with ddp_run it forms
+               a 2-run "sweep" dir for the report
   resumed_run  a copy of ddp_run marked as killed, then resumed by the same command
 """
 
@@ -26,10 +28,9 @@ SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TO
 STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last step: see the stopwatch
 MICRO_BATCH, SEQ_LEN = 16, 128
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
-DDP_ARGS = ("train", *BASE, "tracking=offline", f"trainer.max_steps={STEPS}",
-            f"checkpoint.every_n_steps={CKPT_EVERY}", "trainer.limit_val_batches=2")
-SINGLE_ARGS = ("train", *BASE, "tracking=csv", "strategy=single", "hardware.devices=1",
-               "trainer.max_steps=3", "checkpoint.every_n_steps=0", "trainer.limit_val_batches=1")
+# The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step.
+DDP_ARGS = (*BASE, "tracking=offline", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={CKPT_EVERY}",
+            "trainer.limit_val_batches=2")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -41,28 +42,19 @@ def root(tmp_path_factory) -> Path:
 
 
 @launching_fixture(scope="module")
-def ddp_run(root):
-    r = run_loom(*DDP_ARGS, root=root, env=SENTINELS)
+def ddp_run(shared):
+    r = shared.get(*DDP_ARGS, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     plots = sorted(p.name for p in (r.run_dir / "plots").glob("*.png")) if (r.run_dir / "plots").is_dir() else []
-    return SimpleNamespace(result=r, run_dir=r.run_dir, plots_after_train=plots)
-
-
-@launching_fixture(scope="module")
-def single_run(root, ddp_run):
-    r = run_loom(*SINGLE_ARGS, root=root)
-    assert r.rc == 0, r.out + r.err
-    assert r.run_dir.parent == ddp_run.run_dir.parent  # both in <root>/gpt/: a sweep-like dir
-    return r
+    return SimpleNamespace(result=r, run_dir=r.run_dir, root=r.run_dir.parents[1], plots_after_train=plots)
 
 
 @launching_fixture(scope="module")
 def resumed_run(root, ddp_run):
     """ddp_run's dir, copied to another root and marked the way a killed run is left
     (status failed: the launcher writes that), resumed by the same command."""
-    root2 = root.parent / (root.name + "-resume")
-    copy = killed_copy(ddp_run.run_dir, root, root2)
-    r = run_loom(*DDP_ARGS, root=root2, env=SENTINELS)
+    copy = killed_copy(ddp_run.run_dir, ddp_run.root, root)
+    r = run_loom("train", *DDP_ARGS, root=root, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     assert r.run_dir == copy
     return r
@@ -197,13 +189,13 @@ def test_ddp_run_measures_every_metric(ddp_run):
 # ----------------------------------------------------------------------------- wandb
 
 
-def test_one_wandb_run_per_loom_run_with_two_ranks(ddp_run, root):
+def test_one_wandb_run_per_loom_run_with_two_ranks(ddp_run):
     run = ddp_run.run_dir
     runs = sorted((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert runs[0].name.endswith(f"-{run.name}")  # the wandb run id is the Loom run id
     assert (runs[0] / f"run-{run.name}.wandb").is_file()
-    assert not (root / "wandb").exists()  # nothing in the working directory
+    assert not (ddp_run.root / "wandb").exists()  # nothing in the working directory
     assert "wandb" not in (run / "logs" / "rank-1.log").read_text().lower()
 
 
@@ -391,8 +383,8 @@ def test_write_plots_makes_valid_pngs(ddp_run, tmp_path):
     assert write_plots(tmp_path / "no-metrics") == []
 
 
-def test_report_for_one_run(ddp_run, root):
-    r = run_loom("report", str(ddp_run.run_dir), root=root)
+def test_report_for_one_run(ddp_run):
+    r = run_loom("report", str(ddp_run.run_dir), root=ddp_run.root)
     assert r.rc == 0, r.out + r.err
     md = (ddp_run.run_dir / "report.md").read_text()
     assert f"report: {ddp_run.run_dir / 'report.md'}" in r.out
@@ -404,9 +396,11 @@ def test_report_for_one_run(ddp_run, root):
         _assert_png(ddp_run.run_dir / "plots" / f"{name}.png")
 
 
-def test_report_for_a_sweep_dir(ddp_run, single_run, root):
-    sweep = ddp_run.run_dir.parent
-    r = run_loom("report", str(sweep), root=root)
+def test_report_for_a_sweep_dir(ddp_run, single_run, tmp_path):
+    sweep = tmp_path / "gpt"  # both runs side by side, as a sweep's trials are
+    for run in (ddp_run.run_dir, single_run.run_dir):
+        shutil.copytree(run, sweep / run.name, symlinks=True)
+    r = run_loom("report", str(sweep), root=tmp_path)
     assert r.rc == 0, r.out + r.err
     md = (sweep / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]
