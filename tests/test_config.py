@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,18 @@ def test_default_config_lists_every_group():
 
 
 def test_group_options_match_conf_files():
-    assert "gpt_tiny" in group_options("model") and "ddp" in group_options("strategy")
+    """Every group's choices are exactly its conf/<group>/*.yaml files, each composes as itself,
+    and a wrong choice is refused naming all of them."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    for group in GROUPS:
+        on_disk = sorted(p.stem for p in (conf / group).iterdir() if p.suffix == ".yaml")
+        assert on_disk and group_options(group) == on_disk, group
+        for option in on_disk:
+            node = compose([f"{group}={option}"])[group]  # hardware=auto names what it detected
+            assert option in (node.name, node.get("resolved_from")), (group, option)
+        with pytest.raises(ConfigError) as e:
+            resolve([f"{group}=nope"])
+        assert all(option in str(e.value) for option in on_disk), (group, str(e.value))
 
 
 @pytest.mark.parametrize(
