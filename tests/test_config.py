@@ -133,6 +133,17 @@ def test_cli_refusal_exits_2_in_one_paragraph_without_torch(tmp_path, args, need
     assert not any(tmp_path.iterdir()), "no run dir (nor run root) may be created for a refused config"
 
 
+def test_train_on_an_infeasible_plan_exits_3_before_any_launch(tmp_path):
+    """README: "A run that cannot fit exits 3 and names the cheapest fix" (`loom train`, not only plan)."""
+    p, imported, err = _importtime_cli(tmp_path, "train", "model=gpt_7b", "strategy=ddp", "hardware=cpu",
+                                       f"run.root={tmp_path / 'runs'}")
+    assert p.returncode == 3, p.stdout + "\n".join(err)
+    (why,) = [ln for ln in err if ln.startswith("Plan infeasible: ")]
+    assert "strategy=ddp on hardware=cpu" in why and "hardware.host_memory_gb" in why
+    assert "does not fit" in p.stdout and "Traceback" not in p.stderr
+    assert not imported & set(HEAVY) and not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("args", [
     ["train", "--help"],
     ["plan", "model=gpt_7b", "strategy=zero3", "hardware=h100x8"],
