@@ -163,3 +163,32 @@ def test_cfg_job_prints_config_and_trains_nothing(tmp_path):
     assert p.returncode == 0
     assert "lr: 0.002" in p.stdout and "strategy:" in p.stdout
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("edit", ["tokenizer", "model_config"])
+def test_an_edited_tokenizer_or_model_config_dir_is_refused_on_resume(tmp_path, edit):
+    """README: the run id covers the tokenizer and model config dirs a config names; a file
+    edited there since the run was frozen is refused on resume, naming the key (no training)."""
+    import json
+    import os
+
+    from tests_helpers import make_hf_config, make_tokenizer, write_json_corpus
+
+    tok, cfg_dir = make_tokenizer(tmp_path / "tok"), make_hf_config(tmp_path / "cfg", vocab_size=300)
+    args = ["model=hf_causal_lm", f"model.config={cfg_dir}", "dataset=hf", f"dataset.path={write_json_corpus(tmp_path / 'd.jsonl')}",
+            f"dataset.tokenizer={tok}", "dataset.text_column=content", "dataset.seq_len=32", "strategy=single", "hardware=cpu",
+            f"run.root={tmp_path}"]
+    cfg = resolve([*args, "run.id=fixed"])
+    first = freeze(cfg, make_plan(cfg))
+    assert freeze(cfg, make_plan(cfg)).state == "resume"  # untouched: the same command resumes
+    auto_id = run_id(resolve(args))
+    target = tok / "tokenizer_config.json" if edit == "tokenizer" else cfg_dir / "config.json"
+    content = json.loads(target.read_text())
+    target.write_text(json.dumps({**content, "loom_test_edit": 1}))
+    os.utime(target, ns=(target.stat().st_atime_ns, target.stat().st_mtime_ns + 10**9))
+    key, named = ("dataset", "tokenizer") if edit == "tokenizer" else ("model.config", str(target))
+    with pytest.raises(ConfigError, match="content changed since the run was frozen") as e:
+        freeze(cfg, make_plan(cfg))
+    assert f"{key}: " in str(e.value) and named in str(e.value), str(e.value)
+    assert run_id(resolve(args)) != auto_id  # without run.id: a new run, not a resume
+    assert (first.run_dir / "config.yaml").is_file()

@@ -333,6 +333,18 @@ def test_wandb_settings_record_no_metadata():
     assert s.x_disable_meta and s.disable_git and not s.save_code and s.x_disable_machine_info
 
 
+@pytest.mark.parametrize(("choice", "loggers"), [("none", []), ("csv", ["RunCSVLogger"])])
+def test_the_loggers_each_tracking_choice_gives_the_trainer(tmp_path, choice, loggers):
+    """README: `tracking=none` logs no step anywhere, `tracking=csv` only metrics.csv (what the
+    worker hands Lightning; tracking=none's run is test_hydra_cli's exact-dir run)."""
+    from loom.pipeline import resolve
+    from loom.tracking.loggers import build_loggers
+
+    cfg = resolve([f"tracking={choice}", "hardware=cpu"])
+    assert [type(lg).__name__ for lg in build_loggers(cfg, tmp_path, "x")] == loggers
+    assert not (tmp_path / "wandb").exists()
+
+
 # ----------------------------------------------------------------------------- secrets
 
 
