@@ -13,6 +13,29 @@ SMALL_CORPUS = "dataset.max_bytes=2000000"  # a 2 MB slice of tinycode: smaller,
 SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]
 
 
+# A user's token model that cannot run while `fail-next-trial` exists in the working dir: its
+# first real forward removes the file and raises, so exactly one trial fails, at run time (the
+# plan's meta-device build never calls forward).
+FAILS_ONCE = """from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class FailsOnce(nn.Module):
+    def __init__(self, vocab_size: int = 256, width: int = 32) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flag = Path("fail-next-trial")
+        if flag.exists():
+            flag.unlink()
+            raise RuntimeError("injected failure of this trial")
+        return self.out(torch.relu(self.emb(x)))
+"""
+
+
 def _manifest(root: Path) -> dict:
     (path,) = root.glob("gpt/sweeps/*/manifest.json")
     return json.loads(path.read_text())
@@ -21,15 +44,24 @@ def _manifest(root: Path) -> dict:
 @pytest.mark.launch
 @pytest.mark.slow
 def test_optuna_sweep_maximizing_validation_loss(loom, tmp_path):
-    """README: `sweep.objective=validation.loss`, `sweep.direction=maximize`; three trials in one
+    """README: `sweep.objective=validation.loss`, `sweep.direction=maximize`; a failed trial is
+    recorded and the sweep goes on (trial 0's model raises at its first step); three trials in one
     process, each of whose log lines is printed once (not once per trial so far)."""
+    (tmp_path / "sweep_models.py").write_text(FAILS_ONCE)
+    (tmp_path / "fail-next-trial").write_text("")
     r = loom("train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
-             "sweep.objective=validation.loss", "sweep.direction=maximize",
+             "sweep.objective=validation.loss", "sweep.direction=maximize", "model=custom",
+             "model.module._target_=sweep_models.FailsOnce", "security.allow_targets=[sweep_models.]",
              "strategy=single", *FAST, "trainer.max_steps=3", timeout=400)
-    assert r.rc == 0, r.out + r.err
+    assert r.rc == 1, r.out + r.err  # not every trial completed
     m = _manifest(tmp_path)
     assert m["objective"] == "validation.loss" and m["direction"] == "maximize"
-    assert len(m["trials"]) == 3 and all(t["state"] == "completed" for t in m["trials"])
+    assert [t["state"] for t in m["trials"]] == ["failed", "completed", "completed"], m["trials"]
+    failed, m["trials"] = m["trials"][0], m["trials"][1:]
+    assert failed["exit_code"] == 1 and failed["objective"] is None
+    assert json.loads((Path(failed["run_dir"]) / "summary.json").read_text())["status"] == "failed"
+    assert "injected failure of this trial" in (Path(failed["run_dir"]) / "logs" / "rank-0.log").read_text()
+    assert "sweep dir: " in r.out and "(2/3 trials completed)" in r.out
     for t in m["trials"]:
         assert 1e-4 <= t["params"]["optim.lr"] <= 1e-2
         s = json.loads((Path(t["run_dir"]) / "summary.json").read_text())
@@ -113,3 +145,36 @@ def test_finetune_hf_recipe_smoke_run_on_local_stand_ins(loom, tmp_path):
 def test_finetune_hf_recipe_without_the_hub_cache_says_what_is_missing(loom):
     r = loom("train", "recipe=finetune-hf", env={"HF_HOME": "/nonexistent-hf-home"})
     assert r.rc == 2 and ("gpt2" in r.err or "wikitext" in r.err) and "Traceback" not in r.err
+
+
+def test_a_failed_trial_is_told_to_optuna_as_failed(tmp_path, monkeypatch):
+    """README: Optuna optimizes the sweep's objective; a failed trial is reported to the study as
+    failed (not as a number, not left running). The real sweep loop and study; only the training
+    of each trial is replaced (trial 1 fails, the others record a final loss), and the study is
+    kept to read what it was told."""
+    import optuna
+
+    from loom.pipeline import resolve
+    from loom.sweep import run_sweep, split_sweep, translate
+
+    studies = []
+    real = optuna.create_study
+    monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(real(**kw)) or studies[-1])
+
+    def run_trial(overrides):
+        i = len(list(tmp_path.glob("trial-*")))
+        run_dir = tmp_path / f"trial-{i}"
+        run_dir.mkdir()
+        status = "failed" if i == 1 else "completed"
+        (run_dir / "summary.json").write_text(json.dumps({"status": status, "final_loss": 1.0 + i}))
+        return (1 if i == 1 else 0), run_dir, ("boom" if i == 1 else None)
+
+    overrides = translate(["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
+                           "hardware=cpu", f"run.root={tmp_path}"])
+    _, manifest = run_sweep(overrides, resolve(split_sweep(overrides)[0]), resolve, run_trial)
+    assert [t.state for t in manifest.trials] == ["completed", "failed", "completed"]
+    assert manifest.trials[1].error == "boom" and manifest.trials[1].exit_code == 1
+    (study,) = studies
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
+    assert [t.value for t in study.trials] == [1.0, None, 3.0]
