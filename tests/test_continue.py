@@ -4,6 +4,7 @@ started from another run's weights (model.init_from), with real launches."""
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -25,11 +26,17 @@ def runs(tmp_path_factory) -> dict[str, LoomResult]:
     root = tmp_path_factory.mktemp("continue")
     out = {"first": run_loom("train", *SOURCE, f"trainer.max_steps={N}", root=root)}
     assert out["first"].rc == 0, out["first"].out + out["first"].err
-    out["first_losses"] = out["first"].losses()  # type: ignore[assignment]
+    out["first_summary"] = out["first"].summary()  # type: ignore[assignment]
     out["second"] = run_loom("train", *SOURCE, f"trainer.max_steps={2 * N}", root=root)
     out["lower"] = run_loom("train", *SOURCE, f"trainer.max_steps={N - 2}", root=root)
     out["again"] = run_loom("train", *SOURCE, f"trainer.max_steps={2 * N}", root=root)
     return out
+
+
+def printed_losses(out: str) -> dict[int, float]:
+    """The `step k/M  loss x` progress lines a launch printed: a record of the losses trained
+    that does not come from metrics.csv."""
+    return {int(k): float(v) for k, v in re.findall(r"^step (\d+)/\d+  loss ([0-9.]+)", out, re.M)}
 
 
 def test_raised_max_steps_continues_the_completed_run_in_place(runs):
@@ -42,8 +49,16 @@ def test_raised_max_steps_continues_the_completed_run_in_place(runs):
     assert s["resumed_from_step"] == N and s["extended_from_steps"] == [N]
     steps = [int(r["step"]) for r in second.metrics() if r.get("train/loss")]
     assert steps == list(range(1, 2 * N + 1)), steps  # N+1..2N appended, nothing repeated
-    losses = second.losses()
-    assert {k: losses[k] for k in range(1, N + 1)} == runs["first_losses"]
+    # metrics.csv against what each launch printed while it trained: the first launch's steps
+    # 1..N kept as they were, the extension's N+1..2N appended, no step trained twice
+    before, after = printed_losses(first.out), printed_losses(second.out)
+    assert sorted(before) == list(range(1, N + 1)) and sorted(after) == list(range(N + 1, 2 * N + 1)), (before, after)
+    assert {k: round(v, 4) for k, v in second.losses().items()} == before | after
+    # the extension trains on from the step-N weights: its first loss is near step N's, far from step 1's
+    assert abs(after[N + 1] - before[N]) < 0.5 * (before[1] - before[N]), (before, after)
+    # summary.json keeps the run's first loss across the extension; its final loss is the extension's
+    assert round(runs["first_summary"]["final_loss"], 4) == before[N]
+    assert round(s["first_loss"], 4) == before[1] and round(s["final_loss"], 4) == after[2 * N]
     plan = json.loads((second.run_dir / "plan.json").read_text())
     assert plan["extended_from_steps"] == [N] and plan["extended_at_steps"] == [N]
     assert yaml.safe_load((second.run_dir / "config.yaml").read_text())["trainer"]["max_steps"] == 2 * N

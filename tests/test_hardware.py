@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 from conftest import LOOM, ROOT
@@ -28,9 +27,12 @@ def _runs(root):
 # ------------------------------------------------------------------ the shipped profiles
 
 
-def test_profiles_exist():
-    for name in ("auto", "cpu", "gpu", "a100x8", "h100x8", "h200x8", "multinode", "slurm"):
-        assert name in PROFILES
+def test_the_shipped_profiles_are_the_ones_the_readme_lists():
+    """README's config-group table names the hardware options; the conf files must be exactly those
+    (a profile added or dropped without the table, or the table without the file, fails)."""
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| hardware |"))
+    listed = row.split("|")[2].split("(")[0].replace(" ", "").strip(",").split(",")
+    assert sorted(PROFILES) == sorted(listed), (PROFILES, listed)
 
 
 @pytest.mark.parametrize("name", [p for p in PROFILES if p != "auto"])
@@ -40,7 +42,14 @@ def test_every_profile_validates_and_plans(name):
     hw = cfg.hardware
     assert hw.name == name
     assert hw.backend == ("nccl" if hw.accelerator == "gpu" else "gloo")
-    make_plan(cfg)
+    plan = make_plan(cfg)  # the plan reads the profile's world and its peak for the run's precision
+    assert plan.world_size == hw.devices * hw.num_nodes and plan.precision == hw.precision
+    key = {"bf16-mixed": "bf16", "16-mixed": "fp16", "32-true": "fp32"}[hw.precision]
+    peak = hw.peak_tflops.get(key)
+    assert plan.peak_flops_per_device == (None if peak is None else pytest.approx(peak * 1e12)), (key, peak)
+    if hw.peak_tflops.get("fp32") is not None:  # the same profile at fp32: the fp32 datasheet peak
+        fp32 = make_plan(resolve([f"hardware={name}", *extra, "hardware.precision=32-true"]))
+        assert fp32.peak_flops_per_device == pytest.approx(hw.peak_tflops.fp32 * 1e12)
 
 
 @pytest.mark.parametrize(("name", "memory", "bf16", "fp32", "tf32"), [
@@ -99,17 +108,15 @@ def test_bf16_gpu_without_it_accepts_16_mixed():
 
 
 def _cli(tmp_path, *args):
-    t0 = time.perf_counter()
-    p = subprocess.run([*LOOM, *args, f"run.root={tmp_path}"], capture_output=True, text=True,
-                       cwd=tmp_path, timeout=60)
-    return p, time.perf_counter() - t0
+    return subprocess.run([*LOOM, *args, f"run.root={tmp_path}"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
 
 
 def test_unknown_profile_lists_choices(tmp_path):
-    p, dt = _cli(tmp_path, "train", "hardware=tpu_v9")
+    p = _cli(tmp_path, "train", "hardware=tpu_v9")
     assert p.returncode == 2
     assert "hardware=tpu_v9" in p.stderr and "h100x8" in p.stderr and "cpu" in p.stderr
-    assert "Traceback" not in p.stderr and dt < 3
+    assert "Traceback" not in p.stderr
     assert not _runs(tmp_path)
 
 
@@ -120,7 +127,7 @@ def test_unknown_profile_lists_choices(tmp_path):
 ])
 def test_cli_refusals_exit_2_without_run_dir(tmp_path, args, needle):
     for verb in ("train", "plan"):
-        p, _ = _cli(tmp_path, verb, *args)
+        p = _cli(tmp_path, verb, *args)
         assert p.returncode == 2, (verb, p.stderr)
         assert needle in p.stderr and "Traceback" not in p.stderr
     assert not _runs(tmp_path)
@@ -128,18 +135,18 @@ def test_cli_refusals_exit_2_without_run_dir(tmp_path, args, needle):
 
 @pytest.mark.skipif(hardware.visible_gpus() > 0, reason="this machine has GPUs")
 def test_gpu_profile_refused_for_train_on_cpu_machine_but_plans(tmp_path):
-    p, _ = _cli(tmp_path, "train", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
+    p = _cli(tmp_path, "train", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
     assert p.returncode == 2 and "hardware=h100x8" in p.stderr and "needs CUDA GPUs" in p.stderr
     assert not _runs(tmp_path)
-    p, _ = _cli(tmp_path, "plan", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
+    p = _cli(tmp_path, "plan", "hardware=h100x8", "model=gpt_7b", "strategy=zero3")
     assert p.returncode == 0, p.stderr
 
 
 def test_slurm_plans_and_train_without_sbatch_refuses_clearly(tmp_path):
-    p, _ = _cli(tmp_path, "plan", "hardware=slurm", "strategy=zero2")
+    p = _cli(tmp_path, "plan", "hardware=slurm", "strategy=zero2")
     assert p.returncode == 0, p.stderr
     assert "16 (2 node(s) x 8)" in p.stdout
-    p, _ = _cli(tmp_path, "train", "hardware=slurm", "strategy=zero2")  # no sbatch here (tests/test_slurm.py)
+    p = _cli(tmp_path, "train", "hardware=slurm", "strategy=zero2")  # no sbatch here (tests/test_slurm.py)
     assert p.returncode == 2
     assert "sbatch" in p.stderr and "--dry-run" in p.stderr and "hardware.launcher=slurm" in p.stderr
     assert not _runs(tmp_path)
@@ -152,11 +159,12 @@ def test_auto_resolves_to_cpu_here_and_is_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(0))
     cfg = resolve([])
     assert (cfg.hardware.name, cfg.hardware.resolved_from) == ("cpu", "auto")
-    p, _ = _cli(tmp_path, "train", "--cfg", "job")
-    assert p.returncode == 0
+    p = _cli(tmp_path, "train", "--cfg", "job")  # the child sees this machine's GPUs, not the patch
+    assert p.returncode == 0, p.stderr
     frozen = OmegaConf.create(p.stdout)
-    if hardware.visible_gpus() == 0:
-        assert frozen.hardware.name == "cpu" and frozen.hardware.resolved_from == "auto"
+    expected = "cpu" if hardware.visible_gpus() == 0 else "gpu-profile"
+    got = frozen.hardware.name if frozen.hardware.name == "cpu" else "gpu-profile"
+    assert (got, frozen.hardware.resolved_from) == (expected, "auto")
 
 
 def test_auto_picks_a_known_gpu_profile(monkeypatch):
@@ -191,6 +199,8 @@ def test_auto_never_picks_bf16_without_it(name, cc):
     assert "hardware=gpu" in over  # not a bf16 profile, even under a known profile's name
     assert "hardware.bf16_supported=false" in over and "hardware.precision=16-mixed" in over
     assert not any(o.startswith("hardware.peak_tflops") for o in over)  # cc disagrees: no row
+    hw = resolve(over).hardware  # and the config it resolves to trains in fp16, validated
+    assert (hw.name, hw.precision, hw.bf16_supported, hw.devices) == ("gpu", "16-mixed", False, 4)
 
 
 def test_auto_strategy_single_uses_one_device(monkeypatch):
@@ -256,14 +266,11 @@ def test_probe_writes_a_profile_plan_accepts(tmp_path):
     shutil.copytree(ROOT / "conf", conf)
     env = {"LOOM_CONF_DIR": str(conf)}
     out = conf / "hardware" / "probe_test.yaml"
-    t0 = time.perf_counter()
     p = subprocess.run([*LOOM, "probe", "--out", str(out), "--repeats", "3", "--allreduce-mb", "8"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env={**os.environ, **env})
-    took = time.perf_counter() - t0
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, **env})
     assert p.returncode == 0, p.stderr
-    assert took < 30, took
     prof = OmegaConf.load(out)
-    assert prof.name == "probe_test" and prof.accelerator in ("cpu", "gpu")
+    assert prof.name == "probe_test" and prof.accelerator == ("gpu" if hardware.visible_gpus() else "cpu")
     m = prof.measured
     assert m.matmul_tflops > 0 and m.allreduce_busbw_gbps > 0
     if prof.accelerator == "cpu":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,13 @@ def _cfg_job(loom, *overrides: str) -> OmegaConf:
 
 @launching_fixture(scope="module")
 def exact_dir_run(tmp_path_factory):
-    """One tiny run whose run dir is given by hydra.run.dir, with debug logs for `loom`."""
+    """One tiny run whose run dir is given by hydra.run.dir, with debug logs for `loom` and
+    tracking=none; run again with the `run.dir` alias (the same run: already completed)."""
     root = tmp_path_factory.mktemp("hydra_run")
     target = root / "somewhere" / "my-run"
-    args = ("train", *TINY, f"hydra.run.dir={target}", "hydra.verbose=loom", "trainer.gc_every_n_steps=1")
-    first = run_loom(*args, root=root)
-    again = run_loom(*args, root=root)
+    args = ("train", *TINY, "tracking=none", "hydra.verbose=loom", "trainer.gc_every_n_steps=1")
+    first = run_loom(*args, f"hydra.run.dir={target}", root=root)
+    again = run_loom(*args, f"run.dir={target}", root=root)
     return root, target, first, again
 
 
@@ -42,8 +42,18 @@ def test_hydra_run_dir_is_the_run_dir(exact_dir_run):
     assert (target / "config.yaml").exists() and first.summary()["status"] == "completed"
     assert OmegaConf.load(target / "config.yaml").run.dir == str(target)
     assert not (root / "gpt").exists(), "nothing under run.root/<experiment>/"
-    # the same command finds the same dir again
+    # run.dir=DIR is the same option (README: "same as run.dir=DIR"): it finds the same run again
     assert again.rc == 0 and "already completed" in again.out and str(target.resolve()) in again.out
+
+
+def test_tracking_none_logs_no_step_but_writes_the_summary(exact_dir_run):
+    """README: `tracking=none`: no metrics.csv, no wandb run; summary.json and the console still
+    have the run's losses."""
+    _, target, first, _ = exact_dir_run
+    assert not (target / "metrics.csv").exists() and not (target / "wandb").exists()
+    s = first.summary()
+    assert s["status"] == "completed" and s["global_step"] == 2 and s["final_loss"] > 0
+    assert f"step 2/2  loss {s['final_loss']:.4f}" in first.out
 
 
 def test_hydra_verbose_turns_on_debug_logs(exact_dir_run):
@@ -88,9 +98,8 @@ def test_removing_an_optional_key_nulls_it(loom):
 
 
 def test_help_lists_groups_and_options(loom, tmp_path):
-    t0 = time.monotonic()
-    r = loom("train", "--help")
-    assert r.rc == 0 and time.monotonic() - t0 < 3.0, r.err
+    r = loom("train", "--help")  # torch-free: tests/test_config.py; its speed: scripts/bench/cli_latency.py
+    assert r.rc == 0, r.err
     assert "== Configuration groups ==" in r.out and "--dry-run" in r.out and "--cfg" in r.out
     conf = Path(__file__).resolve().parents[1] / "conf"
     lines = {ln.split(":")[0]: ln for ln in r.out.splitlines() if ":" in ln}

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAST, run_loom
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
-from tests_helpers import helpers_env, make_hf_config, make_tokenizer, write_json_corpus
+from tests_helpers import cache_hub_dataset, helpers_env, make_hf_config, make_tokenizer, write_json_corpus
 
 from loom.errors import ConfigError
 from loom.models import model_spec
@@ -124,17 +125,26 @@ def test_custom_target_validation_does_not_import_torch_for_loom(tmp_path):
 
 
 @pytest.mark.launch
-def test_hf_dataset_with_a_local_tokenizer_trains_an_hf_causal_lm(tmp_path, hf_assets):
+def test_finetune_hf_recipe_trains_an_hf_causal_lm_on_a_hub_dataset_from_the_local_cache(tmp_path, hf_assets):
+    """The finetune-hf recipe (gpt2 + wikitext from the hub) on local stand-ins: a tiny GPT-2
+    config and tokenizer, and README's `dataset.hub=<id>` read from the local HF cache (offline),
+    a cache entry the `datasets` library built from hf_assets' corpus. Tests never reach the network."""
     cache = tmp_path / "cache"
-    r = run_loom("train", *BASE, "dataset=hf", f"dataset.path={hf_assets['data']}", "dataset.text_column=content",
+    hub = cache_hub_dataset(tmp_path / "hf_home", "loom-tests/tiny-docs", hf_assets["data"])
+    r = run_loom("train", "recipe=finetune-hf", *BASE, f"dataset.hub={hub}", "dataset.config=null",
+                 "dataset.text_column=content",
                  f"dataset.tokenizer={hf_assets['tok']}", "dataset.seq_len=32", "dataset.batch_size=4",
-                 f"dataset.cache_dir={cache}", "model=hf_causal_lm", f"model.config={hf_assets['config']}",
+                 f"dataset.cache_dir={cache}", f"model.config={hf_assets['config']}",
                  "trainer.max_steps=4", root=tmp_path, env=helpers_env(tmp_path))
     assert r.rc == 0, r.out + r.err
     s = r.summary()
     assert s["status"] == "completed" and s["tokens"] == 4 * 2 * 4 * 32
     assert s["throughput"]["tflops_per_device"] > 0
     assert [p.suffix for p in sorted(cache.glob("hf-*.train.*"))] == [".u16"]  # tokenizer vocab: 16-bit ids
+    frozen = OmegaConf.load(r.run_dir / "config.yaml")
+    assert (frozen.experiment, frozen.model.name, frozen.strategy.name, frozen.optim.lr) == (
+        "finetune-hf", "hf_causal_lm", "ddp", 1e-4)  # the recipe's, with its model and data swapped
+    assert (frozen.dataset.hub, frozen.dataset.path) == (hub, None)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_assets["config"])))
@@ -177,8 +187,6 @@ def test_custom_nn_module_with_a_loss_trains_on_synthetic_tokens(tmp_path):
 def test_gpt_125m_trains_for_real(loom):
     """The largest GPT this 24 GiB machine can train (87M params; gpt_1b/gpt_7b states alone need
     19 / 103 GB in fp32 Adam, so those two are checked on the meta device above)."""
-    from omegaconf import OmegaConf
-
     from loom.models.spec import gpt_spec
 
     r = loom("train", "model=gpt_125m", "strategy=single", *FAST, "dataset.batch_size=1", "dataset.seq_len=32",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import LOOM, ROOT
+from conftest import LOOM, ROOT, refused
 from omegaconf import OmegaConf
 
 from loom.compose import group_options
@@ -138,29 +137,60 @@ def test_fsdp_tp_world_split():
     assert plan.memory_per_device_bytes["params"] == pytest.approx(4 * ((plan.params - rep) / 8 + rep / 4))
 
 
+# Device bytes per parameter of (params, grads, optimizer) each data-parallel strategy keeps,
+# as fractions of the unsharded bytes over n = the data-parallel degree (ZeRO paper, sec. 5);
+# zero3_offload keeps its optimizer states on the host.
+SHARDED = {"single": (1, 1, 1), "ddp": (1, 1, 1), "auto": (1, 1, 1), "zero1": (1, 1, "n"),
+           "zero2": (1, "n", "n"), "zero3": ("n", "n", "n"), "fsdp": ("n", "n", "n"), "nd": ("n", "n", "n"),
+           "zero3_offload": ("n", "n", 0)}
+HARDWARE = {"cpu": [], "h100x8": [], "multinode": ["hardware.rdzv_endpoint=node0:29500"]}
+
+
+def _plan(strategy: str, hardware: str) -> tuple:
+    extra = ["model.n_layer=16"] if strategy == "pp" else []  # every rank a pipeline stage
+    cfg = _cfg(f"hardware={hardware}", f"strategy={strategy}", *HARDWARE[hardware], *extra)
+    return cfg, make_plan(cfg)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("hardware", ["cpu", "h100x8", "multinode"])
-def test_every_strategy_plans(strategy, hardware):
+@pytest.mark.parametrize("hardware", list(HARDWARE))
+def test_every_strategy_plans_the_hand_computed_bytes(strategy, hardware):
     if strategy == "single" and hardware == "multinode":
         pytest.skip("strategy=single is one process")
-    extra = ["hardware.rdzv_endpoint=node0:29500"] if hardware == "multinode" else []
-    if strategy == "pp":  # every rank a pipeline stage: as many blocks as ranks
-        extra.append("model.n_layer=16")
-    cfg = _cfg(f"hardware={hardware}", f"strategy={strategy}", *extra)
-    plan = make_plan(cfg)
-    assert plan.memory_per_device_bytes["total"] > 0
+    cfg, plan = _plan(strategy, hardware)
+    mem, psi, n = plan.memory_per_device_bytes, plan.params, plan.data_parallel
     assert plan.world_size == cfg.hardware.devices * cfg.hardware.num_nodes
-    assert plan.comm_bytes_per_step_per_device >= 0
+    assert mem["states"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"])
+    assert mem["total"] == pytest.approx(mem["states"] + mem["activations"] + mem["runtime"])
+    if strategy not in SHARDED:  # pp, fsdp_tp: their own layouts (tests above and test_plan_compare)
+        assert mem["total"] > mem["states"] > 0 and plan.comm_bytes_per_step_per_device > 0
+        return
+    full = [b * psi for b in per_param_bytes(strategy, cfg.hardware.precision)]
+    layout = layout_of(cfg)
+    shards = layout.dp_shard if layout.hybrid else n  # HSDP (fsdp over nodes): shard within a node
+    want = [f * (1 / shards if share == "n" else share) for f, share in zip(full, SHARDED[strategy], strict=True)]
+    assert [mem["params"], mem["grads"], mem["optimizer"]] == pytest.approx(want)
+    assert mem["host_offload"] == pytest.approx(full[2] / shards if strategy == "zero3_offload" else 0)
+    if strategy in ("ddp", "auto") and n > 1:  # ring all-reduce of the gradients
+        assert plan.comm_bytes_per_step_per_device == pytest.approx(2 * (n - 1) / n * full[1])
+
+
+@pytest.mark.parametrize("hardware", list(HARDWARE))
+def test_sharding_orders_the_device_memory(hardware):
+    """More sharding, strictly fewer state bytes on a device (n > 1 everywhere here)."""
+    states = {s: _plan(s, hardware)[1].memory_per_device_bytes["states"]
+              for s in ("ddp", "zero1", "zero2", "zero3", "zero3_offload")}
+    assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"] > states["zero3_offload"] > 0
 
 
 def test_suggestion_is_the_cheapest_existing_strategy_that_fits():
     cfg = _cfg("hardware=h100x8", "model=gpt_7b", "strategy=ddp")
     plan = make_plan(cfg)
     assert not plan.fits
-    assert plan.suggestion in STRATEGIES
     ordered = [s for s in CHEAPEST_FIRST if s in STRATEGIES and s != "ddp"]
-    assert plan.suggestion == ordered[0] or make_plan(_cfg("hardware=h100x8", "model=gpt_7b",
-                                                               f"strategy={ordered[0]}")).fits is False
+    fitting = [s for s in ordered if make_plan(_cfg("hardware=h100x8", "model=gpt_7b", f"strategy={s}")).fits]
+    assert fitting and plan.suggestion == fitting[0]
+    assert fitting[0] == "zero1"  # 6.5B x (2 + 2 + 12/8) bytes = 36 GB per device: fits in 72 GB
 
 
 # ------------------------------------------------------------------ peak and MFU
@@ -206,15 +236,12 @@ def test_recorder_mfu_math_matches():
 
 
 def _cli(*args: str, cwd=None):
-    t0 = time.perf_counter()
-    p = subprocess.run([*LOOM, *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=60)
-    return p, time.perf_counter() - t0
+    return subprocess.run([*LOOM, *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=120)
 
 
 def test_cli_plan_ddp_7b_on_h100x8_is_infeasible_and_names_a_fit(tmp_path):
-    p, dt = _cli("plan", "model=gpt_7b", "strategy=ddp", "hardware=h100x8", f"run.root={tmp_path}")
+    p = _cli("plan", "model=gpt_7b", "strategy=ddp", "hardware=h100x8", f"run.root={tmp_path}")
     assert p.returncode == 3, p.stderr
-    assert dt < 1.5, f"loom plan took {dt:.2f} s"
     assert "does not fit" in p.stdout
     fit = make_plan(_cfg("model=gpt_7b", "strategy=ddp", "hardware=h100x8")).suggestion
     assert fit and f"strategy={fit} would fit" in p.stderr
@@ -222,14 +249,14 @@ def test_cli_plan_ddp_7b_on_h100x8_is_infeasible_and_names_a_fit(tmp_path):
 
 
 def test_cli_plan_zero3_7b_fits(tmp_path):
-    p, _ = _cli("plan", "model=gpt_7b", "strategy=zero3", "hardware=h100x8", "--json", str(tmp_path / "p.json"))
+    p = _cli("plan", "model=gpt_7b", "strategy=zero3", "hardware=h100x8", "--json", str(tmp_path / "p.json"))
     assert p.returncode == 0, p.stderr
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["fits"] and plan["peak_flops_per_device"] == pytest.approx(989.4e12)
 
 
 def test_cli_plan_on_cpu_has_null_peak_and_one_line_warning(tmp_path):
-    p, _ = _cli("plan", "hardware=cpu", "--json", str(tmp_path / "p.json"))
+    p = _cli("plan", "hardware=cpu", "--json", str(tmp_path / "p.json"))
     assert p.returncode == 0
     plan = json.loads((tmp_path / "p.json").read_text())
     assert "peak_flops_per_device" in plan and plan["peak_flops_per_device"] is None
@@ -322,15 +349,14 @@ def test_own_strategy_suggestion_names_activation_checkpointing():
 
 
 def test_cli_plan_70b_shaped_names_checkpointing_or_sharding(tmp_path):
-    p, _ = _cli("plan", "model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64",
+    p = _cli("plan", "model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64",
                 "hardware=h100x8", "--json", str(tmp_path / "p.json"))
     assert p.returncode == 3, p.stderr
     plan = json.loads((tmp_path / "p.json").read_text()) if (tmp_path / "p.json").exists() else None
     cfg = _cfg("model=gpt_7b", "model.n_layer=80", "model.d_model=8192", "model.n_head=64", "hardware=h100x8")
     fix = make_plan(cfg)
     assert fix.suggestion_overrides, "no fix named"
-    assert any(o.startswith("trainer.activation_checkpointing=") for o in fix.suggestion_overrides) or \
-        fix.suggestion in ("zero1", "zero2", "fsdp", "zero3", "zero3_offload")
+    assert fix.suggestion_overrides == ["strategy=zero3_offload", "trainer.activation_checkpointing=selective"]
     assert f"{' '.join(fix.suggestion_overrides)} would fit" in p.stderr
     assert plan is None or plan["suggestion_overrides"] == fix.suggestion_overrides
     # and it does: the suggested overrides make the plan fit
@@ -338,20 +364,17 @@ def test_cli_plan_70b_shaped_names_checkpointing_or_sharding(tmp_path):
                           "hardware=h100x8", *fix.suggestion_overrides)).fits
 
 
-def test_bad_activation_checkpointing_mode_fails_fast(tmp_path):
-    p, dt = _cli("train", "hardware=cpu", "trainer.activation_checkpointing=sometimes", f"run.root={tmp_path}")
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert dt < 3.0, dt
-    assert "trainer.activation_checkpointing='sometimes'" in p.stderr
-    assert all(c in p.stderr for c in ("none", "selective", "full"))
-    assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())
+def test_bad_activation_checkpointing_mode_is_refused(tmp_path):
+    err = refused(tmp_path, "hardware=cpu", "trainer.activation_checkpointing=sometimes")
+    assert "trainer.activation_checkpointing='sometimes'" in err
+    assert all(c in err for c in ("none", "selective", "full"))
 
 
 # ------------------------------------------------------------------ host memory of the build
 
 
 def test_cli_plan_shows_build_host_memory(tmp_path):
-    p, _ = _cli("plan", "model=gpt_7b", "strategy=fsdp", "hardware=h100x8", "--json", str(tmp_path / "p.json"))
+    p = _cli("plan", "model=gpt_7b", "strategy=fsdp", "hardware=h100x8", "--json", str(tmp_path / "p.json"))
     assert p.returncode == 0, p.stderr
     assert "build host" in p.stdout and "GB per rank" in p.stdout
     plan = json.loads((tmp_path / "p.json").read_text())
@@ -369,7 +392,7 @@ def test_build_host_on_cpu_is_the_parameter_shard():
 
 
 def test_cli_plan_host_too_small_for_the_build_exits_3(tmp_path):
-    p, _ = _cli("plan", "hardware=cpu", "hardware.host_memory_gb=0.5", "model=gpt_1b", f"run.root={tmp_path}")
+    p = _cli("plan", "hardware=cpu", "hardware.host_memory_gb=0.5", "model=gpt_1b", f"run.root={tmp_path}")
     assert p.returncode == 3, p.stderr
     assert "building the model needs" in p.stderr and "hardware.host_memory_gb" in p.stderr
     # GPU: the devices fit, eight ranks' runtimes do not fit a 16 GB host

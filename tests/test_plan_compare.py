@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import FAST, LOOM, run_loom
@@ -22,22 +20,15 @@ def h100_7b():
     return compare(compose(["model=gpt_7b", "hardware=h100x8"]))
 
 
-def test_compare_7b_h100x8_is_fast_and_torch_free(tmp_path):
-    code = ("import sys, time; t = time.perf_counter(); from loom.cli import main; "
+def test_compare_7b_h100x8_is_torch_free(tmp_path):
+    """What it imports, not how long it takes (that is scripts/bench/cli_latency.py)."""
+    code = ("import sys; from loom.cli import main; "
             f"rc = main(['plan', '--compare', '--json', {str(tmp_path / 'c.json')!r}, 'model=gpt_7b', "
-            "'hardware=h100x8']); dt = time.perf_counter() - t; assert rc == 0, rc; "
+            "'hardware=h100x8']); assert rc == 0, rc; "
             "bad = [m for m in ('torch', 'pytorch_lightning', 'lightning', 'deepspeed') if m in sys.modules]; "
-            "assert not bad, bad; print('clean', dt)")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            "assert not bad, bad; print('clean')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "clean" in p.stdout, p.stderr
-    # The command's own CPU time (interpreter start included): other work on the machine only
-    # adds wall time, which the message reports beside it.
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert cpu < 1.5, f"loom plan --compare took {cpu:.2f} s of CPU ({wall:.2f} s wall)"
     rows = json.loads((tmp_path / "c.json").read_text())
     assert len(rows) > 10 and {"ddp", "fsdp", "fsdp_tp", "zero3", "pp", "nd"} <= {r["strategy"] for r in rows}
 

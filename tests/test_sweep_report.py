@@ -1,16 +1,20 @@
-"""Sweeps that name the winner, and validation shown: one 1-process lr sweep, one classifier run
-(resumed once) and a text corpus too small for a validation split serve every check here."""
+"""Sweeps that name the winner, and validation shown: one 1-process lr sweep (killed once after
+its first trial and resumed: the sweep's resume checks), one classifier run (resumed once) and a
+text corpus too small for a validation split serve every check here."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, killed_copy, launching_fixture, refused, run_loom
+from conftest import FAST, killed_copy, launching_fixture, refused, run_loom, start_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = 3
@@ -19,16 +23,61 @@ DIGITS = ("train", "dataset=digits", "model=mlp", "strategy=single", "tracking=c
           "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2")
 
 
+def _manifest(root: Path) -> dict:
+    (path,) = root.glob("gpt/sweeps/*/manifest.json")
+    return json.loads(path.read_text())
+
+
+def _kill_after_trial_0(root: Path) -> dict:
+    """Start the sweep; once trial 0 is completed (trial 1 then starting or running), SIGKILL the
+    whole process group. Returns the manifest the kill left."""
+    proc = start_loom(*SWEEP, root=root, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while True:
+        manifests = list(root.glob("gpt/sweeps/*/manifest.json"))
+        if manifests and json.loads(manifests[0].read_text())["trials"][0]["state"] == "completed":
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "trial 0 never completed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    return _manifest(root)
+
+
 @launching_fixture(scope="module")
 def sweep(tmp_path_factory) -> SimpleNamespace:
+    """The lr sweep, SIGKILLed after trial 0 and resumed by the same command (which trains trial
+    1 only), then run a third time (which trains nothing)."""
     root = tmp_path_factory.mktemp("lr_sweep")
-    r = run_loom(*SWEEP, root=root, timeout=300)
+    killed = _kill_after_trial_0(root)
+    r = run_loom(*SWEEP, root=root, timeout=400)
     assert r.rc == 0, r.out + r.err
+    third = run_loom(*SWEEP, root=root, timeout=200)
     (manifest_path,) = root.glob("gpt/sweeps/*/manifest.json")
     manifest = json.loads(manifest_path.read_text())
     summaries = {float(t["params"]["optim.lr"]): json.loads((Path(t["run_dir"]) / "summary.json").read_text())
                  for t in manifest["trials"]}
-    return SimpleNamespace(r=r, root=root, dir=manifest_path.parent, manifest=manifest, summaries=summaries)
+    return SimpleNamespace(r=r, root=root, dir=manifest_path.parent, manifest=manifest, summaries=summaries,
+                           killed=killed, third=third)
+
+
+def test_sweep_resumes_after_a_kill_and_reruns_nothing(sweep):
+    assert sweep.killed["trials"][0]["state"] == "completed"
+    assert [t["state"] for t in sweep.killed["trials"][1:]] in ([], ["pending"], ["running"])
+    assert "trial 0 already completed" in sweep.r.out
+    m = sweep.manifest
+    assert [t["state"] for t in m["trials"]] == ["completed", "completed"]
+    assert [t["overrides"][-1] for t in m["trials"]] == ["optim.lr=0.0001", "optim.lr=0.01"]
+    run_dirs = sorted(p for p in Path(m["trials"][0]["run_dir"]).parent.iterdir() if (p / "config.yaml").exists())
+    assert len(run_dirs) == 2  # exactly one run dir per trial
+    for t in m["trials"]:
+        s = json.loads((Path(t["run_dir"]) / "summary.json").read_text())
+        assert s["status"] == "completed" and s["world_size"] == 1 and s["strategy"] == "single"
+    assert "tokens/s" in sweep.r.out  # the report table
+    assert (run_dirs[0].parent / "report.md").exists()
+    assert sweep.third.rc == 0 and sweep.third.out.count("already completed") == 2
+    assert "Starting run" not in sweep.third.out and "Resuming run" not in sweep.third.out
 
 
 def _table_header(out: str) -> list[str]:
@@ -55,9 +104,11 @@ def test_sweep_table_has_the_lr_column_losses_and_the_best_trial(sweep):
 
 
 def test_each_log_line_is_printed_once_in_a_one_process_sweep(sweep):
+    """The resumed sweep trained trial 1 only (the optuna sweep of tests/test_sweep.py checks
+    the lines of several trials in one process)."""
     out = sweep.r.out
-    assert out.count("training loop started at step 0") == 2  # once per trial, not once per trial so far
-    assert len(re.findall(r"^dataset tinycode: ", out, re.M)) == 2
+    assert out.count("training loop started at step 0") == 1
+    assert len(re.findall(r"^dataset tinycode: ", out, re.M)) == 1
     lines = out.splitlines()
     assert not [a for a, b in zip(lines, lines[1:], strict=False) if a == b and a.startswith("step ")]
 
@@ -96,7 +147,7 @@ def test_report_says_why_a_run_failed(sweep, tmp_path):
 
 
 def test_validation_is_logged_at_the_last_step_and_in_the_summary(sweep):
-    (t, *_) = sweep.manifest["trials"]
+    t = sweep.manifest["trials"][-1]  # the trial the resumed sweep trained (its lines are in r.out)
     run_dir = Path(t["run_dir"])
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["validation"]["step"] == s["global_step"] == STEPS

@@ -1,9 +1,11 @@
-"""Tracking that tells the truth: throughput against an independent stopwatch, MFU, one wandb
+"""Tracking that tells the truth: throughput bracketed by an independent stopwatch, MFU, one wandb
 run per Loom run (also across a resume), no secrets in the run dir, reports and plots.
 
-Real trainings are slow on 2 cores, so a few module-scoped runs serve many checks:
-  ddp_run      2 ranks, tracking=offline (wandb offline + CSV), secrets in the environment
-  single_run   1 process, CSV only; with ddp_run it forms a 2-run "sweep" dir
+Real trainings are slow on 2 cores, so shared runs serve many checks:
+  ddp_run      the default 2-rank job, tracking=offline (wandb offline + CSV), secrets in the
+               environment: DDP_ARGS, shared with tests/test_e2e.py (one launch for both)
+  single_run   the parity suite's `single` reference (tests/conftest.py); with ddp_run it forms
+               a 2-run "sweep" dir for the report
   resumed_run  a copy of ddp_run marked as killed, then resumed by the same command
 """
 
@@ -14,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,10 +28,9 @@ SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TO
 STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last step: see the stopwatch
 MICRO_BATCH, SEQ_LEN = 16, 128
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
-DDP_ARGS = ("train", *BASE, "tracking=offline", f"trainer.max_steps={STEPS}",
-            f"checkpoint.every_n_steps={CKPT_EVERY}", "trainer.limit_val_batches=2")
-SINGLE_ARGS = ("train", *BASE, "tracking=csv", "strategy=single", "hardware.devices=1",
-               "trainer.max_steps=3", "checkpoint.every_n_steps=0", "trainer.limit_val_batches=1")
+# The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step.
+DDP_ARGS = (*BASE, "tracking=offline", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={CKPT_EVERY}",
+            "trainer.limit_val_batches=2")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -42,28 +42,19 @@ def root(tmp_path_factory) -> Path:
 
 
 @launching_fixture(scope="module")
-def ddp_run(root):
-    r = run_loom(*DDP_ARGS, root=root, env=SENTINELS)
+def ddp_run(shared):
+    r = shared.get(*DDP_ARGS, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     plots = sorted(p.name for p in (r.run_dir / "plots").glob("*.png")) if (r.run_dir / "plots").is_dir() else []
-    return SimpleNamespace(result=r, run_dir=r.run_dir, plots_after_train=plots)
-
-
-@launching_fixture(scope="module")
-def single_run(root, ddp_run):
-    r = run_loom(*SINGLE_ARGS, root=root)
-    assert r.rc == 0, r.out + r.err
-    assert r.run_dir.parent == ddp_run.run_dir.parent  # both in <root>/gpt/: a sweep-like dir
-    return r
+    return SimpleNamespace(result=r, run_dir=r.run_dir, root=r.run_dir.parents[1], plots_after_train=plots)
 
 
 @launching_fixture(scope="module")
 def resumed_run(root, ddp_run):
     """ddp_run's dir, copied to another root and marked the way a killed run is left
     (status failed: the launcher writes that), resumed by the same command."""
-    root2 = root.parent / (root.name + "-resume")
-    copy = killed_copy(ddp_run.run_dir, root, root2)
-    r = run_loom(*DDP_ARGS, root=root2, env=SENTINELS)
+    copy = killed_copy(ddp_run.run_dir, ddp_run.root, root)
+    r = run_loom("train", *DDP_ARGS, root=root, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     assert r.run_dir == copy
     return r
@@ -88,6 +79,8 @@ def _log_times(run_dir: Path) -> dict[str, float]:
             times["last_step"] = t
         elif msg.startswith("training loop ended"):
             times["end"] = t
+            loop, val = re.search(r": ([\d.]+) s training, ([\d.]+) s validation", msg).groups()
+            times["loop_s"], times["val_s"] = float(loop), float(val)
     return times
 
 
@@ -120,15 +113,19 @@ def _assert_png(path: Path) -> None:
 # ----------------------------------------------------------------------------- throughput
 
 
-def test_tokens_per_sec_matches_an_independent_stopwatch(ddp_run):
-    """The independent measure: the wall-clock timestamps Python's logging puts on rank 0's
-    "training loop started" line (on_train_start) and on the last step's line. They bracket
-    exactly the training steps of this attempt: the end-of-run validation comes after the last
-    step's line (and is excluded from train_time_s, as in Lightning's ThroughputMonitor), and
-    STEPS is not a checkpoint step, so nothing but the last step's tail is outside the bracket.
-    A different clock (time.time vs perf_counter) and different code (the log record, not the
-    recorder's accumulators) measure the same interval, so a miscounted denominator (start-up,
-    validation, a previous attempt) shows up as a mismatch."""
+def test_tokens_per_sec_is_over_this_attempts_training_loop(ddp_run):
+    """train_time_s, the denominator of every rate, must be the training loop's time: no start-up
+    before it, no validation in it, every step in it. Checked by ordering against two independent
+    records, never by a ratio of clocks (which a loaded machine skews):
+    - a lower bound: each logged row's step_time_ms_min is at most rank 0's own window, and rank 0's
+      windows tile the loop up to the last step's log, so their sum cannot exceed train_time_s (a
+      denominator that drops steps, or subtracts validation twice, falls below it);
+    - an upper bound: the timestamps Python's logging puts on rank 0's "training loop started" and
+      "training loop ended" lines (another clock, other code) bracket the loop, so train_time_s
+      cannot exceed their difference (one that counts start-up, or the whole process, exceeds it;
+      the 50 ms margin covers the 1 ms log resolution and the microseconds between the clock read
+      and the log record);
+    - the "ended" line's own figures: train_time_s is its training time, validation is beside it."""
     s = ddp_run.result.summary()
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == STEPS
     tokens = _tokens_this_attempt(s)
@@ -137,19 +134,17 @@ def test_tokens_per_sec_matches_an_independent_stopwatch(ddp_run):
     # the summary's rate is tokens / train_time_s (train_time_s is rounded to 1 ms)
     assert tps * train_time == pytest.approx(tokens, rel=0.005)
 
+    rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # log_every_n_steps=1
+    assert sum(float(r["perf/step_time_ms_min"]) for r in rows) / 1000 <= train_time + 0.001
+
     t = _log_times(ddp_run.run_dir)
     assert {"start", "last_step", "end"} <= set(t), t
-    stopwatch = t["last_step"] - t["start"]
-    assert train_time == pytest.approx(stopwatch, rel=0.05), (train_time, stopwatch)
-    assert tps == pytest.approx(tokens / stopwatch, rel=0.05)
-    # validation ran after the last step and is not counted as training time
-    assert train_time <= t["end"] - t["start"] + 0.01
-    assert s["wall_time_s"] > train_time
-
-    # the per-step rows add up to the same loop time (log_every_n_steps=1: one row per step)
-    rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
-    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
-    assert sum(float(r["perf/step_time_ms"]) for r in rows) / 1000 == pytest.approx(stopwatch, rel=0.05)
+    assert t["start"] <= t["last_step"] <= t["end"]
+    assert train_time <= t["end"] - t["start"] + 0.05, (train_time, t)
+    loop, val = t["loop_s"], t["val_s"]
+    assert train_time == pytest.approx(loop, abs=0.0015) and val > 0  # end-of-run validation, not counted
+    assert s["wall_time_s"] > train_time + val
 
 
 def _recorder(peak: float | None, world: int = 2):
@@ -194,13 +189,13 @@ def test_ddp_run_measures_every_metric(ddp_run):
 # ----------------------------------------------------------------------------- wandb
 
 
-def test_one_wandb_run_per_loom_run_with_two_ranks(ddp_run, root):
+def test_one_wandb_run_per_loom_run_with_two_ranks(ddp_run):
     run = ddp_run.run_dir
     runs = sorted((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     assert runs[0].name.endswith(f"-{run.name}")  # the wandb run id is the Loom run id
     assert (runs[0] / f"run-{run.name}.wandb").is_file()
-    assert not (root / "wandb").exists()  # nothing in the working directory
+    assert not (ddp_run.root / "wandb").exists()  # nothing in the working directory
     assert "wandb" not in (run / "logs" / "rank-1.log").read_text().lower()
 
 
@@ -234,14 +229,12 @@ def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):
 def test_tracking_wandb_without_a_key_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "NETRC")}
     env.update(HOME=str(tmp_path), WANDB_MODE="offline", WANDB_SILENT="true")
-    t0 = time.perf_counter()
     p = subprocess.run([*LOOM, "train", *BASE, "tracking=wandb", "strategy=single", "trainer.max_steps=1", f"run.root={tmp_path / 'runs'}"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "WANDB_API_KEY" in p.stderr and "tracking=offline" in p.stderr
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "runs").exists()
-    assert time.perf_counter() - t0 < 30
 
 
 def test_tracking_checks_finds_a_netrc_key(tmp_path, monkeypatch):
@@ -340,6 +333,18 @@ def test_wandb_settings_record_no_metadata():
     assert s.x_disable_meta and s.disable_git and not s.save_code and s.x_disable_machine_info
 
 
+@pytest.mark.parametrize(("choice", "loggers"), [("none", []), ("csv", ["RunCSVLogger"])])
+def test_the_loggers_each_tracking_choice_gives_the_trainer(tmp_path, choice, loggers):
+    """README: `tracking=none` logs no step anywhere, `tracking=csv` only metrics.csv (what the
+    worker hands Lightning; tracking=none's run is test_hydra_cli's exact-dir run)."""
+    from loom.pipeline import resolve
+    from loom.tracking.loggers import build_loggers
+
+    cfg = resolve([f"tracking={choice}", "hardware=cpu"])
+    assert [type(lg).__name__ for lg in build_loggers(cfg, tmp_path, "x")] == loggers
+    assert not (tmp_path / "wandb").exists()
+
+
 # ----------------------------------------------------------------------------- secrets
 
 
@@ -390,8 +395,8 @@ def test_write_plots_makes_valid_pngs(ddp_run, tmp_path):
     assert write_plots(tmp_path / "no-metrics") == []
 
 
-def test_report_for_one_run(ddp_run, root):
-    r = run_loom("report", str(ddp_run.run_dir), root=root)
+def test_report_for_one_run(ddp_run):
+    r = run_loom("report", str(ddp_run.run_dir), root=ddp_run.root)
     assert r.rc == 0, r.out + r.err
     md = (ddp_run.run_dir / "report.md").read_text()
     assert f"report: {ddp_run.run_dir / 'report.md'}" in r.out
@@ -403,9 +408,11 @@ def test_report_for_one_run(ddp_run, root):
         _assert_png(ddp_run.run_dir / "plots" / f"{name}.png")
 
 
-def test_report_for_a_sweep_dir(ddp_run, single_run, root):
-    sweep = ddp_run.run_dir.parent
-    r = run_loom("report", str(sweep), root=root)
+def test_report_for_a_sweep_dir(ddp_run, single_run, tmp_path):
+    sweep = tmp_path / "gpt"  # both runs side by side, as a sweep's trials are
+    for run in (ddp_run.run_dir, single_run.run_dir):
+        shutil.copytree(run, sweep / run.name, symlinks=True)
+    r = run_loom("report", str(sweep), root=tmp_path)
     assert r.rc == 0, r.out + r.err
     md = (sweep / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| ")]

@@ -101,3 +101,24 @@ def make_hf_config(dest: Path, vocab_size: int, n_positions: int = 64) -> Path:
     GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
                bos_token_id=1, eos_token_id=1).save_pretrained(str(dest))
     return dest
+
+
+def cache_hub_dataset(hf_home: Path, repo: str, corpus: Path) -> str:
+    """`repo` (owner/name) as the `datasets` library's own cache under `hf_home` holds a hub
+    dataset it has downloaded once: built from the local JSON lines `corpus` by the library, then
+    placed where an offline `load_dataset(repo)` looks (<HF_HOME>/datasets/<owner>___<name>/
+    default/0.0.0/<hash>/ with <name>-train.arrow). No network. Returns `repo`."""
+    import shutil
+
+    import datasets
+
+    built_ds = datasets.load_dataset("json", data_files=[str(corpus)], split="train", cache_dir=str(hf_home / "build"))
+    built = Path(built_ds.cache_files[0]["filename"]).parent
+    owner, name = repo.split("/")
+    dest = hf_home / "datasets" / f"{owner}___{name}" / "default" / "0.0.0" / built.name
+    dest.mkdir(parents=True)
+    info = json.loads((built / "dataset_info.json").read_text())
+    (dest / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default", "dataset_name": name}))
+    shutil.copy(built / "json-train.arrow", dest / f"{name}-train.arrow")
+    shutil.rmtree(hf_home / "build")
+    return repo
