@@ -52,8 +52,9 @@ def ddp_run(shared):
 @launching_fixture(scope="module")
 def resumed_run(root, ddp_run):
     """ddp_run's dir, copied to another root and marked the way a killed run is left
-    (status failed: the launcher writes that), resumed by the same command."""
-    copy = killed_copy(ddp_run.run_dir, ddp_run.root, root)
+    (status failed: the launcher writes that; no first_loss or validation: the launcher's failure
+    summary has none), resumed by the same command."""
+    copy = killed_copy(ddp_run.run_dir, ddp_run.root, root, first_loss=None, validation=None)
     r = run_loom("train", *DDP_ARGS, root=root, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
     assert r.run_dir == copy
@@ -214,6 +215,16 @@ def test_resume_continues_the_same_wandb_run(resumed_run, ddp_run):
         2 * 2 * MICRO_BATCH * SEQ_LEN, rel=0.005)
     steps = [int(r["step"]) for r in resumed_run.metrics() if r.get("train/loss")]
     assert steps == list(range(1, STEPS + 1))  # history kept, redone steps not duplicated
+
+
+def test_first_loss_on_resume_is_the_runs_not_the_resumed_parts(resumed_run, ddp_run):
+    """The resumed attempt trains steps 11-12 only: the summary's first loss is still step 1's
+    (from metrics.csv, which the resume keeps), and the validation is the resumed run's last step's."""
+    s = resumed_run.summary()
+    assert s["resumed_from_step"] == 10
+    assert s["first_loss"] == pytest.approx(ddp_run.result.losses()[1])
+    assert s["first_loss"] == pytest.approx(ddp_run.result.summary()["first_loss"])
+    assert s["validation"]["step"] == STEPS
 
 
 def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):
