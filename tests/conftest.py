@@ -116,10 +116,10 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
         time.sleep(0.02)
 
 
-def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, ranks: int,
-                             timeout: float = 180) -> LoomResult:
-    """Once the step-`step` checkpoint exists, SIGKILL the last of the run's `ranks` workers;
-    torchrun restarts them all and the run must complete having resumed from `step` or later."""
+def kill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, ranks: int,
+                          timeout: float = 180) -> LoomResult:
+    """Once the step-`step` checkpoint exists, SIGKILL the last of the run's `ranks` workers and
+    wait for the launcher: its exit code and merged output (what follows is the caller's)."""
     import signal
 
     wait_for(run_dir / "checkpoints" / f"step-{step:07d}.ckpt", proc, timeout)
@@ -127,8 +127,15 @@ def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, r
     assert len(victims) == ranks
     os.kill(victims[-1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    r = LoomResult(0, out, "", run_dir)
+    return LoomResult(proc.returncode, out, "", run_dir)
+
+
+def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, ranks: int,
+                             timeout: float = 180) -> LoomResult:
+    """kill_one_worker_after, where torchrun restarts them all and the run must complete having
+    resumed from `step` or later."""
+    r = kill_one_worker_after(proc, run_dir, step, ranks, timeout)
+    assert r.rc == 0, r.out
     s = r.summary()
     assert s["status"] == "completed" and s["restarts"] == 1
     assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= step

@@ -7,13 +7,19 @@ and record the sample ids every rank trained on (LOOM_RECORD_SAMPLE_IDS).
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, LoomResult, launching_fixture, refused, run_loom, start_loom, wait_for, worker_pids
+from conftest import (
+    FAST,
+    LoomResult,
+    kill_one_worker_after,
+    launching_fixture,
+    refused,
+    run_loom,
+    start_loom,
+)
 from tests_helpers import CORPUS, helpers_env, write_json_corpus
 
 from loom.data.sampler import ResumableDistributedSampler
@@ -233,13 +239,10 @@ def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, d
     env = {**helpers_env(tmp_path), "LOOM_RECORD_SAMPLE_IDS": str(tmp_path / "ids")}
     run_dir = tmp_path / "gpt" / "digits"
     proc = start_loom("train", *DIGITS, "hardware.max_restarts=1", root=tmp_path, env=env)
-    wait_for(run_dir / "checkpoints" / "step-0000010.ckpt", proc, timeout=300)
-    victims = worker_pids(run_dir)
-    assert len(victims) == 2
-    os.kill(victims[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out
-    s = LoomResult(0, out, "", run_dir).summary()
+    killed = kill_one_worker_after(proc, run_dir, 10, ranks=2, timeout=300)
+    out = killed.out
+    assert killed.rc == 0, out
+    s = killed.summary()
     assert s["restarts"] == 1 and s["resumed_from_step"] in (10, 20) and s["global_step"] == 30
     ids = _ids(tmp_path / "ids")
     # mid-epoch (10 of 22 batches): the resumed attempt trained exactly the samples the

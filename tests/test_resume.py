@@ -17,11 +17,11 @@ from conftest import (
     FAST,
     LOOM,
     LoomResult,
+    kill_one_worker_after,
     launching_fixture,
     run_loom,
     start_loom,
     wait_for,
-    worker_pids,
 )
 from safetensors.torch import load_file
 
@@ -66,13 +66,10 @@ def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
     torchrun restarts and that resumes exactly: test_data's digits run (samples and weights)."""
     run_dir = tmp_path / "gpt" / "r"
     proc = _start(tmp_path, "hardware.max_restarts=0")
-    wait_for(run_dir / "checkpoints" / "step-0000004.ckpt", proc)
-    victims = worker_pids(run_dir)
-    assert len(victims) == 2
-    os.kill(victims[-1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 1, out
-    s = LoomResult(1, out, "", run_dir).summary()
+    r = kill_one_worker_after(proc, run_dir, 4, ranks=2)
+    out = r.out
+    assert r.rc == 1, out
+    s = r.summary()
     assert s["status"] == "failed" and s["restarts"] == 0 and s["global_step"] < STEPS, s
     assert s["error"]["rank"] == 0 and "Connection closed by peer" in s["error"]["message"], s["error"]
     assert not (run_dir / "final").exists()
