@@ -2,7 +2,7 @@
 every training launch (tests/launches.py, tests/budget.toml), and share reference runs.
 
 Launches are the suite's cost. A behaviour is checked on a shared run where one fits: the
-registry `shared_run(*args)` starts each distinct argument list once per session (`PARITY`
+registry `shared.get(*args)` starts each distinct argument list once per session (`PARITY`
 runs: the `single` reference at GLOBAL_BATCH is one run used by every parity test). A refusal
 is checked in-process (`refused`), not by a launch.
 """

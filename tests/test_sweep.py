@@ -13,29 +13,6 @@ SMALL_CORPUS = "dataset.max_bytes=2000000"  # a 2 MB slice of tinycode: smaller,
 SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]
 
 
-# A user's token model that cannot run while `fail-next-trial` exists in the working dir: its
-# first real forward removes the file and raises, so exactly one trial fails, at run time (the
-# plan's meta-device build never calls forward).
-FAILS_ONCE = """from pathlib import Path
-
-import torch
-from torch import nn
-
-
-class FailsOnce(nn.Module):
-    def __init__(self, vocab_size: int = 256, width: int = 32) -> None:
-        super().__init__()
-        self.emb, self.out = nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flag = Path("fail-next-trial")
-        if flag.exists():
-            flag.unlink()
-            raise RuntimeError("injected failure of this trial")
-        return self.out(torch.relu(self.emb(x)))
-"""
-
-
 def _manifest(root: Path) -> dict:
     (path,) = root.glob("gpt/sweeps/*/manifest.json")
     return json.loads(path.read_text())
@@ -47,12 +24,13 @@ def test_optuna_sweep_maximizing_validation_loss(loom, tmp_path):
     """README: `sweep.objective=validation.loss`, `sweep.direction=maximize`; a failed trial is
     recorded and the sweep goes on (trial 0's model raises at its first step); three trials in one
     process, each of whose log lines is printed once (not once per trial so far)."""
-    (tmp_path / "sweep_models.py").write_text(FAILS_ONCE)
-    (tmp_path / "fail-next-trial").write_text("")
+    from tests_helpers import helpers_env
+
+    (tmp_path / "fail-next-trial").write_text("")  # the working dir of the sweep (and its one-process trials)
     r = loom("train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
              "sweep.objective=validation.loss", "sweep.direction=maximize", "model=custom",
-             "model.module._target_=sweep_models.FailsOnce", "security.allow_targets=[sweep_models.]",
-             "strategy=single", *FAST, "trainer.max_steps=3", timeout=400)
+             "model.module._target_=tests_helpers.FailsOnce", "security.allow_targets=[tests_helpers.]",
+             "strategy=single", *FAST, "trainer.max_steps=3", timeout=400, env=helpers_env(tmp_path))
     assert r.rc == 1, r.out + r.err  # not every trial completed
     m = _manifest(tmp_path)
     assert m["objective"] == "validation.loss" and m["direction"] == "maximize"
@@ -110,6 +88,23 @@ def test_recipes_list_show_copy(loom, tmp_path):
 # run; finetune-hf: test_models' hf run, which trains this recipe on local stand-ins).
 
 
+def _stand_in_trials(tmp_path: Path, fail_at: int | None = None):
+    """`run_sweep`'s run_trial with each trial's training replaced: trial i leaves the run dir and
+    summary.json a trial would (final loss 1 + i; trial `fail_at` failed, exit 1)."""
+    seen: list[list[str]] = []
+
+    def run_trial(overrides):
+        i, failed = len(seen), len(seen) == fail_at
+        seen.append(overrides)
+        run_dir = tmp_path / f"trial-{i}"
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(json.dumps({"status": "failed" if failed else "completed",
+                                                          "final_loss": 1.0 + i}))
+        return (1, run_dir, "boom") if failed else (0, run_dir, None)
+
+    return run_trial
+
+
 def test_gpt_pretrain_and_digits_classifier_recipes_resolve_to_what_they_name():
     from loom.pipeline import resolve
 
@@ -151,15 +146,7 @@ def test_sweep_recipes_enumerate_their_trials(tmp_path, recipe, smoke, expected)
     from loom.pipeline import resolve
     from loom.sweep import run_sweep, translate
 
-    seen: list[list[str]] = []
-
-    def run_trial(overrides):
-        run_dir = tmp_path / f"trial-{len(seen)}"
-        run_dir.mkdir()
-        seen.append(overrides)
-        (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "final_loss": 1.0 + len(seen)}))
-        return 0, run_dir, None
-
+    run_trial = _stand_in_trials(tmp_path)
     overrides = translate([f"recipe={recipe}", "hardware=cpu", f"run.root={tmp_path}", *smoke])
     base = resolve(overrides)
     _, manifest = run_sweep(overrides, base, resolve, run_trial)
@@ -191,13 +178,7 @@ def test_a_failed_trial_is_told_to_optuna_as_failed(tmp_path, monkeypatch):
     real = optuna.create_study
     monkeypatch.setattr(optuna, "create_study", lambda **kw: studies.append(real(**kw)) or studies[-1])
 
-    def run_trial(overrides):
-        i = len(list(tmp_path.glob("trial-*")))
-        run_dir = tmp_path / f"trial-{i}"
-        run_dir.mkdir()
-        status = "failed" if i == 1 else "completed"
-        (run_dir / "summary.json").write_text(json.dumps({"status": status, "final_loss": 1.0 + i}))
-        return (1 if i == 1 else 0), run_dir, ("boom" if i == 1 else None)
+    run_trial = _stand_in_trials(tmp_path, fail_at=1)
 
     overrides = translate(["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-4,1e-2)",
                            "hardware=cpu", f"run.root={tmp_path}"])

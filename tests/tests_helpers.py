@@ -59,6 +59,18 @@ class TinyTokenNet(nn.Module):
         return self.out(torch.relu(self.emb(x)))
 
 
+class FailsOnce(TinyTokenNet):
+    """TinyTokenNet whose forward fails once while `fail-next-trial` exists in the working dir
+    (removing it): one trial of a sweep fails at run time (the plan's meta build runs no forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flag = Path("fail-next-trial")
+        if flag.exists():
+            flag.unlink()
+            raise RuntimeError("injected failure of this trial")
+        return super().forward(x)
+
+
 class NotAModule:
     """Neither a LightningModule nor an nn.Module."""
 
