@@ -263,8 +263,11 @@ def shard_roots(roots: list, units: tuple[type, ...], dp_mesh, reshard_after_for
 def _resharding(sharded: list) -> str:
     """What FSDP2 itself will do with the units' gathered parameters after their forward (read
     back from its parameter groups, so the log says what runs, not what was asked)."""
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in sharded]
-    keeps = sum(g is not None and g.post_forward_mesh_info is None for g in groups)
+    try:  # FSDP2's private state: a log line must not fail a run on a torch that renamed it
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in sharded]
+        keeps = sum(g is not None and g.post_forward_mesh_info is None for g in groups)
+    except AttributeError:
+        return "resharding unknown (this torch's FSDP2 state differs)"
     return f"{keeps} keep their parameters gathered, {len(groups) - keeps} reshard them"
 
 
