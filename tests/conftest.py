@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,17 +78,24 @@ def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = No
 
 
 def worker_pids(run_dir: Path) -> list[int]:
-    """The rank processes of a run (not torchrun, whose command line also names loom.worker)."""
-    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
-    pids = []
-    for pid in out.split():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline:
-            pids.append(int(pid))
-    return pids
+    """The live rank processes of a run, by rank: each rank's latest "rank N (pid P) started"
+    line in logs/rank-N.log (ranks are forked from the agent's forkserver, so no command line
+    names the run)."""
+    pids: dict[int, int] = {}
+    for log in (run_dir / "logs").glob("rank-*.log"):
+        started = re.findall(r"\] loom INFO: rank (\d+) \(pid (\d+)\) started", log.read_text(errors="replace"))
+        if started:
+            rank, pid = map(int, started[-1])
+            if alive(pid):
+                pids[rank] = pid
+    return [pids[r] for r in sorted(pids)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def count_launch() -> None:

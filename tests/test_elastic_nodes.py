@@ -42,7 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LoomResult, launching_fixture, start_loom
+from conftest import FAST, LoomResult, alive, launching_fixture, start_loom
 
 STEPS, EVERY, GBS = 20, 4, 4
 HOLD_AFTER = EVERY  # training micro-batches of an attempt before it holds (2 a step at world 1)
@@ -131,13 +131,6 @@ def _tree(pid: int) -> list[int]:
         out.append(todo.pop())
         todo += children[out[-1]]
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _listens(pids: list[int], port: int) -> bool:
@@ -243,9 +236,9 @@ def test_lost_node_leaves_the_survivor_alone_then_the_world_grows_back(runs):
     assert runs["victim"].returncode == -signal.SIGKILL
     assert runs["killed_at"] == [{"start_step": 0, "world_size": 2, "num_nodes": 2, "reason": "start"}]
     deadline = time.monotonic() + 60  # the launcher's death took its agent and rank down with it
-    while any(_alive(pid) for pid in runs["tree"]) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in runs["tree"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in runs["tree"] if _alive(pid)], "the lost node's agent or rank lived on"
+    assert not [pid for pid in runs["tree"] if alive(pid)], "the lost node's agent or rank lived on"
     # the survivor alone, from the last checkpoint, keeping the global batch
     (start, alone) = runs["world_one"]
     resumed = alone["start_step"]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, refused, start_loom
+from conftest import FAST, refused, start_loom, worker_pids
 
 
 def _free_port() -> int:
@@ -55,16 +55,8 @@ def _finish(nodes: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def _rank_zero_worker(run_dir: Path) -> int | None:
     """The worker process whose RANK is 0 (its node's agent then counts the restart)."""
-    out = subprocess.run(["pgrep", "-f", f"loom.worker {run_dir}"], capture_output=True, text=True).stdout
-    for pid in out.split():
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" not in cmdline and b"RANK=0" in environ:
-            return int(pid)
-    return None
+    pids = worker_pids(run_dir)
+    return pids[0] if pids else None
 
 
 @pytest.mark.launch

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, LOOM, count_launch
+from conftest import FAST, LOOM, alive, count_launch
 from slurm_shims import install, install_step_srun
 
 # The SLURM profile on CPU "nodes" (the profile itself is for H100 nodes).
@@ -69,9 +69,9 @@ def test_rendered_script_follows_the_profile(tmp_path):
     # one torchrun per node through srun, rendezvous on the first node, the frozen run dir
     assert ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=72 '
             "--gpus-per-node=8 --kill-on-bad-exit=1") in script
-    torchrun = script[script.index('"$PYTHON" \\\n    -m torch.distributed.run'):script.index("srun_pid=$!")]
+    torchrun = script[script.index('"$PYTHON" \\\n    -m loom.worker.agent'):script.index("srun_pid=$!")]
     for part in ("--nproc-per-node=8", "--nnodes=4", "--max-restarts=2", "--rdzv-backend=c10d",
-                 '--rdzv-endpoint="$RDZV_ENDPOINT"', "--rdzv-id=big", "-m loom.worker", '"$RUN_DIR"'):
+                 '--rdzv-endpoint="$RDZV_ENDPOINT"', "--rdzv-id=big", '"$RUN_DIR"'):
         assert part in torchrun, part
     assert f"RUN_DIR={run_dir}" in script and f"PYTHON={sys.executable}" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
@@ -125,14 +125,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _wait(cond, what: str, timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -161,7 +153,7 @@ def test_job_script_trains_is_requeued_at_the_time_limit_and_resumes(tmp_path):
     _wait(lambda: (run_dir / "checkpoints" / "step-0000004.ckpt").exists(), "a first checkpoint", 300, log)
     os.kill(first, signal.SIGUSR1)
     _wait(lambda: len(pids.read_text().split()) == 2, "the job requeued", 300, log)
-    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 400, log)
+    _wait(lambda: not any(alive(int(x)) for x in pids.read_text().split()), "the requeued job ended", 400, log)
 
     calls = (state / "calls.log").read_text()
     assert "scontrol requeue 4242" in calls and calls.count("srun --nodes") == 2
@@ -229,7 +221,7 @@ def test_another_template_from_loom_slurm_template(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_SLURM_TEMPLATE", str(site))
     script = render(resolve(["hardware=slurm", "run.id=t"]), tmp_path)
     assert "#SBATCH --comment=site-template" in script and "module load site-env" in script
-    assert "#SBATCH --nodes=2" in script and "-m loom.worker" in script and "{{" not in script
+    assert "#SBATCH --nodes=2" in script and "-m loom.worker.agent" in script and "{{" not in script
     assert "trap on_usr1" not in script  # not Loom's own template
     site.write_text("{{sbatch_lines}}\n{{site_only}}\n")
     with pytest.raises(ConfigError, match="site_only.*known: "):
@@ -317,7 +309,7 @@ def test_the_job_requeues_only_a_signalled_attempt_that_made_progress(tmp_path, 
     else:
         os.kill(pid, signal.SIGUSR1)
     pids = state / "pids"
-    _wait(lambda: not any(_alive(int(x)) for x in pids.read_text().split()), "the job(s) ended", 180, log)
+    _wait(lambda: not any(alive(int(x)) for x in pids.read_text().split()), "the job(s) ended", 180, log)
     calls, out = (state / "calls.log").read_text(), log.read_text()
     assert "srun stopped by 15" in calls, calls  # the ranks got their SIGTERM: a checkpointed stop
     summary = json.loads((run_dir / "summary.json").read_text())

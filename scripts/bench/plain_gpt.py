@@ -12,7 +12,7 @@ One process: `python plain_gpt.py --config JSON --steps N`. Several: run it unde
 `torchrun --nproc-per-node=2` and it trains with torch DDP over gloo (GPU: NCCL).
 `--device cuda --dtype bf16 --compile` is the GPU path of gpu_mfu.py (autocast bf16).
 
-Prints one JSON line (rank 0) with the loop time, the per-step losses and the final loss
+Prints "step 1/N" after the first step and one JSON line (rank 0) with the loop time, the per-step losses and the final loss
 computed as Loom's summary does (mean of the last logging window, averaged over ranks).
 """
 
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--import-lightning", action="store_true",
+                    help="import pytorch_lightning first, as a Lightning user's script does (startup.py)")
     ap.add_argument("--warmup-steps", type=int, default=0,
                     help="GPU timing: steps run before the timed window (--steps is the whole run)")
     args = ap.parse_args(argv)
@@ -46,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // local_world)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+    if args.import_lightning:
+        import pytorch_lightning  # noqa: F401
 
     import numpy as np
     import torch
@@ -83,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    m = dict(c["model"])
-    m.pop("name", None)
-    model = GPT(**m).to(device)
+    # The model group's keys that are GPT's arguments (name, init_from, ... are Loom's).
+    import inspect
+
+    model = GPT(**{k: v for k, v in c["model"].items() if k in inspect.signature(GPT).parameters}).to(device)
 
     o, steps_total = c["optim"], args.steps  # Loom runs with trainer.max_steps=N
     named = list(model.named_parameters())
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             sched.step()
             losses.append(loss.detach())
             step += 1
+            if step == 1 and rank == 0:  # startup.py's marker, as Loom's "step 1/N" line
+                print(f"step 1/{args.steps}", flush=True)
             if step == args.warmup_steps:
                 sync()
                 t_warm = time.perf_counter()

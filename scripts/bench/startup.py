@@ -13,7 +13,11 @@ Interleaved per repeat, medians over the repeats (default 5):
   console handler flushes each record (workers run with PYTHONUNBUFFERED=1), so the harness
   timestamps the line as it arrives on the pipe: that is the precise marker, on the
   harness's own monotonic clock. The plain-PyTorch side of the same measurement is
-  plain_gpt.py (`import torch` + model + first step), printed next to it.
+  plain_gpt.py (`import torch` + model + first step), printed next to it;
+- time to first step, 2 ranks: the `ddp2` job against a plain torchrun script that imports
+  torch and Lightning, builds the same model and takes a DDP step (plain_gpt.py
+  --import-lightning under `torchrun --standalone --nproc-per-node=2`), both timed to their
+  "step 1/" line; the ratio of medians is the time-to-first-step figure (goal <= 1.15).
 
     .venv/bin/python scripts/bench/startup.py [--repeats 5] [--json out.json]
 """
@@ -97,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             add("validation_error_s", t["exit"])
             t, rc, text = timed([PY, str(PLAIN), "--config", plain_json, "--steps", "1"], {}, REPO)
             add("plain_first_step_exit_s", t["exit"])
+            if "ddp2" in jobs:
+                t2, rc, text = timed([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                      "--monitor-interval=0.5", str(PLAIN), "--config", plain_json, "--steps", "2",
+                                      "--import-lightning"], {"step1": "step 1/"}, REPO)
+                if rc != 0 or "step1" not in t2:
+                    print(f"  plain torchrun: exit {rc}, no 'step 1/' line:\n{text[-2000:]}")
+                add("plain_ddp2_first_step_s", t2.get("step1"))
             line = f"  repeat {i}: import torch {res['import_torch_s'][-1]:.2f} s, import lightning " \
                    f"{res['import_lightning_s'][-1]:.2f} s, validation error {res['validation_error_s'][-1]:.2f} s " \
                    f"plain 1-step program {t['exit']:.2f} s"
@@ -127,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  loom train ({job}) -> loop start {med[f'{job}_loop_start_s']:.2f} s, -> first optimizer step "
                   f"{med[f'{job}_first_step_s']:.2f} s ({med[f'{job}_first_step_s'] / med['import_torch_s']:.1f}x "
                   f"import torch)")
-    write_json(args.json, {"repeats": args.repeats, "model": args.model, "median_s": med, "runs_s": res,
+    ratio = None
+    if "ddp2_first_step_s" in med and res.get("plain_ddp2_first_step_s"):
+        ratio = med["ddp2_first_step_s"] / med["plain_ddp2_first_step_s"]
+        print(f"  plain torchrun (torch + Lightning), 2 ranks -> first step {med['plain_ddp2_first_step_s']:.2f} s; "
+              f"loom ddp2 / plain = {ratio:.2f}x (goal <= 1.15)")
+    write_json(args.json, {"ddp2_first_step_ratio": ratio, "repeats": args.repeats, "model": args.model, "median_s": med, "runs_s": res,
                            "target": "validation_error_s <= 1.0"})
     return 0
 

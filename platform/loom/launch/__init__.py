@@ -1,6 +1,7 @@
 """Stage 5, launch: start the ranks of a frozen run: in-process for one process, torchrun for more.
 
-torchrun (torch.distributed.run, the elastic agent) is started as a child process so the
+torchrun's elastic agent (torch.distributed.run, through `loom.worker.agent`, which forks the
+ranks from a forkserver that has their imports done) is started as a child process so the
 launcher stays free of torch, and restarts (`--max-restarts`) re-run the same worker on
 the same run dir, which then resumes from its last checkpoint.
 
@@ -39,12 +40,13 @@ def nnodes(cfg: DictConfig) -> str:
 
 def torchrun_command(cfg: DictConfig, run_dir: Path | str, endpoint: str | None = None,
                      python: str = sys.executable) -> list[str]:
-    """The torchrun command line of one node. `endpoint` overrides hardware.rdzv_endpoint (the
+    """The torchrun command line of one node: torchrun's options to loom.worker.agent (torchrun's
+agent, forking the ranks from a forkserver that has their imports done). `endpoint` overrides hardware.rdzv_endpoint (the
     SLURM script passes its first node); with neither, and one node, a standalone rendezvous."""
     hw = cfg.hardware
     endpoint = endpoint or hw.rdzv_endpoint
     cmd = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "loom.worker.agent",
         f"--nproc-per-node={hw.devices}",
         f"--nnodes={nnodes(cfg)}",
         f"--max-restarts={hw.max_restarts}",
@@ -56,7 +58,7 @@ def torchrun_command(cfg: DictConfig, run_dir: Path | str, endpoint: str | None 
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={cfg.run.id}"]
         if elastic(hw):
             cmd.append(rdzv_conf(hw))
-    return [*cmd, "-m", "loom.worker", str(run_dir)]
+    return [*cmd, str(run_dir)]
 
 
 def rdzv_conf(hw: DictConfig) -> str:

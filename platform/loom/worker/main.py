@@ -1,6 +1,7 @@
 """Stage 6, worker: the per-rank entry point, `python -m loom.worker <run_dir>`.
 
-torchrun starts one per rank (a 1-process run calls `run` in-process). A worker reads the
+The agent (loom.worker.agent, torchrun's) forks one per rank from a forkserver that has the
+imports done (`forked_rank`); a 1-process run calls `run` in-process. A worker reads the
 frozen config.yaml and never re-runs Hydra, so every rank, and every restart, trains the
 same run in the same directory.
 """
@@ -96,11 +97,13 @@ def die_with_parent(death: signal.Signals = signal.SIGTERM) -> None:
         return
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
+    PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, death)
     if os.getppid() == 1:  # the agent died before we got here
         os.kill(os.getpid(), death)
+    # `ps -o comm`, top, pgrep: a forked rank's command line is its forkserver's (loom.worker.agent)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"loom-rank-{os.environ.get('RANK', '?')}".encode()[:15]))
 
 
 def run(run_dir: Path) -> int:
@@ -141,6 +144,15 @@ def _file_log(message: str) -> None:
     for handler in log.handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+
+
+def forked_rank(run_dir: str) -> int:
+    """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
+    a finished one from its return value, as for `python -m loom.worker`."""
+    rc = run(Path(run_dir))
+    if rc:
+        sys.exit(rc)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,62 @@
+"""The torchrun agent of a multi-process run: `python -m loom.worker.agent <torchrun options> <run_dir>`.
+
+torch.distributed.run's own elastic agent (the same options, rendezvous, restarts, signals and
+exit codes), with one difference in how it starts ranks. torchrun runs `python -m loom.worker`
+once per rank, and every rank imports torch, Lightning and Loom again, all at once on the same
+cores. Here the agent starts a forkserver first (`multiprocessing`'s, with `loom.worker.preload`
+as its preload) and forks each rank from it, imports done; the forkserver imports while this
+process imports torch and meets the rendezvous. It is torchrun's documented function-entrypoint
+path (`elastic_launch` with `start_method="forkserver"`): a restart forks fresh ranks from the
+same forkserver, the agent's SIGTERM reaches each rank, and a rank's exit code is torchrun's.
+
+A rank's parent is the forkserver, which exits with the agent, so a rank's parent-death signal
+(loom.worker.main.die_with_parent) still follows the agent. Its command line is the
+forkserver's: a rank's pid is in its log (`logs/rank-N.log`, "rank N (pid P) started") and its
+process name (`ps -o comm`) is `loom-rank-N`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PRELOAD = ["loom.worker.preload"]
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, so its imports run beside this process's own."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
+def launch(options: list[str], run_dir: str) -> None:
+    """torch.distributed.run.run() for `options`, with ranks running loom.worker.main.forked_rank."""
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    from loom.worker.main import forked_rank
+
+    args = parse_args([*options, "-m", "loom.worker", run_dir])
+    if args.standalone:  # as torchrun: a private c10d store on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    elastic_launch(config=config, entrypoint=forked_rank)(run_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[-1].startswith("-"):
+        sys.exit("usage: python -m loom.worker.agent <torchrun options> <run_dir>")
+    start_forkserver()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(launch)(argv[:-1], argv[-1])
+
+
+if __name__ == "__main__":
+    main()
