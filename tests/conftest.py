@@ -147,6 +147,11 @@ def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, r
     s = r.summary()
     assert s["status"] == "completed" and s["restarts"] == 1
     assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= step
+    # the totals cover both attempts: the killed one's span (to its last log step) counts
+    killed, restarted = s["attempts"]
+    assert killed["end_step"] >= step and killed["train_s"] > 0 and restarted["start_step"] == s["resumed_from_step"]
+    assert s["train_time_s"] == pytest.approx(killed["train_s"] + restarted["train_s"], abs=0.002)
+    assert s["steps_trained"] == killed["end_step"] + s["global_step"] - restarted["start_step"]
     return r
 
 

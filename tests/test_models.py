@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, run_loom
+from conftest import FAST, ROOT, refused, run_loom
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from tests_helpers import cache_hub_dataset, helpers_env, make_hf_config, make_tokenizer, write_json_corpus
@@ -105,6 +105,60 @@ def test_bad_model_input_names_the_key_and_the_fix(overrides, needles, hf_assets
     for needle in needles:
         assert needle in msg, (needle, msg)
     assert len(msg.splitlines()) <= 2
+
+
+WIDENS = "security:\n  allow_targets: [os.]\n"
+EVIL = "model:\n  module:\n    _target_: os.getcwd\n"
+
+
+def _conf_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    return conf
+
+
+@pytest.mark.parametrize("way", ["recipe", "interpolation", "recipe_defaults", "group_file"])
+def test_only_the_command_line_widens_the_target_allow_list(tmp_path, monkeypatch, way):
+    """A config file that sets security.allow_targets, by any route, cannot widen it. A recipe
+    (builtin or through hydra.searchpath; a literal or an interpolated value) is refused (exit 2)
+    naming the file and the command-line form. A group file, chosen on the command line or
+    pulled in by a recipe's defaults, is overridden by conf/train.yaml's own value (its `_self_`
+    comes last): its `os.` target is still refused as not allowed. The same prefixes on the
+    command line pass the allow-list check."""
+    recipes = tmp_path / "shared-recipes"
+    recipes.mkdir()
+    args = [f"hydra.searchpath=[file://{recipes}]", "recipe=team"]
+    head = "# @package _global_\n# team: a shared template\ndefaults:\n  - override /model: custom\n"
+    culprit = recipes / "team.yaml"
+    if way == "recipe":
+        culprit.write_text(head + WIDENS + EVIL)
+    elif way == "interpolation":  # the value comes from the environment, the key from the file
+        monkeypatch.setenv("LOOM_TEST_PREFIXES", "[os.]")
+        culprit.write_text(head + "security:\n  allow_targets: ${oc.decode:${oc.env:LOOM_TEST_PREFIXES}}\n" + EVIL)
+    else:
+        conf = _conf_copy(tmp_path)
+        culprit = conf / "tracking" / "team_tracking.yaml"
+        culprit.write_text("# @package _global_\ntracking:\n  name: csv\n  wandb: false\n  csv: true\n"
+                           "  mode: disabled\n" + WIDENS)
+        monkeypatch.setenv("LOOM_CONF_DIR", str(conf))
+        if way == "recipe_defaults":
+            (recipes / "team.yaml").write_text(head.replace("custom\n", "custom\n  - override /tracking: team_tracking\n")
+                                               + EVIL)
+        else:
+            args = ["tracking=team_tracking", "model=custom", "model.module._target_=os.getcwd"]
+    err = refused(tmp_path, *args)
+    if way in ("recipe", "interpolation"):
+        assert "security.allow_targets" in err and str(culprit) in err, err
+        assert "may only come from the command line" in err and "security.allow_targets='[os.]'" in err
+    else:
+        assert "os.getcwd is not allowed" in err, err
+    # the same prefixes from the command line pass the allow-list (a later check refuses os.getcwd)
+    with pytest.raises(AssertionError) as later:
+        refused(tmp_path, *args, "security.allow_targets=[os.]")
+    assert "only come from the command line" not in str(later.value)
+    assert "is not allowed" not in str(later.value)
 
 
 def test_custom_target_validation_does_not_import_torch_for_loom(tmp_path):

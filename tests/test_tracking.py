@@ -80,14 +80,14 @@ def _log_times(run_dir: Path) -> dict[str, float]:
             times["last_step"] = t
         elif msg.startswith("training loop ended"):
             times["end"] = t
-            loop, val = re.search(r": ([\d.]+) s training, ([\d.]+) s validation", msg).groups()
+            loop, val = re.search(r": ([\d.]+) s training, ([\d.]+) s validation, [\d.]+ s checkpoints", msg).groups()
             times["loop_s"], times["val_s"] = float(loop), float(val)
     return times
 
 
 def _tokens_this_attempt(s: dict) -> int:
-    plan_batch = s["samples"] // s["global_step"]
-    return (s["global_step"] - (s["resumed_from_step"] or 0)) * plan_batch * SEQ_LEN
+    span = s["attempts"][-1]
+    return (span["end_step"] - span["start_step"]) * 2 * MICRO_BATCH * SEQ_LEN
 
 
 def _files(run_dir: Path):
@@ -131,9 +131,19 @@ def test_tokens_per_sec_is_over_this_attempts_training_loop(ddp_run):
     assert s["status"] == "completed" and s["world_size"] == 2 and s["global_step"] == STEPS
     tokens = _tokens_this_attempt(s)
     assert tokens == STEPS * 2 * MICRO_BATCH * SEQ_LEN == s["tokens"]
-    tps, train_time = s["throughput"]["tokens_per_sec"], s["train_time_s"]
-    # the summary's rate is tokens / train_time_s (train_time_s is rounded to 1 ms)
+    tps, train_time = s["throughput"]["overall"]["tokens_per_sec"], s["train_time_s"]
+    # the overall rate is tokens / train_time_s (train_time_s is rounded to 1 ms)
     assert tps * train_time == pytest.approx(tokens, rel=0.005)
+    # the steady rate: the steps after the first logged window (step 1), over their own time
+    span = s["attempts"][-1]
+    assert s["throughput"]["steady"] and s["throughput"]["steady_from_step"] == 1
+    assert span["steady_samples"] == (STEPS - 1) * 2 * MICRO_BATCH
+    assert s["throughput"]["tokens_per_sec"] * span["steady_train_s"] == pytest.approx(
+        span["steady_samples"] * SEQ_LEN, rel=0.005)
+    assert 0 < span["steady_train_s"] < train_time - span["first_step_s"] + 0.002
+    t_ = s["time"]
+    assert t_["train_s"] == pytest.approx(train_time, abs=0.001) and t_["checkpoint_s"] > 0  # saves at 5, 10, 12
+    assert 0 < t_["first_step_s"] < train_time and t_["compile_s"] == 0.0 and t_["validation_s"] > 0
 
     rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # log_every_n_steps=1
@@ -151,14 +161,12 @@ def test_tokens_per_sec_is_over_this_attempts_training_loop(ddp_run):
 def _recorder(peak: float | None, world: int = 2):
     from loom.tracking.recorder import Recorder
 
-    rec = Recorder(log_every=1, samples_per_step=32, seq_len=128, flops_per_token=6e6,
-                   peak_flops_per_device=peak, world_size=world)
-    rec.start_step, rec.loop_time = 4, 2.0  # a resumed attempt: steps 4..14 in 2 s
-    return rec
+    return Recorder(log_every=1, samples_per_step=32, seq_len=128, flops_per_token=6e6,
+                    peak_flops_per_device=peak, world_size=world)
 
 
 def test_mfu_null_when_the_device_peak_is_unknown():
-    out = _recorder(None).throughput_summary(SimpleNamespace(global_step=14), None)
+    out = _recorder(None).rates(10 * 32, 2.0, None)  # 10 steps of 32 samples in 2 s
     tokens = 10 * 32 * 128
     assert out["tokens_per_sec"] == pytest.approx(tokens / 2.0)
     assert out["samples_per_sec"] == pytest.approx(10 * 32 / 2.0)
@@ -168,7 +176,7 @@ def test_mfu_null_when_the_device_peak_is_unknown():
 
 def test_mfu_against_a_known_peak():
     peak = 1e12  # 1 TFLOP/s per device
-    out = _recorder(peak).throughput_summary(SimpleNamespace(global_step=14), peak)
+    out = _recorder(peak).rates(10 * 32, 2.0, peak)
     per_device_flops = 10 * 32 * 128 * 6e6 / 2 / 2.0  # tokens * flops/token / devices / seconds
     assert out["mfu"] == pytest.approx(per_device_flops / peak)
     assert out["mfu"] == pytest.approx(0.06144)  # 40960 tokens * 6 MFLOP / 2 devices / 2 s / 1 TFLOP/s
@@ -210,9 +218,14 @@ def test_resume_continues_the_same_wandb_run(resumed_run, ddp_run):
     assert len(dirs) == 2, dirs
     assert all(d.name.endswith(f"-{run.name}") for d in dirs), dirs
     assert all((d / f"run-{run.name}.wandb").is_file() for d in dirs)
-    # this attempt trained steps 11-12: the rate is over those tokens and this attempt's time
-    assert s["throughput"]["tokens_per_sec"] * s["train_time_s"] == pytest.approx(
-        2 * 2 * MICRO_BATCH * SEQ_LEN, rel=0.005)
+    # totals over both attempts: the first trained steps 1-12, this one 11-12 again (from step 10)
+    first, this = s["attempts"]
+    assert (first["start_step"], first["end_step"], this["start_step"], this["end_step"]) == (0, STEPS, 10, STEPS)
+    assert s["steps_trained"] == STEPS + 2 and s["samples"] == (STEPS + 2) * 2 * MICRO_BATCH
+    assert s["train_time_s"] == pytest.approx(first["train_s"] + this["train_s"], abs=0.002)
+    assert s["train_time_s"] > ddp_run.result.summary()["train_time_s"]
+    assert s["throughput"]["overall"]["tokens_per_sec"] * s["train_time_s"] == pytest.approx(
+        s["tokens"], rel=0.005)
     steps = [int(r["step"]) for r in resumed_run.metrics() if r.get("train/loss")]
     assert steps == list(range(1, STEPS + 1))  # history kept, redone steps not duplicated
 
@@ -517,7 +530,7 @@ def test_mfu_over_one_is_an_error_naming_the_peak(caplog):
         row: dict[str, float] = {}
         rec._mfu(row, 61.44)
         rec._mfu(row, 70.0)  # the next log step: no second error line
-        out = rec.throughput_summary(SimpleNamespace(global_step=14), peak)  # overall 0.06, window > 1
+        out = rec.rates(10 * 32, 2.0, peak)  # overall 0.06, window > 1
     assert "perf/mfu" not in row
     assert out["mfu"] is None  # flagged, not a number
     assert "MFU 61.44 > 1" in out["mfu_error"] and "peak 1.0 TFLOP/s" in out["mfu_error"]
@@ -525,4 +538,4 @@ def test_mfu_over_one_is_an_error_naming_the_peak(caplog):
     row = {}
     _recorder(1e12)._mfu(row, 0.06)
     assert row["perf/mfu"] == 0.06
-    assert _recorder(1e12).throughput_summary(SimpleNamespace(global_step=14), 1e12)["mfu_error"] is None
+    assert _recorder(1e12).rates(10 * 32, 2.0, 1e12)["mfu_error"] is None

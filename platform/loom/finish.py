@@ -20,7 +20,7 @@ from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
 from loom.rundir.failures import failure_paragraph, read_failures, root_failure, summary_error
 from loom.rundir.summary import empty_summary, read_summary, summary_mark, write_summary
-from loom.rundir.world_history import read_history
+from loom.rundir.world_history import TIME_PARTS, read_history, run_totals
 
 # The multi-node failure-summary grace: how long a launcher whose ranks failed waits for global
 # rank 0 (perhaps on another node, still in its `finally`) to write summary.json itself.
@@ -62,7 +62,12 @@ def settle_summary(cfg: DictConfig, run_dir: Path, rc: int, mark: str | None,
         if summary_mark(run_dir) == before:
             # The workers died before rank 0 could write it: record the failure here.
             empty = empty_summary(cfg, str(cfg.run.id), strategies.layout_of(cfg))
-            empty["world_history"] = read_history(run_dir)
+            history = read_history(run_dir)
+            empty["world_history"] = empty["attempts"] = history
+            total = run_totals(history)  # what the attempts' spans recorded before they died
+            empty.update(steps_trained=total["steps"], samples=total["samples"], tokens=total["tokens"],
+                         train_time_s=total["train_s"], wall_time_s=total["wall_s"] or None,
+                         time={k: total[k] for k in (*TIME_PARTS, "wall_s")})
             write_summary(run_dir, empty)
     summary = read_summary(run_dir)
     if summary is not None and failures and summary["status"] == "failed" and not summary.get("error"):
@@ -121,6 +126,35 @@ def world_history_text(history: list[dict[str, Any]]) -> str:
                      for h in history)
 
 
+def steps_text(s: dict[str, Any]) -> str:
+    """The run's last step and what it trained; steps trained again after a restart are said."""
+    text = f"{s['global_step']:,} ({s['tokens']:,} tokens, {s['samples']:,} samples trained)"
+    trained, attempts = s.get("steps_trained"), len(s.get("attempts") or [])
+    if trained and trained != s["global_step"] and attempts > 1:
+        text += f"; {trained:,} steps trained over {attempts} attempts"
+    return text
+
+
+def rate_text(tp: dict[str, Any], key: str, spec: str) -> str:
+    """`steady (from step N); overall` (summary.json `throughput` and `throughput.overall`)."""
+    overall = (tp.get("overall") or {}).get(key)
+    if not tp.get("steady"):
+        return f"{_fmt(tp[key], spec)} overall (no steady window: the run ended in its first logged window)"
+    return f"{_fmt(tp[key], spec)} steady (from step {tp.get('steady_from_step')}); {_fmt(overall, spec)} overall"
+
+
+def time_text(s: dict[str, Any]) -> str:
+    """Training time with what it holds (compile, first step), and what is not training."""
+    t = s.get("time") or {}
+    inside = [f"{label} {_fmt(t.get(k), ',.1f', ' s')}" for k, label in
+              (("compile_s", "compile"), ("first_step_s", "first step")) if t.get(k)]
+    text = f"{_fmt(s['train_time_s'], ',.1f', ' s')} training" + (f" ({', '.join(inside)})" if inside else "")
+    for key, label in (("validation_s", "validation"), ("checkpoint_s", "checkpoints")):
+        if t.get(key):
+            text += f", {_fmt(t[key], ',.1f', ' s')} {label}"
+    return text + f", {_fmt(s['wall_time_s'], ',.1f', ' s')} wall"
+
+
 def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
     """The one-screen summary the launcher prints at the end of `loom train`."""
     from rich.console import Console
@@ -138,14 +172,14 @@ def print_summary(run_dir: Path, s: dict[str, Any]) -> None:
         ("run dir", str(run_dir)),
         ("strategy / hardware", f"{s['strategy']} on {s['hardware']}, world size {s['world_size']} "
                                 f"({s['num_nodes']} node(s))"),
-        ("steps", f"{s['global_step']:,} ({s['tokens']:,} tokens, {s['samples']:,} samples)"),
+        ("steps", steps_text(s)),
         ("loss", f"{_fmt(s.get('first_loss'), '.4f')} -> {_fmt(s['final_loss'], '.4f')}"),
         ("validation", validation_text(s.get("validation"))),
-        *([("tokens/s", _fmt(tp["tokens_per_sec"], ",.0f"))] if tp["tokens_per_sec"] is not None else []),
-        ("samples/s", _fmt(tp["samples_per_sec"], ",.1f")),
+        *([("tokens/s", rate_text(tp, "tokens_per_sec", ",.0f"))] if tp["tokens_per_sec"] is not None else []),
+        ("samples/s", rate_text(tp, "samples_per_sec", ",.1f")),
         ("MFU", _fmt(tp["mfu"], ".1%") if tp["mfu"] is not None else "n/a (device peak unknown)"),
         ("peak memory", f"{_fmt(peak_rss, '.2f', ' GB')} RSS per rank (max)"),
-        ("time", f"{_fmt(s['train_time_s'], ',.1f', ' s')} training, {_fmt(s['wall_time_s'], ',.1f', ' s')} wall"),
+        ("time", time_text(s)),
     ]
     if s.get("error"):
         e = s["error"]

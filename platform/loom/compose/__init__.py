@@ -36,11 +36,47 @@ def compose(overrides: list[str]) -> DictConfig:
     if recipes.chosen(overrides, found):
         recipes.register(found)
     cfg = hydra_compose(_schema_keys_settable(_concrete(overrides)))
+    _refuse_allow_list_from_files(cfg, overrides, [found[n].path for n in [recipes.chosen(overrides, found)] if n],
+                                  recipe_dirs)
     removal.apply_removals(cfg, removed)
     user_hw = {o.lstrip("+").partition("=")[0].removeprefix("hardware.") for o in overrides
                if o.lstrip("+").startswith("hardware.")}
     rederive_for_cpu(cfg.hardware, conf_dir() / "hardware", user_hw)
     return cfg
+
+
+def _refuse_allow_list_from_files(cfg: DictConfig, overrides: list[str], recipe_files: list,
+                                  recipe_dirs: list) -> None:
+    """`security.allow_targets` widens what `_target_` may import: only the user's command line
+    may set it (conf/train.yaml's own value aside). A recipe, a group file or anything found
+    through hydra.searchpath that sets it is refused, naming the file: a shared template must not
+    run code its user never allowed. The command line's value replaces any file's (Hydra applies
+    overrides last), so only a run without one can carry a file's."""
+    from omegaconf import OmegaConf
+
+    if any(o.lstrip("+").partition("=")[0] in ("security", "security.allow_targets") for o in overrides):
+        return
+    primary = OmegaConf.load(conf_dir() / "train.yaml").get("security", {}).get("allow_targets", [])
+    got = OmegaConf.to_container(cfg.security, resolve=False).get("allow_targets") if "security" in cfg else []
+    if list(got or []) == list(primary or []):
+        return
+    from loom.compose.help import chosen
+
+    candidates = [*recipe_files, *(conf_dir() / g / f"{o}.yaml" for g, o in chosen(overrides).items()),
+                  *(f for d in recipe_dirs for f in sorted(d.glob("*.yaml")))]
+    try:  # an interpolated value, as it would apply
+        got = OmegaConf.to_container(cfg.security, resolve=True).get("allow_targets") or got
+    except Exception:
+        pass
+    shown = got if isinstance(got, list) else [got]
+    culprit = next((f for f in candidates if f.is_file() and any(
+        "allow_targets" in line.split("#", 1)[0] for line in f.read_text().splitlines())), None)
+    raise ConfigError(
+        f"Invalid config: security.allow_targets={shown} is set by {culprit or 'a config file'}, but extra "
+        "`_target_` prefixes may only come from the command line (a recipe or config file must not widen "
+        "what code a run may import). Remove it from the file; if you trust that code, allow it yourself: "
+        f"security.allow_targets='[{','.join(map(str, shown))}]'."
+    )
 
 
 def _concrete(overrides: list[str]) -> list[str]:

@@ -199,8 +199,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     why = error_text(s.get("error"))
     # A classifier's items are samples: no token count, no tokens/s.
     tokens = [] if run.classifier else [("tokens", _num(s.get("tokens"), ",d"))]
+    overall = tp.get("overall") or {}
+    # steady state (summary.json `throughput`), and the whole run's average beside it
     rates = [] if run.classifier else [("tokens/s", _num(tp.get("tokens_per_sec"), ",.0f")),
+                                       ("tokens/s overall", _num(overall.get("tokens_per_sec"), ",.0f")),
                                        ("tokens/s per device", _num(run.tokens_per_sec_per_device, ",.0f"))]
+    t = s.get("time") or {}
     rows = [
         ("run id", str(s.get("run_id"))),
         ("status", str(s.get("status"))),
@@ -217,6 +221,8 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("validation", validation_text(s.get("validation"))),
         *rates,
         ("samples/s", _num(tp.get("samples_per_sec"), ",.1f")),
+        ("samples/s overall", _num(overall.get("samples_per_sec"), ",.1f")),
+        ("steady from step", "n/a (no steady window)" if not tp.get("steady") else str(tp.get("steady_from_step"))),
         ("TFLOP/s per device", _num(tp.get("tflops_per_device"), ",.3f")),
         ("MFU", _pct(tp.get("mfu")) if tp.get("mfu") is not None else "n/a (device peak unknown)"),
         ("peak RSS per rank", _gb(mem.get("peak_rss_gb_per_rank"))),
@@ -226,7 +232,11 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("CPU utilization (mean)", _num(util.get("cpu_percent_mean"), ".0f", "%")),
         ("GPU utilization (mean)", _num(util.get("gpu_util_mean"), ".0f", "%")),
         ("training time", _num(s.get("train_time_s"), ",.1f", " s")),
+        ("compile / first step", f"{_num(t.get('compile_s'), ',.1f', ' s')} / {_num(t.get('first_step_s'), ',.1f', ' s')}"),
+        ("validation / checkpoints",
+         f"{_num(t.get('validation_s'), ',.1f', ' s')} / {_num(t.get('checkpoint_s'), ',.1f', ' s')}"),
         ("wall time", _num(s.get("wall_time_s"), ",.1f", " s")),
+        ("steps trained (all attempts)", _num(s.get("steps_trained"), ",d")),
         ("restarts", str(s.get("restarts", 0))),
     ]
     if s.get("resumed_from_step") is not None:

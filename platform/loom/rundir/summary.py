@@ -36,10 +36,21 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,
-        # one entry per attempt: {start_step, world_size, num_nodes, reason} (loom.rundir.world_history)
+        # one entry per attempt: {start_step, world_size, num_nodes, reason, and its span: end_step,
+        # samples, train_s, ...} (loom.rundir.world_history); `world_history` is the same list
+        "attempts": [],
         "world_history": [],
+        # every attempt's span added up (loom.rundir.world_history.run_totals): steps trained again
+        # after a restart count; `train_time_s` is time.train_s
+        "steps_trained": 0,
+        "time": {"compile_s": None, "first_step_s": None, "validation_s": None, "checkpoint_s": None,
+                 "train_s": None, "wall_s": None},
+        # steady state (after tracking.warmup_steps / the first logged window and any compile),
+        # the whole run's average in `overall` (loom.tracking.clock)
         "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None,
-                       "mfu_error": None},
+                       "mfu_error": None, "steady": False, "steady_from_step": None,
+                       "overall": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None,
+                                   "mfu": None}},
         "memory": {
             "peak_rss_gb_per_rank": None,
             "build_peak_rss_gb_per_rank": None,

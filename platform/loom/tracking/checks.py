@@ -45,6 +45,12 @@ def has_wandb_key() -> bool:
 def tracking_checks(cfg: DictConfig) -> None:
     """Raise ConfigError (exit 2) for a tracking config that cannot work on this machine."""
     tr = cfg.tracking
+    warmup = tr.get("warmup_steps")
+    if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise ConfigError(
+            f"Invalid config: tracking.warmup_steps={warmup!r}; valid choices: null (the steady-state "
+            "throughput starts after the first logged window) or a number of steps >= 0."
+        )
     mode = tr.get("mode", "offline")
     if mode not in MODES:
         raise ConfigError(

@@ -8,11 +8,14 @@ once per `trainer.log_every_n_steps`, by rank 0. Rates and MFU come from Lightni
 is wrong (not the run): it is not logged as perf/mfu; rank 0 logs one ERROR line naming the
 peak, and summary.json has `throughput.mfu: null` with the reason in `throughput.mfu_error`.
 
-Training time (`train_time_s`, the denominator of every rate) is the wall time of the
-training loop of this attempt, from `on_train_start` to `on_train_end`, minus the time
-spent in validation (as Lightning's ThroughputMonitor also does): tokens/s counts the tokens
-trained per second of training. Rank 0 logs "training loop started at step N" and
-"training loop ended" lines, so the rank log's timestamps are an independent stopwatch.
+Training time (`train_s`, the denominator of every rate) is the wall time of the training
+loop, from `on_train_start` to `on_train_end`, minus the time spent in validation (as
+Lightning's ThroughputMonitor also does) and in checkpoint saves (`loom.tracking.clock`):
+tokens/s counts the tokens trained per second of training. The steady rates leave out the
+first logged window (or `tracking.warmup_steps`) and any window with a compile in it. Rank 0
+writes the attempt's span into world_history.json at every log step (the run's totals add up
+every attempt's) and logs "training loop started at step N" and "training loop ended" lines,
+so the rank log's timestamps are an independent stopwatch.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ import torch
 from lightning_fabric.utilities.throughput import Throughput
 
 from loom.hardware.peaks import mfu, mfu_error
+from loom.tracking.clock import Clock
 from loom.tracking.system import GpuStats
 
 log = logging.getLogger("loom")
 
 # Order of the per-rank vector all-gathered at every log step.
 _FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
-           "gpu_power_w", "loss")
+           "gpu_power_w", "loss", "step1_loss")
 
 
 class Recorder(pl.Callback):
@@ -49,6 +53,8 @@ class Recorder(pl.Callback):
         peak_flops_per_device: float | None,
         world_size: int,
         token_data: bool = True,        # False: a classifier, whose rate is samples/s (no tokens)
+        warmup_steps: int | None = None,  # tracking.warmup_steps (None: the first logged window)
+        on_log=None,                    # rank 0, at every log step: on_log(span) (world_history)
     ) -> None:
         self.log_every = log_every
         self.token_data = token_data
@@ -63,13 +69,17 @@ class Recorder(pl.Callback):
         )
         self.proc = psutil.Process()
         self.gpu = GpuStats()
-        # State of this attempt (a resumed run starts counting again; totals use global_step).
+        # State of this attempt (the run's totals add up every attempt's span: world_history).
         self.start_step = 0
-        self.loop_start = 0.0
-        self.loop_time = 0.0
-        self.val_time = 0.0             # validation inside the loop, excluded from loop_time
-        self.val_window = 0.0           # ... and from the current logging window
+        self.clock = Clock(warmup_steps=warmup_steps)
+        self.checkpointing = None       # the saver (its `seconds`: time in checkpoint saves)
+        self.on_log = on_log
+        self.loop_time = 0.0            # training time so far (clock.train_s at the last log step)
+        self.val_window = 0.0           # validation and checkpoint time in the current logging window
+        self.ckpt_at_log = 0.0
         self.val_start: float | None = None
+        self.step1_loss: torch.Tensor | None = None
+        self.peak_rss_per_rank: list[float] | None = None  # rank 0: max over log steps (a failed run's memory)
         self.last_log_time = 0.0
         self.last_log_step = 0
         self.batch_end = 0.0
@@ -84,11 +94,16 @@ class Recorder(pl.Callback):
         self.gpu_util_samples: list[float] = []
 
     # ---------------------------------------------------------------- hot path
+    def _ckpt_seconds(self) -> float:
+        return float(getattr(self.checkpointing, "seconds", 0.0))
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = self.last_log_step = trainer.global_step
         self.proc.cpu_percent(None)
         self._sync(pl_module)
-        self.loop_start = self.last_log_time = self.batch_end = time.perf_counter()
+        self.clock.start(self.start_step, self._ckpt_seconds())
+        self.ckpt_at_log = self.clock.checkpoint_s
+        self.last_log_time = self.batch_end = self.clock.loop_start
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
                                flops=0 if self.flops_per_token else None)
         if trainer.global_rank == 0:
@@ -105,13 +120,16 @@ class Recorder(pl.Callback):
                 loss = loss * trainer.accumulate_grad_batches
             self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
             self.loss_count += 1
+            if trainer.global_step == 1 and self.step1_loss is None:  # a fresh run's first loss
+                self.step1_loss = self.loss_sum / self.loss_count
         step = trainer.global_step
+        self.clock.step_done(step, self._ckpt_seconds())
         if step > self.last_log_step and (step % self.log_every == 0 or step >= trainer.max_steps):
             self._log(trainer, pl_module)
         self.batch_end = time.perf_counter()
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not self.loop_start:
+        if trainer.sanity_checking or not self.clock.loop_start:
             return
         self._sync(pl_module)
         self.val_start = time.perf_counter()
@@ -130,7 +148,7 @@ class Recorder(pl.Callback):
             return
         self._sync(pl_module)
         now = time.perf_counter()
-        self.val_time += now - self.val_start
+        self.clock.validation_s += now - self.val_start
         self.val_window += now - self.val_start
         self.val_start = None
         self.batch_end = now  # the next batch's data wait starts here, not before validation
@@ -145,7 +163,8 @@ class Recorder(pl.Callback):
         now = time.perf_counter()
         step = trainer.global_step
         steps = step - self.last_log_step
-        window = now - self.last_log_time - self.val_window
+        ckpt = self.clock.checkpoint_s - self.ckpt_at_log
+        window = now - self.last_log_time - self.val_window - ckpt
         gpu = self.gpu.sample(pl_module.device)
         loss = (self.loss_sum / max(1, self.loss_count)).float() if self.loss_sum is not None else None
         local = torch.tensor(
@@ -158,13 +177,16 @@ class Recorder(pl.Callback):
                 gpu["mem_gb"],
                 gpu["power_w"],
                 loss.item() if loss is not None else float("nan"),
+                self.step1_loss.float().item() if self.step1_loss is not None else float("nan"),
             ],
             dtype=torch.float64,
         )
         gathered = self._gather(trainer, local, pl_module.device)
         self.loss_sum, self.loss_count, self.data_wait, self.val_window = None, 0, 0.0, 0.0
-        self.last_log_step, self.last_log_time = step, now
-        self.loop_time = now - self.loop_start - self.val_time
+        self.step1_loss = None
+        self.last_log_step, self.last_log_time, self.ckpt_at_log = step, now, self.clock.checkpoint_s
+        self.loop_time = self.clock.train_s(now)
+        self.clock.log_step(step, now)
 
         per_device_samples = (step - self.start_step) * self.samples_per_step // self.world_size
         per_device_tokens = per_device_samples * self.seq_len
@@ -178,7 +200,25 @@ class Recorder(pl.Callback):
         rates = self.throughput.compute()
         if trainer.global_rank != 0:
             return
+        self._keep_peaks(gathered)
+        if self.on_log is not None:
+            self.on_log(self.span(step))
         self._publish(trainer, step, self._row(trainer, gathered, rates))
+
+    def _keep_peaks(self, gathered: torch.Tensor) -> None:
+        """Rank 0: every rank's RSS at this log step, kept as a running max; and the first
+        loss, step 1's (mean over ranks), when this window held step 1."""
+        col = {name: i for i, name in enumerate(_FIELDS)}
+        rss = [float(x) for x in gathered[:, col["rss_gb"]]]
+        prev = self.peak_rss_per_rank or rss
+        self.peak_rss_per_rank = [max(a, b) for a, b in zip(prev, rss, strict=False)] if len(prev) == len(rss) else rss
+        step1 = gathered[:, col["step1_loss"]]
+        if self.first_loss is None and not bool(step1.isnan().any()):
+            self.first_loss = float(step1.mean())
+
+    def span(self, step: int) -> dict[str, Any]:
+        """This attempt's span so far (world_history.json)."""
+        return self.clock.span(step, self.samples_per_step, self.seq_len)
 
     def _row(self, trainer: pl.Trainer, gathered: torch.Tensor, rates: dict[str, float]) -> dict[str, float]:
         """The metrics of one log step (metric names: DESIGN.md) from every rank's vector."""
@@ -251,10 +291,11 @@ class Recorder(pl.Callback):
         if trainer.global_step > self.last_log_step:
             self._log(trainer, pl_module)
         self._sync(pl_module)
-        self.loop_time = time.perf_counter() - self.loop_start - self.val_time
+        self.clock.step_done(trainer.global_step, self._ckpt_seconds())
+        self.loop_time = self.clock.train_s()
         if trainer.global_rank == 0:
             log.info(f"training loop ended at step {trainer.global_step}: {self.loop_time:.3f} s training, "
-                     f"{self.val_time:.3f} s validation")
+                     f"{self.clock.validation_s:.3f} s validation, {self.clock.checkpoint_s:.3f} s checkpoints")
 
     def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """This rank's peaks, for summary.json (gathered by the worker)."""
@@ -264,27 +305,26 @@ class Recorder(pl.Callback):
             peak_gpu = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
         return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu}
 
-    def throughput_summary(self, trainer: pl.Trainer, peak_flops: float | None) -> dict[str, Any]:
-        steps = trainer.global_step - self.start_step
-        t = self.loop_time
-        samples = steps * self.samples_per_step
+    def rates(self, samples: int, seconds: float, peak_flops: float | None) -> dict[str, Any]:
+        """samples/s, tokens/s, TFLOP/s per device and MFU of `samples` trained in `seconds`
+        (an MFU above 1 is an error, not a number: the profile's peak is wrong)."""
         tokens = samples * self.seq_len
+        ok = seconds > 0 and samples > 0
         out: dict[str, Any] = {
-            "samples_per_sec": samples / t if t > 0 else None,
-            "tokens_per_sec": tokens / t if t > 0 and self.token_data else None,
+            "samples_per_sec": samples / seconds if ok else None,
+            "tokens_per_sec": tokens / seconds if ok and self.token_data else None,
             "tflops_per_device": None,
             "mfu": None,
             "mfu_error": None,
         }
-        if self.flops_per_token and t > 0:
-            per_device = tokens * self.flops_per_token / self.world_size / t
-            out["tflops_per_device"] = per_device / 1e12
-            value = mfu(tokens / t, self.flops_per_token, peak_flops, self.world_size)
+        if self.flops_per_token and ok:
+            out["tflops_per_device"] = tokens * self.flops_per_token / self.world_size / seconds / 1e12
+            value = mfu(tokens / seconds, self.flops_per_token, peak_flops, self.world_size)
             err = mfu_error(value, peak_flops)
             if err and self.mfu_error is None:
                 log.error(err)
             out["mfu_error"] = err or self.mfu_error
-            out["mfu"] = None if out["mfu_error"] else value  # an impossible MFU is an error, not a number
+            out["mfu"] = None if out["mfu_error"] else value
         return out
 
     def attempt(self) -> dict[str, Any]:

@@ -13,6 +13,9 @@ class TrackingConfig:
     mode: str = "offline"             # wandb mode: offline | online (needs an API key) | disabled
     project: str = "loom"
     entity: str | None = None
+    # steps before the steady-state window of summary.json `throughput` (null: the first
+    # logged window; any window with a compile in it is left out too: loom.tracking.clock)
+    warmup_steps: int | None = None
 
 
 SCHEMAS: dict[str, type] = {"*": TrackingConfig}

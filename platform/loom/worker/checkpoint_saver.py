@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,8 @@ class Checkpointing(pl.Callback):
         self._last_saved = -1
         self._step_at_batch_start = -1
         self._pending: Path | None = None  # saved, not yet renamed into place (checkpoint.async)
+        self._pending_since = 0.0
+        self.seconds = 0.0  # training time spent in saves (waits for a background save included)
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -140,6 +143,7 @@ class Checkpointing(pl.Callback):
         """Write `step-N.ckpt.partial` on every rank; it becomes `step-N.ckpt` (and `last`) once
         complete: now, or under `checkpoint.async` when the next save starts, when training
         ends or on preemption (`finish_pending`)."""
+        started = time.perf_counter()
         self.finish_pending(trainer)
         final = checkpoints.step_path(self.run_dir, step)
         partial = final.with_name(final.name + ".partial")
@@ -150,10 +154,14 @@ class Checkpointing(pl.Callback):
                 lg.save()
         trainer.strategy.barrier("loom-checkpoint-start")
         trainer.save_checkpoint(str(partial))
-        self._pending = final
+        self._pending, self._pending_since = final, started
         self._last_saved = step
         if not trainer.strategy.async_checkpoints:
             self.finish_pending(trainer)
+        elif trainer.is_global_zero:
+            log.info(f"checkpoint step {step}: writing in the background "
+                     f"(training resumed after {time.perf_counter() - started:.2f} s)")
+        self.seconds += time.perf_counter() - started
         return final
 
     def finish_pending(self, trainer: pl.Trainer) -> None:
@@ -173,6 +181,9 @@ class Checkpointing(pl.Callback):
             atomic_symlink(final.name, final.parent / "last.ckpt")
             for old in checkpoints.complete_checkpoints(self.run_dir)[self.keep_last:]:
                 checkpoints.remove(old)
+            if trainer.strategy.async_checkpoints:
+                log.info(f"checkpoint {final.name} complete: {time.perf_counter() - self._pending_since:.2f} s "
+                         "from the start of its save")
         trainer.strategy.barrier("loom-checkpoint-done")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

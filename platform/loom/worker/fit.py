@@ -64,7 +64,9 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             peak_flops_per_device=plan.peak_flops_per_device,
             world_size=layout.world,
             token_data=data.is_token_data(cfg.dataset),
+            warmup_steps=cfg.tracking.get("warmup_steps"),
         )
+        recorder.checkpointing = saver  # its save time is not training time
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress)]
         progress.phase = "building the trainer"
@@ -72,6 +74,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
 
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
+        recorder.on_log = run.record_span
         run.summary["resumed_from_step"] = checkpoints.step_of(resume)
         run.summary["init_from"] = cfg.model.get("init_from")
         run.summary["extended_from_steps"] = frozen_plan.get("extended_from_steps")

@@ -149,6 +149,9 @@ def _file_log(message: str) -> None:
 def forked_rank(run_dir: str) -> int:
     """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
     a finished one from its return value, as for `python -m loom.worker`."""
+    from loom.worker.preload import adopt_rank
+
+    adopt_rank()
     rc = run(Path(run_dir))
     if rc:
         sys.exit(rc)

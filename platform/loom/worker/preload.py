@@ -4,10 +4,16 @@ that Lightning pulls in) and the worker's own modules. Each rank would otherwise
 it again, all ranks at once on the same cores.
 
 Nothing here may start a thread or initialize CUDA: a process forked after either is broken
-(a held lock, a CUDA context the child cannot use). `cuda_untouched` checks the second.
+(a held lock, a CUDA context the child cannot use). `cuda_untouched` checks the second. And a
+module that read the rank from the environment at import read the forkserver's, which has
+none: `adopt_rank` gives each forked rank its own (Lightning's `rank_zero_only`, which would
+otherwise let every rank start a wandb run before the strategy sets it).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytorch_lightning  # noqa: F401
 import torch
@@ -23,3 +29,17 @@ from loom.tracking import recorder  # noqa: F401
 def cuda_untouched() -> bool:
     """Whether this process can still fork ranks that use CUDA."""
     return not torch.cuda.is_initialized()
+
+
+# Modules whose `rank_zero_only.rank` was set from RANK / LOCAL_RANK when they were imported.
+_RANK_AT_IMPORT = {"lightning_utilities.core.rank_zero": "RANK", "lightning_fabric.utilities.rank_zero": "RANK",
+                   "pytorch_lightning.utilities.rank_zero": "RANK", "torchmetrics.utilities.prints": "LOCAL_RANK"}
+
+
+def adopt_rank() -> None:
+    """In a forked rank, once torchrun's variables are in os.environ: what the preloaded modules
+    took from the environment at import, taken again from this rank's."""
+    for name, key in _RANK_AT_IMPORT.items():
+        only = getattr(sys.modules.get(name), "rank_zero_only", None)
+        if only is not None:
+            only.rank = int(os.environ.get(key, 0))

@@ -105,30 +105,46 @@ class RunResults:
             return stats.unsqueeze(0)
         return trainer.strategy.all_gather(stats.to(module.device)).reshape(world, -1).cpu()
 
+    def record_span(self, span: dict) -> None:
+        """Rank 0, at every log step: this attempt's span so far into world_history.json, so
+        the run's totals keep it even if this process is killed before `write`."""
+        from loom.rundir.world_history import update_attempt
+
+        update_attempt(self.run_dir, {**span, "status": "running", "launch_time": self.launch_time})
+
     def write(self, trainer) -> None:
-        """Rank 0: summary.json (whatever the status) and the plots."""
+        """Rank 0: summary.json (whatever the status) and the plots. Steps trained, samples,
+        tokens, times and rates are the whole run's: every attempt's span added up."""
         if self.rank != 0:
             return
+        from loom.rundir.world_history import read_history, run_totals, update_attempt
+
         step, rec = trainer.global_step, self.recorder
         attempt = rec.attempt()
-        samples = step * self.layout.global_batch(self.cfg.dataset.batch_size, self.cfg.trainer.accumulate_grad_batches)
+        if rec.clock.loop_start:
+            update_attempt(self.run_dir, {**rec.span(step), "status": self.status, "launch_time": self.launch_time})
+        history = read_history(self.run_dir)
+        total = run_totals(history)
         self.summary.update(
             status=self.status,
             global_step=step,
-            samples=samples,
-            tokens=samples * self.spec.items_per_sample,
-            wall_time_s=round(time.time() - self.launch_time, 3),
-            train_time_s=round(rec.loop_time, 3),
+            steps_trained=total["steps"],
+            samples=total["samples"],
+            tokens=total["tokens"],
+            wall_time_s=total["wall_s"] or round(time.time() - self.launch_time, 3),
+            train_time_s=round(total["train_s"], 3),
+            time={**{k: total[k] for k in ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "train_s")},
+                  "wall_s": total["wall_s"] or round(time.time() - self.launch_time, 3)},
             final_loss=rec.final_loss,
             first_loss=self._first_loss(),
             validation=rec.validation or self._earlier("validation"),
             restarts=max(self.summary["restarts"], attempt["restarts"]),
-            throughput=rec.throughput_summary(trainer, self.plan.peak_flops_per_device),
+            throughput=self._throughput(total),
             utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},
+            attempts=history,
+            world_history=history,
         )
-        from loom.rundir.world_history import read_history
-
-        self.summary["world_history"] = read_history(self.run_dir)
+        self._sampled_memory()
         write_summary(self.run_dir, self.summary)
         try:
             from loom.tracking.plots import write_plots
@@ -136,3 +152,25 @@ class RunResults:
             write_plots(self.run_dir)
         except Exception as e:  # plots are a convenience: never fail (or mask a failure of) a run
             log.warning(f"plots not written: {type(e).__name__}: {e}")
+
+    def _throughput(self, total: dict) -> dict:
+        """Steady-state rates (the steady windows of every attempt; the whole run's when no
+        window was steady, e.g. a run shorter than its first log window), and beside them
+        `overall`: every trained sample over all training time, compile and warm-up included."""
+        peak, rec = self.plan.peak_flops_per_device, self.recorder
+        overall = rec.rates(total["samples"], total["train_s"], peak)
+        steady = rec.rates(total["steady_samples"], total["steady_train_s"], peak) if total["steady_samples"] else None
+        return {**(steady or overall), "steady": steady is not None, "steady_from_step": rec.clock.steady_step,
+                "overall": {k: overall[k] for k in ("samples_per_sec", "tokens_per_sec", "tflops_per_device", "mfu")}}
+
+    def _sampled_memory(self) -> None:
+        """A preempted or failed run's memory: each rank's RSS as sampled at its log steps
+        (rank 0's own peak exactly); a completed run has the exact peaks (`completed`)."""
+        mem = self.summary["memory"]
+        if mem["peak_rss_gb_per_rank"] is not None or not self.recorder.peak_rss_per_rank:
+            return
+        import resource
+
+        per_rank = list(self.recorder.peak_rss_per_rank)
+        per_rank[0] = max(per_rank[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        mem["peak_rss_gb_per_rank"] = [round(x, 4) for x in per_rank]
