@@ -147,6 +147,10 @@ def sigkill_one_worker_after(proc: subprocess.Popen, run_dir: Path, step: int, r
     s = r.summary()
     assert s["status"] == "completed" and s["restarts"] == 1
     assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= step
+    # one line of Loom's says which rank died, how, and where the ranks resume
+    said = re.search(r"loom: local rank (\d+) \(pid \d+\) was killed by SIGKILL: torchrun restarts this node's "
+                     r"ranks \(1 of \d+ restarts left\); they resume from (\S+)", r.out)
+    assert said and int(said[1]) == ranks - 1 and re.search(r"/checkpoints/step-\d{7}\.ckpt$", said[2]), r.out
     # the totals cover both attempts: the killed one's span (to its last log step) counts
     killed, restarted = s["attempts"]
     assert killed["end_step"] >= step and killed["train_s"] > 0 and restarted["start_step"] == s["resumed_from_step"]

@@ -150,6 +150,7 @@ def test_preempted_run_shrinks_to_one_rank_then_grows_back(elastic, strategy):
     assert shrunk.rc == 0, shrunk.out + shrunk.err
     assert f"World change: 2 -> 1 rank(s) from step {stopped}" in shrunk.out
     assert "trainer.accumulate_grad_batches 1 -> 2 keeps trainer.global_batch_size=4" in shrunk.out
+    assert "; global batch 4 (2 x 2 accumulated x 1 ranks)" in shrunk.out  # what it trains, not 2 x 1
     assert grown.rc == 0, grown.out + grown.err
     s = grown.summary()
     assert s["status"] == "completed" and s["global_step"] == STEPS and s["world_size"] == 2

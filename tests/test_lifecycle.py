@@ -52,11 +52,14 @@ class Gated(pl.LightningModule):
 
 
 class Broken(nn.Module):
-    """A configuration error only the constructor knows about."""
+    """A code error only the first forward finds: its input width is not the data's (64)."""
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        raise TypeError(f"width={width} must be a multiple of 64")
+        self.net = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.net(x)
 '''
 # No torch at import: validation binds the arguments of `make_net` in well under a second.
 FACTORY = "def make_net(width: int = 16):\n    from torch import nn\n\n    return nn.Linear(width, width)\n"
@@ -185,23 +188,50 @@ def test_a_typo_in_a_constructor_argument_is_refused_at_validation(root, loom):
 @pytest.mark.launch
 @pytest.mark.slow
 def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
-    """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise TypeError
-    while the model is built; exit 1 after one attempt, the console holds one paragraph."""
+    """2 processes under torchrun (hardware=cpu allows one restart): both ranks raise torch's
+    shape-mismatch RuntimeError in the first forward (a code error, not a flaky one); exit 1
+    after one attempt, the console holds one paragraph. (The other classes: test below.)"""
     r = run_loom("train", *BASE, "hardware=cpu", "hardware.max_restarts=1",
                  "model.module._target_=lifecycle_models.Broken", "run.id=broken", root=root, timeout=240)
     assert r.rc == 1, r.out + r.err
     assert "Traceback" not in r.out + r.err and "ChildFailedError" not in r.err
     paragraph = [line for line in r.err.splitlines() if not line.startswith("warning:")]
     assert len(paragraph) == 1, r.err
-    assert "TypeError: width=16 must be a multiple of 64" in paragraph[0] and "rank 0" in paragraph[0]
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in paragraph[0], paragraph[0]
+    assert "rank 0" in paragraph[0] or "rank 1" in paragraph[0]
     assert "lifecycle_models.py:" in paragraph[0] and "Not restarted" in paragraph[0]
     logs = r.run_dir / "logs"
     assert f"Full traceback: {logs / 'rank-0.log'}" in paragraph[0]
     error = r.summary()["error"]
     assert r.summary()["status"] == "failed"
-    assert error["type"] == "TypeError" and error["rank"] == 0 and error["step"] == 0
-    assert error["message"] == "width=16 must be a multiple of 64" and error["log"] == str(logs / "rank-0.log")
+    assert error["type"] == "RuntimeError" and error["step"] == 0
+    assert "shapes cannot be multiplied" in error["message"] and error["log"] == str(logs / f"rank-{error['rank']}.log")
     for rank in (0, 1):  # one attempt per rank, its traceback in its own log
         text = (logs / f"rank-{rank}.log").read_text()
         assert text.count("started, attempt") == 1 and "attempt 1" not in text
-        assert "Traceback" in text and "TypeError" in text
+        assert "Traceback" in text and "RuntimeError" in text
+
+
+@pytest.mark.parametrize(("exc", "code_error"), [
+    (TypeError("width=16 must be a multiple of 64"), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x64 and 16x10)"), True),
+    (RuntimeError("expected scalar type Float but found Half"), True),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled system error, dimension 3"), False),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:29500"), False),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+])
+def test_a_failure_before_step_1_is_restarted_only_if_it_may_pass_next_time(tmp_path, monkeypatch, exc, code_error):
+    """A code error (config-like types, a tensor shape or dtype that does not fit) exits 0 under
+    torchrun (no restart, the record says why); a communication or memory error exits 1 (restart)."""
+    from loom.rundir.failures import read_failures
+    from loom.worker.failure import Progress, record_failure
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "logs").mkdir()
+    rc = record_failure(tmp_path, 0, exc, Progress())
+    assert rc == (0 if code_error else 1)
+    record = read_failures(tmp_path, 0)[-1]
+    assert record["deterministic"] is code_error and record["type"] == type(exc).__name__
+    after_step_1 = Progress(trainer=type("T", (), {"global_step": 5})())
+    assert record_failure(tmp_path, 0, exc, after_step_1) == 1  # after the first step: always restarted

@@ -79,6 +79,7 @@ def test_killed_worker_on_one_node_restarts_both_nodes_and_resumes(tmp_path):
     assert list((tmp_path / "gpt").iterdir()) == [run_dir]  # one run dir for both nodes
     for out in outs:  # each launcher says which node it is (a fixed size), and ends with the summary
         assert "one of 2 node(s) x 1 process(es)" in out and f"run dir: {run_dir}" in out
+        assert "Starting run mr" in out and "Resuming run" not in out, out  # a fresh run, on both nodes
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["status"] == "completed" and s["global_step"] == steps and s["restarts"] == 1
     assert s["resumed_from_step"] is not None and s["resumed_from_step"] >= 4
@@ -152,3 +153,39 @@ def test_an_elastic_run_sizes_its_mesh_from_the_world_torchrun_formed():
     strategy = build_strategy(cfg, formed)
     assert strategy._data_parallel_size == 2 and strategy._tensor_parallel_size == 1
     assert not strategy.loom_layout.hybrid
+
+
+def test_the_agents_stderr_keeps_cpp_traces_off_the_console_and_says_a_restart(tmp_path):
+    """What torch writes to the agent's stderr at a lost rank and at a multi-node shutdown: the
+    C++ store trace goes to the log only; the failure and restart become one line of Loom's."""
+    import io
+
+    from loom.launch.console import StderrFilter
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / "step-0000004.ckpt").write_bytes(b"x")
+    (ckpts / "last.ckpt").symlink_to("step-0000004.ckpt")
+    lines = [
+        b"[W1123 22:29:11.220000000 TCPStore.cpp:125] [c10d] recvValue failed on SocketImpl(fd=7)\n",
+        b"Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:670 "
+        b"(most recent call first):\n",
+        b"frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f in libc10.so)\n",
+        b"E1123 22:29:12.000000 99 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+        b"(exitcode: -9) local_rank: 1 (pid: 4242) of fn: forked_rank (start_method: forkserver)\n",
+        b"I1123 22:29:12.100000 99 torch/distributed/elastic/agent/server/api.py:944] [default] Worker group "
+        b"FAILED. 1/1 attempts left; will restart worker group\n",
+        b"UserWarning: a library's own warning\n",
+    ]
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as w:
+        w.writelines(lines)
+    console = io.StringIO()
+    with os.fdopen(read, "rb") as pipe:
+        f = StderrFilter(pipe, tmp_path / "logs" / "agent.log", console=console, run_dir=tmp_path).start()
+        f.join()
+    assert console.getvalue().splitlines() == [
+        "loom: local rank 1 (pid 4242) was killed by SIGKILL: torchrun restarts this node's ranks "
+        f"(1 of 1 restarts left); they resume from {ckpts / 'step-0000004.ckpt'}",
+        "UserWarning: a library's own warning"]
+    assert (tmp_path / "logs" / "agent.log").read_bytes() == b"".join(lines)  # the log keeps every line

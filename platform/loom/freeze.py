@@ -179,7 +179,11 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
                 f"{'; '.join(diff)}. "
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
-        return Frozen(run_dir, rid, "completed" if is_completed(run_dir, cfg) else "resume")
+        if is_completed(run_dir, cfg):
+            return Frozen(run_dir, rid, "completed")
+        return Frozen(run_dir, rid, "resume", None if _has_progress(run_dir) else
+                      f"Starting run {rid} in {run_dir} (from step 0: no checkpoint yet; another node "
+                      "of this run, or an earlier launch, froze it)")
     if cfg.trainer.get("global_batch_size") is None:  # the run's from now on, at any world
         cfg.trainer.global_batch_size = int(plan.global_batch)
     check_elastic_range(cfg)
@@ -198,6 +202,14 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         ) from None
     note = continuable_sibling(run_dir, cfg) if auto_id else None
     return Frozen(run_dir, rid, "new", f"Starting run {rid} in {run_dir}\n{note}" if note else None)
+
+
+def _has_progress(run_dir: Path) -> bool:
+    """Whether a frozen run has anything to resume from (a checkpoint) or to report (a summary):
+    the second node of a fresh multi-node run finds only the first node's config.yaml."""
+    from loom.rundir.checkpoints import complete_checkpoints
+
+    return bool(complete_checkpoints(run_dir)) or (run_dir / "summary.json").exists()
 
 
 def continuable_sibling(run_dir: Path, cfg: DictConfig, limit: int = 200) -> str | None:

@@ -57,4 +57,7 @@ def summary_line(cfg: DictConfig, train, val, dp: int) -> str:
         size = f"{total:,} tokens -> {len(train):,} train / {n_val:,} val windows of {ds.seq_len} tokens"
     else:
         size = f"{len(train):,} train / {n_val:,} val samples"
-    return f"dataset {ds.name}: {source(cfg)}, {size}; global batch {ds.batch_size} x {dp}"
+    accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    batch = (f"{ds.batch_size * accumulation * dp} ({ds.batch_size} x {accumulation} accumulated x {dp} ranks)"
+             if accumulation > 1 else f"{ds.batch_size} x {dp}")
+    return f"dataset {ds.name}: {source(cfg)}, {size}; global batch {batch}"

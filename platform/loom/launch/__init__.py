@@ -190,7 +190,7 @@ def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path, death: signal
     linux = sys.platform.startswith("linux")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=(lambda: _die_with_launcher(death)) if linux else None)
-    output = StderrFilter(proc.stderr, agent_log(run_dir)).start()
+    output = StderrFilter(proc.stderr, agent_log(run_dir), run_dir=run_dir).start()
     stopping: list[int] = []
 
     def forward(signum, frame) -> None:

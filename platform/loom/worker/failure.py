@@ -2,8 +2,11 @@
 
 Deterministic failures are not restarted. A config-like exception (TypeError, ValueError,
 ImportError, AttributeError, KeyError, NotImplementedError, ConfigError; the root cause when
-Hydra wraps it) raised before this attempt's first optimizer step is a configuration or code
-error: a restart would only repeat it. torchrun restarts a worker group whenever a worker
+Hydra wraps it), or a RuntimeError that says a shape, size or dtype does not fit (a user's
+module: "mat1 and mat2 shapes cannot be multiplied"), raised before this attempt's first
+optimizer step is a configuration or code error: a restart would only repeat it. A
+communication error (torch's DistError family, NCCL/Gloo, a store or socket) or an
+out-of-memory error is not, whatever its message says. torchrun restarts a worker group whenever a worker
 exits non-zero (`--max-restarts`) and has no "do not restart" exit code, so such a rank writes
 its record and exits 0; the group then ends without a restart, and the launcher, seeing the
 record (loom.rundir.failures), reports the failure and exits 1. A rank whose own error is not
@@ -15,6 +18,7 @@ failure after step 1) exits 1, and torchrun restarts the group from the last che
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -27,6 +31,11 @@ from loom.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from loom.rundir.failures import read_failures, write_failure
 
 CONFIG_LIKE = (TypeError, ValueError, ImportError, AttributeError, KeyError, NotImplementedError, ConfigError)
+# torch's RuntimeError messages for tensors that do not fit together (shapes, sizes, dtypes).
+_MISFIT = re.compile(r"shape|size mismatch|sizes? of tensors|must match the size|dimension|dtype|scalar type|"
+                     r"expected .* but (got|found)|view size is not compatible|index .* out of (range|bounds)", re.I)
+_TRANSIENT = re.compile(r"nccl|gloo|c10d|socket|connection|timed? ?out|store|out of memory|cuda error|"
+                        r"peer|broken pipe", re.I)
 PEER_WAIT_S = 2.0  # how long a non-config failure waits for a peer's deterministic record
 _LOOM = str(Path(__file__).resolve().parents[1])
 _LIBRARY = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
@@ -46,6 +55,16 @@ class Progress:
 
     def before_first_step(self) -> bool:
         return self.step() <= self.start_step
+
+
+def is_code_error(exc: BaseException) -> bool:
+    """A configuration or code error: the same inputs raise it again (see the module docstring)."""
+    if isinstance(exc, CONFIG_LIKE):
+        return True
+    if not isinstance(exc, RuntimeError) or type(exc).__name__.startswith(("Dist", "OutOfMemory")):
+        return False
+    text = str(exc)
+    return bool(_MISFIT.search(text)) and not _TRANSIENT.search(text)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -94,7 +113,7 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException, progress: Progr
     log_path = run_dir / "logs" / f"rank-{rank}.log"
     _log_traceback(log_path, rank, exc)
     cause = root_cause(exc)
-    deterministic = isinstance(cause, CONFIG_LIKE) and progress.before_first_step()
+    deterministic = is_code_error(cause) and progress.before_first_step()
     collateral = not deterministic and _peer_failed_deterministically(run_dir, progress)
     message = " ".join(str(cause).split()) or repr(cause)
     record = {
