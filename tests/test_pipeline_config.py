@@ -4,6 +4,8 @@ static schedule table matches the installed torch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import refused
 from omegaconf import OmegaConf
@@ -21,9 +23,9 @@ CPU = ["hardware=cpu", "model=gpt_tiny"]
     (["strategy=nd", "strategy.dp_shard=-1", "strategy.pp=3", "hardware.devices=4"],
      ["strategy.dp_shard=-1", "multiply to 3", "valid products: 1, 2, 4"]),
     (["strategy=pp", "hardware.devices=4"],
-     ["strategy.pp=4", "model.n_layer=2", "strategy.pp <= 2"]),
+     ["strategy.pp=4", "model.n_layer=2", "use model.n_layer=4"]),
     (["strategy=pp", "hardware.devices=2", "strategy.pp_schedule=interleaved_1f1b"],
-     ["strategy.pp=2", "4 pipeline stages", "2 per rank", "strategy.pp <= 1"]),
+     ["strategy.pp=2", "4 pipeline stages", "2 per rank", "use model.n_layer=4", "strategy.pp_schedule=1f1b"]),
     (["strategy=pp", "hardware.devices=2", "model.n_layer=4", "strategy.pp_microbatches=1"],
      ["strategy.pp_microbatches=1", "valid: >= 2"]),
     (["strategy=pp", "hardware.devices=2", "strategy.pp_microbatches=3", "dataset.batch_size=8"],
@@ -41,6 +43,55 @@ def test_bad_degrees_refused(tmp_path, args, needles):
     err = refused(tmp_path, *CPU, *args)
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+# A refusal whose message names a fix, and that fix: applied, the config must be accepted.
+HINTS = [
+    (["strategy=pp", "hardware.devices=4"], ["model.n_layer=4"]),
+    (["strategy=pp", "hardware.devices=2", "strategy.pp_schedule=interleaved_1f1b"], ["model.n_layer=4"]),
+    (["strategy=pp", "hardware.devices=2", "strategy.pp_schedule=interleaved_1f1b"], ["strategy.pp_schedule=1f1b"]),
+    (["strategy=nd", "strategy.dp_shard=-1", "strategy.tp=3", "hardware.devices=6"], ["strategy.tp=2"]),
+    (["strategy=pp", "hardware.devices=2", "model.n_layer=4", "strategy.pp_microbatches=1"],
+     ["strategy.pp_microbatches=2"]),
+    (["strategy=pp", "hardware.devices=2", "strategy.pp_microbatches=3", "dataset.batch_size=8"],
+     ["strategy.pp_microbatches=4"]),
+    (["strategy=fsdp_tp", "hardware.devices=2", "strategy.tensor_parallel=3"], ["strategy.tensor_parallel=2"]),
+    (["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=3"], ["strategy.tensor_parallel=4"]),
+]
+
+
+@pytest.mark.parametrize("args, fix", HINTS)
+def test_a_suggested_fix_is_accepted(tmp_path, args, fix):
+    from loom.pipeline import resolve
+
+    err = refused(tmp_path, *CPU, *args)
+    key, _, value = fix[0].partition("=")
+    assert re.search(rf"{re.escape(key)}(=|: |.*valid.*\b){re.escape(value)}\b|valid choices: .*\b{value}\b", err), err
+    resolve([*CPU, *args, *fix])  # no ConfigError
+
+
+def test_a_tensor_parallel_degree_that_cannot_split_the_heads_suggests_no_device_count(tmp_path):
+    err = refused(tmp_path, *CPU, "strategy=fsdp_tp", "hardware.devices=2", "strategy.tensor_parallel=3")
+    assert "hardware.devices=3" not in err and "cannot split model.n_head=4" in err and "valid choices: 1, 2" in err
+
+
+def test_the_plans_fewer_processes_hint_is_one_train_accepts(monkeypatch):
+    """`loom plan`'s no-fit hint on CPU names at most what `loom train` starts on this machine,
+    even where host memory alone would allow far more processes."""
+    from loom.errors import ConfigError
+    from loom.hardware import machine
+    from loom.pipeline import resolve
+    from loom.plan import render
+
+    limit = machine.cpu_process_limit()
+    monkeypatch.setattr(render, "_cpu_host_need", lambda _plan: 2**30)  # 1 GB per process
+    text = render._no_fit_hint({"accelerator": "cpu", "host_capacity_bytes": 100 * limit * 2**30,
+                                "devices_per_node": 10 * limit})
+    most = int(re.search(r"hardware.devices<=(\d+)", text)[1])
+    assert most == limit
+    machine.check_machine(resolve(["hardware=cpu", f"hardware.devices={most}"]))
+    with pytest.raises(ConfigError, match=f"hardware.devices<={limit}"):
+        machine.check_machine(resolve(["hardware=cpu", f"hardware.devices={most + 1}"]))
 
 
 def _cfg(**strategy) -> object:

@@ -160,7 +160,7 @@ def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
             )
     else:
         cores = usable_cores()
-        limit = 4 * cores
+        limit = cpu_process_limit()
         if hw.devices > limit:
             raise ConfigError(
                 f"Invalid config: hardware.devices={hw.devices} CPU processes on a machine with "
@@ -186,3 +186,9 @@ def _check_submit(cfg: DictConfig, dry_run: bool) -> None:
         "with `sbatch`, which is not on PATH here. Run `loom train` on a SLURM login node, or add "
         "--dry-run (`loom train --dry-run hardware=slurm ...`) to only write <run>/slurm/job.sbatch "
         "and print the sbatch command that submits it.")
+
+
+def cpu_process_limit() -> int:
+    """The most CPU processes `loom train` starts on this machine (more would thrash its cores);
+    the plan's hints suggest no more."""
+    return 4 * usable_cores()

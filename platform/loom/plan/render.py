@@ -127,7 +127,10 @@ def _no_fit_hint(plan: dict[str, Any]) -> str:
     """What to change when no strategy fits: on CPU every process costs host memory, so fewer
     of them (more devices would make it worse); on GPUs more devices shard the states."""
     if plan["accelerator"] != "gpu" and plan.get("host_capacity_bytes"):
-        most = int(plan["host_capacity_bytes"] // _cpu_host_need(plan))
+        from loom.hardware.machine import cpu_process_limit
+
+        # no more than `loom train` accepts here (it refuses more CPU processes than the cores take)
+        most = min(int(plan["host_capacity_bytes"] // _cpu_host_need(plan)), cpu_process_limit())
         fewer = f"hardware.devices<={most}, " if 1 <= most < plan["devices_per_node"] else ""
         return (f"use fewer processes per node ({fewer}each holds its own runtime), more host memory "
                 "(hardware.host_memory_gb), a smaller model or a smaller dataset.batch_size")

@@ -102,10 +102,17 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool
     s, hw, model = cfg.strategy, cfg.hardware, cfg.model
     tp = s.tensor_parallel
     require(tp >= 1, "strategy.tensor_parallel", tp, "must be a positive integer (>= 1)")
+    heads = model.get("n_head") if is_gpt else None
+
+    def whole_heads(d: int) -> bool:  # each tensor-parallel rank holds whole heads
+        return heads is None or heads % d == 0
+
+    keep = (f"; or keep it and use hardware.devices={', '.join(str(tp * k) for k in range(1, 5))}, ..."
+            if whole_heads(tp) else f" ({tp} cannot split model.n_head={heads} heads either)")
     require(hw.devices % tp == 0, "strategy.tensor_parallel", tp,
-            f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); "
-            f"valid choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0)}; "
-            f"or keep it and use hardware.devices={', '.join(str(tp * k) for k in range(1, 5))}, ...")
+            f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); valid "
+            f"choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0 and whole_heads(d))}"
+            + keep)
     require(layout.world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {layout.world}")
     require(is_gpt, "model.name", model.name,
             f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: gpt_*. "

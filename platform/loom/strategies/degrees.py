@@ -98,8 +98,9 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
     per_rank = PP_SCHEDULES[sched].stages_per_rank
     require(stages <= model.n_layer, "strategy.pp", pp,
             f"{stages} pipeline stages ({pp} ranks x {per_rank} per rank under pp_schedule={sched}) need at "
-            f"least as many blocks, but model.n_layer={model.n_layer}; valid: strategy.pp <= "
-            f"{model.n_layer // per_rank}")
+            f"least as many blocks, but model.n_layer={model.n_layer}: use model.n_layer={stages} (or more)"
+            + (f", or strategy.pp_schedule=1f1b (one stage per rank: {pp} blocks)" if per_rank > 1 and pp <= model.n_layer
+               else "") + ("" if s.pp == -1 else f", or strategy.pp <= {model.n_layer // per_rank}"))
     mb = microbatches_of(s, pp)
     require(mb >= pp, "strategy.pp_microbatches", mb,
             f"fewer microbatches than the {pp} pipeline ranks (strategy.pp={pp}) leaves stages idle every "
