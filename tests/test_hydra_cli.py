@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ def exact_dir_run(tmp_path_factory):
     tracking=none; run again with the `run.dir` alias (the same run: already completed)."""
     root = tmp_path_factory.mktemp("hydra_run")
     target = root / "somewhere" / "my-run"
-    args = ("train", *TINY, "tracking=none", "hydra.verbose=loom", "trainer.gc_every_n_steps=1")
+    args = ("train", *TINY, "tracking=none", "hydra.verbose=loom", "trainer.gc_every_n_steps=1",
+            "checkpoint.every_n_steps=2")
     first = run_loom(*args, f"hydra.run.dir={target}", root=root)
     again = run_loom(*args, f"run.dir={target}", root=root)
     return root, target, first, again
@@ -60,6 +62,14 @@ def test_hydra_verbose_turns_on_debug_logs(exact_dir_run):
     _, target, first, _ = exact_dir_run
     log = (target / "logs" / "rank-0.log").read_text()
     assert " loom DEBUG: gc.collect(1) at step" in log, log[-2000:]
+    # the rank's placement of every module and its checkpoint paths; the launcher's composition,
+    # plan inputs and launch, on stderr
+    assert re.search(r" loom DEBUG: module \S*blocks\.0\.attn\S*: .* whole on cpu", log), log[-3000:]
+    assert " loom DEBUG: resume point: none (step 0)" in log
+    assert re.search(r" loom DEBUG: checkpoint complete: \S+/checkpoints/step-0000002\.ckpt", log), log[-3000:]
+    err = first.err
+    assert "DEBUG loom: composed config (before freeze):" in err and "DEBUG loom: plan inputs: {" in err
+    assert "DEBUG loom: launch: in-process (1 rank)" in err
     assert "DEBUG" not in (target / "config.yaml").read_text()  # not frozen: a resume logs at INFO
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from loom import strategies
 from loom.compose import compose
+from loom.compose.hydra_options import launcher_debug
 from loom.errors import EXIT_INFEASIBLE, EXIT_OK, ConfigError
 from loom.finish import finish, launch_mark
 from loom.freeze import freeze
@@ -58,6 +59,17 @@ def plan_run(cfg: DictConfig, show: bool) -> Plan:
     return plan
 
 
+def plan_inputs(cfg: DictConfig) -> dict:
+    """What the plan is computed from (`hydra.verbose`): the layout, the batch and the machine."""
+    hw, ds, tr = cfg.hardware, cfg.dataset, cfg.trainer
+    layout = strategies.layout_of(cfg)
+    return {"strategy": cfg.strategy.name, "world": layout.world, "parallel": layout.parallel(),
+            "model": cfg.model.name, "micro_batch": ds.batch_size, "seq_len": ds.get("seq_len"),
+            "accumulation": tr.accumulate_grad_batches, "precision": hw.precision,
+            "accelerator": hw.accelerator, "devices": hw.devices, "num_nodes": hw.num_nodes,
+            "host_memory_gb": hw.get("host_memory_gb"), "device_memory_gb": hw.get("device_memory_gb")}
+
+
 def refuse_infeasible(plan: Plan) -> int:
     print(infeasible_message(plan.to_dict()), file=sys.stderr)
     return EXIT_INFEASIBLE
@@ -66,9 +78,11 @@ def refuse_infeasible(plan: Plan) -> int:
 def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool = False) -> Outcome:
     """validate -> plan -> freeze -> launch -> finish for one run."""
     cfg = cfg if cfg is not None else resolve(overrides)
+    launcher_debug("composed config (before freeze):\n" + OmegaConf.to_yaml(cfg, resolve=False))
     tracking_checks(cfg)
     check_machine(cfg, dry_run=dry_run)
     plan = plan_run(cfg, show=False)
+    launcher_debug(f"plan inputs: {plan_inputs(cfg)}")
     if not plan.fits:
         return refuse_infeasible(plan), None, "plan infeasible"
     frozen = freeze(cfg, plan)

@@ -128,6 +128,17 @@ def debug_loggers() -> list[str]:
     return list(LOGGERS) if value == "all" else [n for n in value.split(",") if n]
 
 
+def launcher_debug(message: str) -> None:
+    """A `hydra.verbose` DEBUG line of the launcher (composition, plan inputs, the launch
+    command): on stderr, as Hydra's own debug output goes to the console. Ranks log theirs to
+    their rank logs (`apply_verbose`)."""
+    if "loom" in debug_loggers():
+        import sys
+
+        for line in message.splitlines() or [""]:
+            print(f"DEBUG loom: {line}", file=sys.stderr, flush=True)
+
+
 def apply_verbose(handlers: list[logging.Handler]) -> None:
     """Set the `hydra.verbose` loggers to DEBUG, writing to `handlers` (the rank's log file)."""
     for name in debug_loggers():

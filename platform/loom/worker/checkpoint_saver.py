@@ -153,6 +153,7 @@ class Checkpointing(pl.Callback):
             for lg in trainer.loggers:  # metrics up to this step reach disk with the checkpoint
                 lg.save()
         trainer.strategy.barrier("loom-checkpoint-start")
+        log.debug(f"checkpoint step {step}: writing {partial}")
         trainer.save_checkpoint(str(partial))
         self._pending, self._pending_since = final, started
         self._last_saved = step
@@ -179,6 +180,7 @@ class Checkpointing(pl.Callback):
                 checkpoints.remove(final)
             os.replace(partial, final)
             atomic_symlink(final.name, final.parent / "last.ckpt")
+            log.debug(f"checkpoint complete: {final} (last.ckpt -> {final.name})")
             for old in checkpoints.complete_checkpoints(self.run_dir)[self.keep_last:]:
                 checkpoints.remove(old)
             if trainer.strategy.async_checkpoints:

@@ -146,8 +146,32 @@ def _phase_callback(progress: Progress):
     class TrainingStarted(pl.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             progress.phase = "training"
+            if log.isEnabledFor(logging.DEBUG):  # hydra.verbose
+                log_placement(trainer, pl_module)
 
     return TrainingStarted()
+
+
+def log_placement(trainer, module) -> None:
+    """DEBUG lines: the device mesh, and each module's parameters as the strategy placed them
+    (a DTensor's placements on its mesh, else whole on its device; ZeRO-3's flat partitions)."""
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    log.debug(f"strategy {type(trainer.strategy).__name__}, mesh: {mesh if mesh is not None else 'none'}")
+    for name, sub in module.named_modules():
+        params = list(sub.named_parameters(recurse=False))
+        if not params:
+            continue
+        parts = []
+        for pname, p in params:
+            placements = getattr(p, "placements", None)
+            if placements is not None:
+                where = f"{tuple(p.shape)} as {tuple(map(str, placements))} on mesh {tuple(p.device_mesh.mesh_dim_names or ())}"
+            elif hasattr(p, "ds_shape"):
+                where = f"{tuple(p.ds_shape)} as ZeRO-3 partition {tuple(p.shape)}"
+            else:
+                where = f"{tuple(p.shape)} whole on {p.device}"
+            parts.append(f"{pname} {where}")
+        log.debug(f"module {name or '(root)'}: {'; '.join(parts)}")
 
 
 def quiet_library_consoles() -> None:
@@ -164,6 +188,7 @@ def _resume_point(run_dir: Path, rank: int) -> Path | None:
 
     resume = checkpoints.newest_checkpoint(run_dir)
     step = checkpoints.step_of(resume)
+    log.debug(f"resume point: {resume or 'none (step 0)'}; checkpoints dir {run_dir / 'checkpoints'}")
     if rank == 0 and step is not None:
         truncate_metrics(run_dir, step)
         log.info(f"resuming from {resume.relative_to(run_dir)} (step {step})")
