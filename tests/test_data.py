@@ -126,6 +126,29 @@ def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
         assert not (other == again).all()
 
 
+def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
+    """Two big files and val_every=20: a file split would validate on nothing, so every
+    round(1/val_fraction)-th window of the corpus is validation: deterministic, disjoint, and
+    counted before launch (the size check) as the ranks build it."""
+    from loom.data.checks import val_size
+    from loom.data.text_files import datasets as token_sets
+
+    for i in range(2):
+        (tmp_path / f"book{i}.txt").write_text(CORPUS[i % len(CORPUS)] * 200)
+    args = ["dataset=text_files", f"dataset.paths=[{tmp_path}/*.txt]", f"dataset.cache_dir={tmp_path / 'c'}",
+            "dataset.seq_len=32", "dataset.batch_size=2"]
+    for fraction, k in ((None, 20), (0.25, 4)):
+        cfg = resolve([*args, *([f"dataset.val_fraction={fraction}"] if fraction else [])])
+        train, val = token_sets(cfg)
+        n = len(train) + len(val)
+        assert len(val) == n // k and len(val) == val_size(cfg) > 0
+        assert all(bool((a == b).all()) for a, b in zip(val[0], train.base[k - 1], strict=True))
+        assert all(i % k != k - 1 for i in train.indices)
+        again_train, again_val = token_sets(cfg)
+        assert again_val.indices == val.indices and again_train.indices == train.indices
+    refused(tmp_path, *args, "dataset.val_fraction=1.5")
+
+
 def test_token_cache_is_reused_and_tokenizer_sized(tmp_path, corpus):
     from tests_helpers import make_tokenizer
 

@@ -62,7 +62,7 @@ def normalize_text_files(cfg: DictConfig) -> None:
 
 def check_text_files(cfg: DictConfig, layout: ParallelLayout) -> None:
     from loom.data.files import split
-    from loom.data.text_files import corpus_files, expand
+    from loom.data.text_files import corpus_files, expand, window_split_every
 
     ds = cfg.dataset
     if not ds.paths:
@@ -79,10 +79,16 @@ def check_text_files(cfg: DictConfig, layout: ParallelLayout) -> None:
     if total == 0:
         fail("dataset.paths", list(ds.paths), f"the corpus is empty ({len(files)} file(s), 0 bytes); "
              "point it at files with text in them")
+    fraction = ds.get("val_fraction")
+    if fraction is not None and not 0 < fraction < 1:
+        fail("dataset.val_fraction", fraction, "must be between 0 and 1 (the share of windows held out "
+             "for validation when the corpus has fewer files than dataset.val_every), or null")
     if not ds.tokenizer:  # byte-level: the sequence count is known now
-        train, _ = split(files, ds.val_every)
+        k = window_split_every(ds, len(files))
+        train, _ = split(files, ds.val_every if k is None else 0)
         n_bytes = sum(f.stat().st_size + 1 for f in train)
         seqs, need = max(0, (n_bytes - 1) // ds.seq_len), ds.batch_size * layout.dp
+        seqs -= seqs // k if k else 0
         if seqs < need:
             fail("dataset.paths", list(ds.paths),
                  f"the training corpus ({n_bytes:,} bytes in {len(train)} file(s)) packs into {seqs} "
@@ -179,9 +185,14 @@ def val_size(cfg: DictConfig) -> int | None:
     if ds.name in ("text_files", "tinycode"):
         from loom.data.files import split
         from loom.data.text_files import corpus_files as text_corpus
+        from loom.data.text_files import window_split_every
         from loom.data.tinycode import corpus_files as code_corpus
 
         files = text_corpus(list(ds.paths), ds.max_bytes) if ds.name == "text_files" else code_corpus(ds.max_bytes)
+        k = window_split_every(ds, len(files))
+        if k is not None:  # every k-th window of the whole corpus
+            n_bytes = sum(f.stat().st_size + 1 for f in files)
+            return None if ds.tokenizer else max(0, (n_bytes - 1) // ds.seq_len) // k
         _, val = split(files, every)
         if not val or ds.tokenizer:
             return 0 if not val else None

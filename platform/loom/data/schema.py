@@ -24,6 +24,9 @@ class TextFilesDatasetConfig:
     paths: list[str] = field(default_factory=list)  # files or glob patterns (`**` recursive)
     max_bytes: int | None = None      # cap on the corpus size (first files in sorted order)
     val_every: int = 20               # every Nth file goes to validation (0: none)
+    # fewer files than val_every: this fraction of the windows is validation (every
+    # round(1/val_fraction)-th window; null: 1/val_every)
+    val_fraction: float | None = None
     tokenizer: str | None = None
     cache_dir: str | None = None
 

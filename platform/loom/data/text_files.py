@@ -24,9 +24,24 @@ def corpus_files(patterns: list[str], max_bytes: int | None = None) -> list[Path
     return first_bytes(files, max_bytes)
 
 
+def window_split_every(ds: DictConfig, n_files: int) -> int | None:
+    """k when validation is every k-th window (fewer files than val_every), else None."""
+    if ds.name != "text_files" or ds.val_every <= 1 or n_files >= ds.val_every:
+        return None
+    fraction = ds.get("val_fraction") or 1.0 / ds.val_every
+    return max(2, round(1.0 / fraction))
+
+
 def datasets(cfg: DictConfig):
-    """(train, val) token windows, tokenized into the cache on first use."""
-    from loom.data.tokens import file_token_datasets
+    """(train, val) token windows, tokenized into the cache on first use. Validation is every
+    `val_every`-th file; a corpus of fewer files than that (a few big books) would get none, so
+    then it is every k-th window of all files instead (k = round(1 / val_fraction))."""
+    from loom.data.tokens import file_token_datasets, split_windows
 
     ds = cfg.dataset
-    return file_token_datasets(ds, corpus_files(list(ds.paths), ds.max_bytes))
+    files = corpus_files(list(ds.paths), ds.max_bytes)
+    k = window_split_every(ds, len(files))
+    if k is None:
+        return file_token_datasets(ds, files)
+    whole, _ = file_token_datasets(ds, files, val_every=0)
+    return split_windows(whole, 1.0 / k)

@@ -145,9 +145,38 @@ def token_datasets(
     return out[0], out[1]
 
 
-def file_token_datasets(ds: DictConfig, files: list[Path]) -> tuple[PackedTokens, PackedTokens | None]:
-    """tinycode / text_files: one document per file, every `val_every`-th file to validation."""
-    train, val = split(files, ds.val_every)
-    return token_datasets(ds.name, fingerprint(files, ds.max_bytes, ds.val_every), ds.cache_dir, ds.seq_len,
+class WindowSubset(Dataset):
+    """Some of a PackedTokens' windows (by index). `tokens` is the whole token file's on the
+    train side only, so the corpus is counted once (loom.data.describe)."""
+
+    def __init__(self, base: PackedTokens, indices: list[int], owns_tokens: bool) -> None:
+        self.base, self.indices = base, indices
+        if owns_tokens:
+            self.tokens = base.tokens
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base[self.indices[i]]
+
+
+def split_windows(whole: PackedTokens, val_fraction: float) -> tuple[WindowSubset, WindowSubset | None]:
+    """Every k-th window (k = round(1 / val_fraction), at least 2) to validation: deterministic
+    and spread over the corpus."""
+    k = max(2, round(1.0 / val_fraction)) if val_fraction > 0 else 0
+    n = len(whole)
+    train = [i for i in range(n) if not k or i % k != k - 1]
+    val = [i for i in range(n) if k and i % k == k - 1]
+    return WindowSubset(whole, train, owns_tokens=True), (WindowSubset(whole, val, owns_tokens=False) if val else None)
+
+
+def file_token_datasets(ds: DictConfig, files: list[Path],
+                        val_every: int | None = None) -> tuple[PackedTokens, PackedTokens | None]:
+    """tinycode / text_files: one document per file, every `val_every`-th file to validation
+    (`val_every`: the dataset's unless given)."""
+    val_every = ds.val_every if val_every is None else val_every
+    train, val = split(files, val_every)
+    return token_datasets(ds.name, fingerprint(files, ds.max_bytes, val_every), ds.cache_dir, ds.seq_len,
                           Encoder(ds.get("tokenizer")), lambda: (f.read_bytes() for f in train),
                           lambda: (f.read_bytes() for f in val))
