@@ -135,6 +135,11 @@ class Checkpointing(pl.Callback):
             self.finish_pending(trainer)
             self.preempted = True
             trainer.should_stop = True
+            # Lightning validates when a run stops early (should_stop): not in the time a
+            # preemption leaves (SLURM's warning); the resumed run validates on its schedule.
+            epoch_loop = trainer.fit_loop.epoch_loop
+            if hasattr(epoch_loop, "_skip_next_val"):
+                epoch_loop._skip_next_val = True
         elif self.every and (step % self.every == 0 or step >= trainer.max_steps):
             # and at the last step: a completed run can be continued (a raised trainer.max_steps)
             self.save(trainer, step)
