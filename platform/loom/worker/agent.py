@@ -9,7 +9,8 @@ process imports torch and meets the rendezvous. It is torchrun's documented func
 path (`elastic_launch` with `start_method="forkserver"`): a restart forks fresh ranks from the
 same forkserver, the agent's SIGTERM reaches each rank, and a rank's exit code is torchrun's.
 
-A rank's parent is the forkserver, which exits with the agent, so a rank's parent-death signal
+A rank's parent is the forkserver, which exits with the agent (once the ranks let go of the
+agent's liveness pipe: `leave_agents_pipe`), so a rank's parent-death signal
 (loom.worker.main.die_with_parent) still follows the agent. Its command line is the
 forkserver's: a rank's pid is in its log (`logs/rank-N.log`, "rank N (pid P) started") and its
 process name (`ps -o comm`) is `loom-rank-N`.
@@ -25,10 +26,33 @@ PRELOAD = ["loom.worker.preload"]
 def start_forkserver() -> None:
     """Start the forkserver now, so its imports run beside this process's own."""
     import multiprocessing
+    import os
     from multiprocessing import forkserver
 
+    os.environ["LOOM_AGENT_PID"] = str(os.getpid())  # loom.worker.preload: the forkserver dies with us
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+
+
+def leave_agents_pipe() -> None:
+    """In a forked rank: close this rank's copy of the agent's end of the forkserver's liveness
+    pipe. multiprocessing hands every child that fd (so that it could use the same forkserver),
+    but while a rank holds it the forkserver never sees the agent die: it outlives a killed
+    agent, and so do its ranks, whose parent-death signal follows the forkserver. Closed, the
+    forkserver exits with the agent and the ranks with it. (A rank that starts processes with
+    the forkserver method itself gets a fresh forkserver: it never had this one's address.)"""
+    import os
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None or getattr(server, "_forkserver_pid", None) is not None:
+        return  # not a forkserver's child (the agent itself holds the pipe it owns)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
 
 
 def launch(options: list[str], run_dir: str) -> None:

@@ -149,13 +149,35 @@ def _file_log(message: str) -> None:
 def forked_rank(run_dir: str) -> int:
     """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
     a finished one from its return value, as for `python -m loom.worker`."""
+    from loom.worker.agent import leave_agents_pipe
     from loom.worker.preload import adopt_rank
 
+    leave_agents_pipe()
     adopt_rank()
+    parent = os.getppid()
     rc = run(Path(run_dir))
     if rc:
         sys.exit(rc)
+    _exit_if_orphaned(parent)
     return rc
+
+
+def _exit_if_orphaned(parent: int) -> None:
+    """After a forked rank's training: torchrun's wrapper hands its return value to the agent
+    and waits for the agent to read it, forever if the agent (and with it the forkserver, this
+    rank's parent) is gone, as after a killed launcher's checkpointed stop. Exit then instead:
+    now if the parent is already gone, else from a watcher thread when it goes."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    if os.getppid() != parent:
+        os._exit(0)
+    threading.Thread(target=watch, name="loom-orphan-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

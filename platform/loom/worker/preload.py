@@ -8,6 +8,10 @@ Nothing here may start a thread or initialize CUDA: a process forked after eithe
 module that read the rank from the environment at import read the forkserver's, which has
 none: `adopt_rank` gives each forked rank its own (Lightning's `rank_zero_only`, which would
 otherwise let every rank start a wandb run before the strategy sets it).
+
+The forkserver itself dies with the agent at once (`_die_with_agent`): its ranks' parent-death
+signal follows it, and a forkserver left to notice the agent's end and shut its interpreter
+down (seconds, with torch loaded) would let a lost node's ranks train on meanwhile.
 """
 
 from __future__ import annotations
@@ -15,15 +19,33 @@ from __future__ import annotations
 import os
 import sys
 
-import pytorch_lightning  # noqa: F401
-import torch
+AGENT_PID_ENV = "LOOM_AGENT_PID"  # set by loom.worker.agent before it starts the forkserver
 
-import loom.worker.checkpoint_saver  # noqa: F401
-import loom.worker.distributed  # noqa: F401
-import loom.worker.fit  # noqa: F401
-import loom.worker.gc_control  # noqa: F401
-from loom.data import position  # noqa: F401
-from loom.tracking import recorder  # noqa: F401
+
+def _die_with_agent() -> None:
+    """In the forkserver (a direct child of the agent importing this): SIGKILL when the agent
+    dies. Anywhere else (a test, an in-process run) nothing."""
+    if os.environ.get(AGENT_PID_ENV) != str(os.getppid()) or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before we got here
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_die_with_agent()
+
+import pytorch_lightning  # noqa: E402, F401
+import torch  # noqa: E402
+
+import loom.worker.checkpoint_saver  # noqa: E402, F401
+import loom.worker.distributed  # noqa: E402, F401
+import loom.worker.fit  # noqa: E402, F401
+import loom.worker.gc_control  # noqa: E402, F401
+from loom.data import position  # noqa: E402, F401
+from loom.tracking import recorder  # noqa: E402, F401
 
 
 def cuda_untouched() -> bool:
