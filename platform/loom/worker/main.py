@@ -150,10 +150,13 @@ def forked_rank(run_dir: str) -> int:
     """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
     a finished one from its return value, as for `python -m loom.worker`."""
     from loom.worker.agent import leave_agents_pipe
-    from loom.worker.preload import adopt_rank
+    from loom.worker.preload import adopt_rank, cuda_untouched
 
     leave_agents_pipe()
     adopt_rank()
+    if not cuda_untouched():  # a preloaded module initialized CUDA: no forked rank could use it
+        raise RuntimeError("CUDA was initialized in the ranks' forkserver (loom.worker.preload imports a "
+                           "module that touches the GPU at import); forked ranks cannot use it")
     parent = os.getppid()
     rc = run(Path(run_dir))
     if rc:
