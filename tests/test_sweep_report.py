@@ -194,19 +194,24 @@ def _corpus(tmp_path: Path) -> str:
 
 
 @pytest.mark.launch
-def test_three_text_files_warn_of_an_empty_validation_split(tmp_path):
+def test_three_text_files_hold_out_windows_and_warn_of_a_split_smaller_than_a_batch(tmp_path):
+    """Fewer files than dataset.val_every: validation is every k-th window, not every 20th file
+    (none of 3); a val_fraction whose windows make less than one batch is warned about."""
     r = run_loom("train", "dataset=text_files", _corpus(tmp_path), "strategy=single", "tracking=csv",
-                 "trainer.max_steps=1", "dataset.seq_len=32", "dataset.batch_size=4", root=tmp_path, timeout=200)
+                 "trainer.max_steps=1", "dataset.seq_len=32", "dataset.batch_size=4", "dataset.val_fraction=0.01",
+                 root=tmp_path, timeout=200)
     assert r.rc == 0, r.out + r.err
-    assert re.search(r"^dataset text_files: 3 file\(s\) from .*, 8,\d{3} tokens -> \d+ train / 0 val windows", r.out,
-                     re.M), r.out
-    assert "warning: dataset=text_files: the validation split is empty (dataset.val_every=20" in r.out
+    m = re.search(r"^dataset text_files: 3 file\(s\) from .*, 8,\d{3} tokens -> (\d+) train / (\d+) val windows", r.out,
+                  re.M)
+    assert m and int(m[2]) == (int(m[1]) + int(m[2])) // 100 > 0, r.out
+    assert (f"warning: dataset=text_files: the validation split has {m[2]} sample(s)/window(s), fewer than one "
+            "batch per data-parallel rank") in r.out
     assert r.summary()["validation"] is None and "validation          │ none" in r.out
 
 
 def test_periodic_validation_over_an_empty_split_is_refused(loom, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    err = refused(tmp_path, "dataset=text_files", _corpus(corpus), "trainer.val_every_n_steps=5")
+    err = refused(tmp_path, "dataset=text_files", _corpus(corpus), "dataset.val_every=0", "trainer.val_every_n_steps=5")
     assert "trainer.val_every_n_steps=5" in err and "validation split is empty" in err
-    assert "dataset.val_every" in err
+    assert "dataset.val_every=0 turns it off" in err

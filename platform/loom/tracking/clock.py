@@ -44,11 +44,12 @@ class Clock:
     first_step_s: float | None = None
     steady_step: int | None = None      # the log step the steady window starts at
     steady_train_s: float = 0.0         # train_s at that step
+    loop_end: float | None = None       # set when the loop ends (`stop`): the span is final
     _compile_base: float = 0.0
     _checkpoint_base: float = 0.0
 
     def start(self, step: int, checkpoint_seconds: float = 0.0) -> None:
-        self.start_step = step
+        self.start_step, self.loop_end = step, None
         self.loop_start = time.perf_counter()
         self._compile_base = dynamo_compile_seconds()  # an in-process sweep's earlier trials compiled too
         self._checkpoint_base = checkpoint_seconds
@@ -57,8 +58,12 @@ class Clock:
         """Loop time so far less validation and checkpoint saves."""
         if not self.loop_start:  # the loop never started (a failure in setup)
             return 0.0
-        now = time.perf_counter() if now is None else now
+        now = (self.loop_end or time.perf_counter()) if now is None else now
         return max(0.0, now - self.loop_start - self.validation_s - self.checkpoint_s)
+
+    def stop(self) -> None:
+        """The loop ended: later reads (the summary, written after the final weights) keep its time."""
+        self.loop_end = time.perf_counter()
 
     def step_done(self, step: int, checkpoint_seconds: float) -> None:
         """After every optimizer step (cheap: a subtraction)."""

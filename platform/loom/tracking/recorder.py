@@ -292,6 +292,7 @@ class Recorder(pl.Callback):
             self._log(trainer, pl_module)
         self._sync(pl_module)
         self.clock.step_done(trainer.global_step, self._ckpt_seconds())
+        self.clock.stop()
         self.loop_time = self.clock.train_s()
         if trainer.global_rank == 0:
             log.info(f"training loop ended at step {trainer.global_step}: {self.loop_time:.3f} s training, "

@@ -10,7 +10,7 @@ path (`elastic_launch` with `start_method="forkserver"`): a restart forks fresh 
 same forkserver, the agent's SIGTERM reaches each rank, and a rank's exit code is torchrun's.
 
 A rank's parent is the forkserver, which exits with the agent (once the ranks let go of the
-agent's liveness pipe: `leave_agents_pipe`), so a rank's parent-death signal
+agent's liveness pipe: `loom.worker.preload.leave_agents_pipe`), so a rank's parent-death signal
 (loom.worker.main.die_with_parent) still follows the agent. Its command line is the
 forkserver's: a rank's pid is in its log (`logs/rank-N.log`, "rank N (pid P) started") and its
 process name (`ps -o comm`) is `loom-rank-N`.
@@ -34,29 +34,9 @@ def start_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def leave_agents_pipe() -> None:
-    """In a forked rank: close this rank's copy of the agent's end of the forkserver's liveness
-    pipe. multiprocessing hands every child that fd (so that it could use the same forkserver),
-    but while a rank holds it the forkserver never sees the agent die: it outlives a killed
-    agent, and so do its ranks, whose parent-death signal follows the forkserver. Closed, the
-    forkserver exits with the agent and the ranks with it. (A rank that starts processes with
-    the forkserver method itself gets a fresh forkserver: it never had this one's address.)"""
-    import os
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is None or getattr(server, "_forkserver_pid", None) is not None:
-        return  # not a forkserver's child (the agent itself holds the pipe it owns)
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-    server._forkserver_alive_fd = None
-
-
 def launch(options: list[str], run_dir: str) -> None:
     """torch.distributed.run.run() for `options`, with ranks running loom.worker.main.forked_rank."""
+    import logging
     import uuid
 
     from torch.distributed.launcher.api import elastic_launch
@@ -64,6 +44,9 @@ def launch(options: list[str], run_dir: str) -> None:
 
     from loom.worker.main import forked_rank
 
+    # The agent's "Worker group FAILED. N/M attempts left; will restart worker group" is an INFO
+    # line: into its log (loom.launch.console turns it into one console line of Loom's).
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.INFO)
     args = parse_args([*options, "-m", "loom.worker", run_dir])
     if args.standalone:  # as torchrun: a private c10d store on a free local port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

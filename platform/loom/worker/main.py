@@ -149,38 +149,40 @@ def _file_log(message: str) -> None:
 def forked_rank(run_dir: str) -> int:
     """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
     a finished one from its return value, as for `python -m loom.worker`."""
-    from loom.worker.agent import leave_agents_pipe
-    from loom.worker.preload import adopt_rank, cuda_untouched
+    from loom.worker.preload import adopt_rank, cuda_untouched, leave_agents_pipe
 
     leave_agents_pipe()
     adopt_rank()
     if not cuda_untouched():  # a preloaded module initialized CUDA: no forked rank could use it
         raise RuntimeError("CUDA was initialized in the ranks' forkserver (loom.worker.preload imports a "
                            "module that touches the GPU at import); forked ranks cannot use it")
-    parent = os.getppid()
     rc = run(Path(run_dir))
     if rc:
         sys.exit(rc)
-    _exit_if_orphaned(parent)
+    _exit_soon_after_return()
     return rc
 
 
-def _exit_if_orphaned(parent: int) -> None:
-    """After a forked rank's training: torchrun's wrapper hands its return value to the agent
-    and waits for the agent to read it, forever if the agent (and with it the forkserver, this
-    rank's parent) is gone, as after a killed launcher's checkpointed stop. Exit then instead:
-    now if the parent is already gone, else from a watcher thread when it goes."""
+RETURN_GRACE_S = 2.0
+
+
+def _exit_soon_after_return() -> None:
+    """torchrun's wrapper puts a forked rank's return value into a pipe (written at once) and
+    then waits for the agent to have read every rank's: forever when the agent is shutting down
+    instead (a SIGTERMed launcher's checkpointed stop: the agent waits for its ranks to exit,
+    120 s, then kills them) or gone. A finished rank exits RETURN_GRACE_S after returning, when
+    nothing else has ended it; its value is in the pipe either way."""
     import threading
     import time
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+    def exit_later() -> None:
+        time.sleep(RETURN_GRACE_S)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        logging.shutdown()
         os._exit(0)
 
-    if os.getppid() != parent:
-        os._exit(0)
-    threading.Thread(target=watch, name="loom-orphan-watch", daemon=True).start()
+    threading.Thread(target=exit_later, name="loom-exit-after-return", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:

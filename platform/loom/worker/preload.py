@@ -65,3 +65,24 @@ def adopt_rank() -> None:
         only = getattr(sys.modules.get(name), "rank_zero_only", None)
         if only is not None:
             only.rank = int(os.environ.get(key, 0))
+
+
+def leave_agents_pipe() -> None:
+    """In a forked rank: close this rank's copy of the agent's end of the forkserver's liveness
+    pipe. multiprocessing hands every child that fd (so that it could use the same forkserver),
+    but while a rank holds it the forkserver never sees the agent die: it outlives a killed
+    agent, and so do its ranks, whose parent-death signal follows the forkserver. Closed, the
+    forkserver exits with the agent and the ranks with it. (A rank that starts processes with
+    the forkserver method itself gets a fresh forkserver: it never had this one's address.)"""
+    import os
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None or getattr(server, "_forkserver_pid", None) is not None:
+        return  # not a forkserver's child (the agent itself holds the pipe it owns)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
