@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -138,6 +139,11 @@ def test_sigkill_under_async_checkpoints_resumes_bit_identical(shared, tmp_path)
         assert wg[k].dtype == torch.float32 and torch.equal(wg[k], wr[k]), k
     left = sorted(p.name for p in ckpts.iterdir())
     assert not [n for n in left if n.endswith(".partial")], left  # the resumed run rewrote step 4
+    # each background save says when it started and when it completed, with its duration
+    saves = re.findall(r"^checkpoint step (\d+): writing in the background \(training resumed after [\d.]+ s\)$",
+                       r.out, re.M)
+    done = re.findall(r"^checkpoint step-(\d+)\.ckpt complete: [\d.]+ s from the start of its save$", r.out, re.M)
+    assert saves and sorted(map(int, saves)) == sorted(map(int, done)), r.out
     assert os.readlink(ckpts / "last.ckpt") == f"step-{STEPS:07d}.ckpt"  # the last save was awaited
 
 
