@@ -78,11 +78,11 @@ def refuse_infeasible(plan: Plan) -> int:
 def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool = False) -> Outcome:
     """validate -> plan -> freeze -> launch -> finish for one run."""
     cfg = cfg if cfg is not None else resolve(overrides)
-    launcher_debug("composed config (before freeze):\n" + OmegaConf.to_yaml(cfg, resolve=False))
+    launcher_debug(lambda: "composed config (before freeze):\n" + OmegaConf.to_yaml(cfg, resolve=False))
     tracking_checks(cfg)
     check_machine(cfg, dry_run=dry_run)
     plan = plan_run(cfg, show=False)
-    launcher_debug(f"plan inputs: {plan_inputs(cfg)}")
+    launcher_debug(lambda: f"plan inputs: {plan_inputs(cfg)}")
     if not plan.fits:
         return refuse_infeasible(plan), None, "plan infeasible"
     frozen = freeze(cfg, plan)

@@ -128,13 +128,14 @@ def debug_loggers() -> list[str]:
     return list(LOGGERS) if value == "all" else [n for n in value.split(",") if n]
 
 
-def launcher_debug(message: str) -> None:
+def launcher_debug(message) -> None:
     """A `hydra.verbose` DEBUG line of the launcher (composition, plan inputs, the launch
     command): on stderr, as Hydra's own debug output goes to the console. Ranks log theirs to
-    their rank logs (`apply_verbose`)."""
+    their rank logs (`apply_verbose`). `message` may be a callable, built only when on."""
     if "loom" in debug_loggers():
         import sys
 
+        message = message() if callable(message) else message
         for line in message.splitlines() or [""]:
             print(f"DEBUG loom: {line}", file=sys.stderr, flush=True)
 

@@ -148,9 +148,9 @@ def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     from loom.compose.hydra_options import launcher_debug
 
     env = worker_env(cfg, run_dir)
-    set_here = {k: v for k, v in env.items() if os.environ.get(k) != v and k != "LOOM_LAUNCH_TIME"}
-    launcher_debug(f"launch: {'in-process (1 rank)' if layout.world == 1 else shlex.join(torchrun_command(cfg, run_dir))}"
-                   f"; environment set for the ranks: {set_here}")
+    launcher_debug(lambda: f"launch: {'in-process (1 rank)' if layout.world == 1 else shlex.join(torchrun_command(cfg, run_dir))}"
+                   f"; environment set for the ranks: "
+                   f"{ {k: v for k, v in env.items() if os.environ.get(k) != v and k != 'LOOM_LAUNCH_TIME'} }")
     if layout.world == 1:
         # In-process: CUDA is not initialized yet here, so the allocator setting still applies.
         keep = ("LOOM_LAUNCH_TIME", "OMP_NUM_THREADS", "WANDB_MODE", *gpu_env(cfg, run_dir))
