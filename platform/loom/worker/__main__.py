@@ -1,4 +1,5 @@
-"""`python -m loom.worker <run_dir>`: what torchrun (and srun, through torchrun) starts on every rank."""
+"""`python -m loom.worker <run_dir>`: one rank by hand, or under a plain torchrun (Loom's launches
+fork their ranks from loom.worker.agent's forkserver instead: loom.worker.main.forked_rank)."""
 
 import sys
 
