@@ -179,12 +179,9 @@ def _die_with_launcher(death: signal.Signals) -> None:
     down at once, as a failed machine would, so the other nodes' ranks fail, their agents
     restart them and the rendezvous re-forms a smaller world (a SIGTERMed agent would stop its
     ranks with SIGTERM, and the checkpointed stop would end every node's run as preempted)."""
-    try:
-        import ctypes
+    from loom.process import die_with_parent
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, death)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(death)
 
 
 def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path, death: signal.Signals = signal.SIGTERM) -> int:

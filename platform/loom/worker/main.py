@@ -93,17 +93,13 @@ def die_with_parent(death: signal.Signals = signal.SIGTERM) -> None:
     rank agrees to, so the whole run stops. An elastic run passes SIGKILL: its agent dies only
     with its node (loom.launch kills it with the launcher), and a rank that stopped the run
     with a checkpoint would end the other nodes' run too instead of letting them go on alone."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
+    from loom import process
 
-    PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, death)
-    if os.getppid() == 1:  # the agent died before we got here
-        os.kill(os.getpid(), death)
+    process.die_with_parent(death)
     # `ps -o comm`, top, pgrep: a forked rank's command line is its forkserver's (loom.worker.agent)
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"loom-rank-{os.environ.get('RANK', '?')}".encode()[:15]))
+    process.set_process_name(f"loom-rank-{os.environ.get('RANK', '?')}")
 
 
 def run(run_dir: Path) -> int:

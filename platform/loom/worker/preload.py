@@ -25,14 +25,12 @@ AGENT_PID_ENV = "LOOM_AGENT_PID"  # set by loom.worker.agent before it starts th
 def _die_with_agent() -> None:
     """In the forkserver (a direct child of the agent importing this): SIGKILL when the agent
     dies. Anywhere else (a test, an in-process run) nothing."""
-    if os.environ.get(AGENT_PID_ENV) != str(os.getppid()) or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
+    if os.environ.get(AGENT_PID_ENV) == str(os.getppid()):
+        import signal
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the agent died before we got here
-        os.kill(os.getpid(), signal.SIGKILL)
+        from loom.process import die_with_parent
+
+        die_with_parent(signal.SIGKILL)
 
 
 _die_with_agent()
@@ -74,7 +72,6 @@ def leave_agents_pipe() -> None:
     agent, and so do its ranks, whose parent-death signal follows the forkserver. Closed, the
     forkserver exits with the agent and the ranks with it. (A rank that starts processes with
     the forkserver method itself gets a fresh forkserver: it never had this one's address.)"""
-    import os
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)

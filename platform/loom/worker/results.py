@@ -125,16 +125,17 @@ class RunResults:
             update_attempt(self.run_dir, {**rec.span(step), "status": self.status, "launch_time": self.launch_time})
         history = read_history(self.run_dir)
         total = run_totals(history)
+        wall_s = total["wall_s"] or round(time.time() - self.launch_time, 3)  # no span: this launch's
         self.summary.update(
             status=self.status,
             global_step=step,
             steps_trained=total["steps"],
             samples=total["samples"],
             tokens=total["tokens"],
-            wall_time_s=total["wall_s"] or round(time.time() - self.launch_time, 3),
+            wall_time_s=wall_s,
             train_time_s=round(total["train_s"], 3),
             time={**{k: total[k] for k in ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "train_s")},
-                  "wall_s": total["wall_s"] or round(time.time() - self.launch_time, 3)},
+                  "wall_s": wall_s},
             final_loss=rec.final_loss,
             first_loss=self._first_loss(),
             validation=rec.validation or self._earlier("validation"),
