@@ -67,13 +67,14 @@ def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = No
     cmd = [*LOOM, verb, *rest]
     if verb in ("train", "plan") and "--cfg" not in rest:
         cmd.append(f"run.root={root}")
+    started = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=root)
     run_dirs = [Path(line[len("run dir: "):].strip()) for line in p.stdout.splitlines()
                 if line.startswith("run dir: ")]
     if verb == "train":  # each launched run (a sweep's trials too) prints its run dir once, at the end;
         # a SLURM submission prints one too but trains nothing here (a shimmed job: count_launch)
         submitted = sum(line.startswith(("submit it with: ", "Submitted run ")) for line in p.stdout.splitlines())
-        LEDGER.record(len(run_dirs) - submitted)
+        LEDGER.record(len(run_dirs) - submitted, time.monotonic() - started, tuple(rest))
     return LoomResult(p.returncode, p.stdout, p.stderr, run_dirs[-1] if run_dirs else None)
 
 

@@ -20,6 +20,7 @@ import pytest
 
 BUDGET_FILE = Path(__file__).resolve().parent / "budget.toml"
 LAUNCHING_FIXTURES: set[str] = set()
+SLOWEST = 15  # launches named in the session's summary, slowest first
 
 
 @dataclass
@@ -32,13 +33,17 @@ class Ledger:
     tests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     unmarked: list[str] = field(default_factory=list)
+    timed: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, test, arguments)
 
     def file_of_current(self) -> str:
         return self.current.nodeid.split("::")[0] if self.current else "(no test)"
 
-    def record(self, launches: int) -> None:
-        """`launches` training runs started by the current test (0: a CLI call that trained nothing)."""
+    def record(self, launches: int, seconds: float | None = None, args: tuple[str, ...] = ()) -> None:
+        """`launches` training runs started by the current test (0: a CLI call that trained nothing);
+        `seconds`: how long the command took, when it ran to its end here."""
         where = self.file_of_current()
+        if launches and seconds is not None:
+            self.timed.append((seconds, self.current.nodeid if self.current else where, " ".join(args)))
         if not launches:
             self.cli_calls[where] += 1
             return
@@ -115,6 +120,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     total = sum(LEDGER.launches.values())
     w.write_line(f"{'total':42s} {sum(LEDGER.tests.values()):6d} {total:9d} {sum(LEDGER.cli_calls.values()):10d} "
                  f"{sum(LEDGER.seconds.values()):8.1f}")
+    w.write_line("slowest launches (seconds, test, arguments):")
+    for seconds, test, args in sorted(LEDGER.timed, reverse=True)[:SLOWEST]:
+        w.write_line(f"{seconds:7.1f}  {test}  {args[:160]}")
     limit = budget()
     w.write_line(f"launches: {total} of a budget of {limit} ({budget_file()})")
     if total > limit:
