@@ -17,13 +17,17 @@ train` accepts. The step time model, per device:
     (bandwidth: hardware.measured.allreduce_busbw_gbps, else the profile's interconnect
      figure, the inter-node one across nodes, else FALLBACK_GBPS)
     latency = the plan's communication calls per step x LATENCY_S (a call's fixed cost)
-    step    = compute x (1 + bubble / (1 - bubble)) + comm + latency (+ host transfers when offloading)
+    exposed = the part of comm + latency (+ host transfers when offloading) that the compute
+              does not hide, as each library schedules it (`plan/overlap.py`: FSDP2's
+              prefetch, DDP's and ZeRO's bucketed reductions; tensor-parallel all-reduces,
+              pipeline sends and host transfers block)
+    step    = compute x (1 + bubble / (1 - bubble)) + exposed
 
 On CPU the ranks share `hardware.cpu_cores`: with more ranks than cores each computes at
 cores / world of its rate, each call waits that much longer for its members to be scheduled,
-and a pipeline bubble idles only the cores the waiting stages would have had. Communication is counted as fully exposed (no overlap with
-compute): a pessimistic but uniform assumption, so the ranking between layouts is what it is
-for. scripts/bench/layouts.py measures every CPU layout against this prediction.
+and a pipeline bubble idles only the cores the waiting stages would have had. Gloo's
+communication runs on the same cores, so on CPU nothing is hidden (exposed = comm).
+scripts/bench/layouts.py measures every CPU layout against this prediction.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from loom.compose import conf_dir, group_options
 from loom.errors import ConfigError
 from loom.plan import Plan, make_plan
 from loom.plan.memory import GB
+from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
 from loom.strategies.degrees import DEGREE_KEYS
 from loom.validate import validate, with_strategy
 
@@ -50,7 +55,6 @@ FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect na
 # node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
-RECOMPUTE = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}  # forward = 1/3 of a step
 # Presets in the order a tie is broken (least communication and fewest moving parts first).
 PRESETS = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload")
 PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
@@ -67,7 +71,8 @@ class Candidate:
     capacity_per_device_bytes: float | None
     fits: bool
     compute_s: float | None
-    comm_s: float
+    comm_s: float                   # every call's bytes and latency (+ host transfers)
+    comm_exposed_s: float           # the part of comm_s no compute hides (plan/overlap.py)
     bubble_fraction: float
     predicted_step_s: float | None
     cfg: DictConfig = field(repr=False)
@@ -75,7 +80,7 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("strategy", "degrees", "overrides", "memory_per_device_bytes", "capacity_per_device_bytes",
-                "fits", "compute_s", "comm_s", "bubble_fraction", "predicted_step_s")
+                "fits", "compute_s", "comm_s", "comm_exposed_s", "bubble_fraction", "predicted_step_s")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -200,16 +205,21 @@ def _value(v: Any) -> str:
 
 
 def _candidate(cfg: DictConfig, plan: Plan, overrides: list[str]) -> Candidate:
-    compute, comm, bubble, step = predict(cfg, plan)
+    compute, wire, exposed, bubble, step = predict(cfg, plan)
     return Candidate(
         strategy=plan.strategy, degrees={k: plan.parallel[k] for k in DEGREE_KEYS}, overrides=overrides,
         memory_per_device_bytes=plan.memory_per_device_bytes["total"],
         capacity_per_device_bytes=plan.capacity_per_device_bytes, fits=plan.fits,
-        compute_s=compute, comm_s=comm, bubble_fraction=bubble, predicted_step_s=step, cfg=cfg, plan=plan)
+        compute_s=compute, comm_s=wire.total, comm_exposed_s=exposed, bubble_fraction=bubble,
+        predicted_step_s=step, cfg=cfg, plan=plan)
 
 
-def predict(cfg: DictConfig, plan: Plan) -> tuple[float | None, float, float, float | None]:
-    """(compute s, communication s (bytes and calls), bubble fraction, step s) of one step of `plan`."""
+Prediction = tuple[float | None, Wire, float, float, float | None]
+
+
+def predict(cfg: DictConfig, plan: Plan) -> Prediction:
+    """(compute s, communication s by kind (bytes and calls), the exposed part of it s, bubble
+    fraction, step s) of one step of `plan`."""
     hw = cfg.hardware
     rate, _ = _rate(hw, plan.peak_flops_per_device)
     share = _oversubscription(hw, plan.world_size)
@@ -217,18 +227,33 @@ def predict(cfg: DictConfig, plan: Plan) -> tuple[float | None, float, float, fl
     if plan.flops_per_step is not None:
         compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) \
             / rate * share
-    bw, _ = _bandwidth(hw)
-    calls = sum(plan.comm_messages_per_step.values())
-    comm = plan.comm_bytes_per_step_per_device / (bw * GB) + calls * _latency(hw) * share
-    if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
-        comm += plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
-            / (PCIE_GBPS * GB)
+    wire = _wire(plan, _bandwidth(hw)[0] * GB, _latency(hw) * share)
+    exposed = exposed_s(cfg, plan, wire, compute)
     bubble = float((plan.pipeline or {}).get("bubble_fraction", 0.0))
     # The cores left idle: with `share` ranks per core, a stage waiting in the bubble gives its
     # core to another rank, so the cores idle only when fewer runnable ranks than cores remain.
     idle = max(0.0, 1.0 - (1.0 - bubble) * share)
-    step = None if compute is None else compute * (1 + idle / (1 - idle)) + comm
-    return compute, comm, bubble, step
+    step = None if compute is None else compute * (1 + idle / (1 - idle)) + exposed
+    return compute, wire, exposed, bubble, step
+
+
+def _wire(plan: Plan, bytes_per_s: float, latency: float) -> Wire:
+    """Each kind of communication's seconds per step: its bytes over the bandwidth and its
+    dimension's calls x `latency` (the data-parallel calls shared between gathers and
+    reductions by their bytes)."""
+    by, calls = plan.comm_bytes_by_collective, plan.comm_messages_per_step
+    tp_b, pipe_b = plan.comm_bytes_by_dimension.get("tensor_parallel", 0.0), by.get("pipeline_send", 0.0)
+    gather_b = by.get("all_gather", 0.0)
+    reduce_b = by.get("reduce_scatter", 0.0) + by.get("all_reduce", 0.0) - tp_b
+    dp_lat = calls.get("data_parallel", 0.0) * latency
+    gather_lat = dp_lat * gather_b / (gather_b + reduce_b) if gather_b + reduce_b > 0 else 0.0
+    host = 0.0
+    if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
+        host = plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
+            / (PCIE_GBPS * GB)
+    return Wire(gather=gather_b / bytes_per_s + gather_lat, reduce=reduce_b / bytes_per_s + dp_lat - gather_lat,
+                tensor=tp_b / bytes_per_s + calls.get("tensor_parallel", 0.0) * latency,
+                pipeline=pipe_b / bytes_per_s + calls.get("pipeline", 0.0) * latency, host=host)
 
 
 def _oversubscription(hw: DictConfig, world: int) -> float:
@@ -322,21 +347,35 @@ def render_comparison(result: Comparison, hardware: str, model: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}")
+    t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}{_batch(result)}")
     for col in ("#", "strategy", "repl x shard x tp x pp", "memory / device", "fits", "compute s",
-                "comm s", "bubble", "step s (predicted)", "overrides"):
-        t.add_column(col, justify="right" if col in ("#", "compute s", "comm s", "bubble") else "left")
+                "comm s", "exposed s", "bubble", "step s (predicted)", "overrides"):
+        t.add_column(col, justify="right" if col in ("#", "compute s", "comm s", "exposed s", "bubble") else "left")
     for i, c in enumerate(result.candidates, 1):
         cap = f" / {c.capacity_per_device_bytes / GB:,.1f}" if c.capacity_per_device_bytes else ""
         t.add_row(str(i), c.strategy, " x ".join(str(c.degrees[k]) for k in DEGREE_KEYS),
                   f"{c.memory_per_device_bytes / GB:,.2f}{cap} GB", "yes" if c.fits else "[red]no[/red]",
-                  _secs(c.compute_s), _secs(c.comm_s), f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",
+                  _secs(c.compute_s), _secs(c.comm_s), _secs(c.comm_exposed_s),
+                  f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",
                   _secs(c.predicted_step_s), " ".join(c.overrides))
     console = Console()
-    console.width = max(console.width, 170)  # one line per layout, also when piped
+    console.width = max(console.width, 180)  # one line per layout, also when piped
     console.print(t)
-    console.print(f"compute at {result.rate_source}; communication at {result.bandwidth_source}, fully exposed; "
-                  f"{len(result.refused)} layout(s) refused by validation are not listed.")
+    console.print(f"compute at {result.rate_source}; communication at {result.bandwidth_source}; exposed: "
+                  "what FSDP2's prefetch and DDP's / ZeRO's bucketed reductions leave uncovered (all of it on CPU, "
+                  f"tensor-parallel and pipeline communication always); {len(result.refused)} layout(s) refused by "
+                  "validation are not listed.")
+
+
+def _batch(result: Comparison) -> str:
+    """What every layout trains per step (the same for all): the global batch and its sequence length."""
+    if not result.candidates:
+        return ""
+    p = result.candidates[0].plan
+    if p.items_per_sample > 1:
+        return (f", global batch {p.global_batch} x {p.items_per_sample} tokens (dataset.seq_len)"
+                f" = {p.tokens_per_step:,} tokens per step")
+    return f", global batch {p.global_batch} per step"
 
 
 def _secs(v: float | None) -> str:
