@@ -97,7 +97,7 @@ def run_plain(config_json: str, steps: int, nproc: int = 1, extra: list[str] | N
     """plain_gpt.py in one process, or under torchrun with `nproc` ranks (torch DDP, gloo)."""
     if nproc > 1:
         cmd = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-               "--monitor-interval=0.5", str(PLAIN)]
+               str(PLAIN)]
     else:
         cmd = [PY, str(PLAIN)]
     cmd += ["--config", config_json, "--steps", str(steps), *(extra or [])]

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             add("plain_first_step_exit_s", t["exit"])
             if "ddp2" in jobs:
                 t2, rc, text = timed([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                      "--monitor-interval=0.5", str(PLAIN), "--config", plain_json, "--steps", "2",
+                                      str(PLAIN), "--config", plain_json, "--steps", "2",
                                       "--import-lightning"], {"step1": "step 1/"}, REPO)
                 if rc != 0 or "step1" not in t2:
                     print(f"  plain torchrun: exit {rc}, no 'step 1/' line:\n{text[-2000:]}")

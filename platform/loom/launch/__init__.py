@@ -50,7 +50,6 @@ agent, forking the ranks from a forkserver that has their imports done). `endpoi
         f"--nproc-per-node={hw.devices}",
         f"--nnodes={nnodes(cfg)}",
         f"--max-restarts={hw.max_restarts}",
-        "--monitor-interval=0.5",
     ]
     if hw.num_nodes == 1 and not endpoint:
         cmd.append("--standalone")

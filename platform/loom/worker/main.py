@@ -145,9 +145,10 @@ def _file_log(message: str) -> None:
 def forked_rank(run_dir: str) -> int:
     """A rank forked by loom.worker.agent: torchrun reads a failed rank from its exit code and
     a finished one from its return value, as for `python -m loom.worker`."""
-    from loom.worker.preload import adopt_rank, cuda_untouched, leave_agents_pipe
+    from loom.worker.preload import adopt_rank, cuda_untouched, leave_agents_pipe, resume_collection
 
     leave_agents_pipe()
+    resume_collection()
     adopt_rank()
     if not cuda_untouched():  # a preloaded module initialized CUDA: no forked rank could use it
         raise RuntimeError("CUDA was initialized in the ranks' forkserver (loom.worker.preload imports a "
