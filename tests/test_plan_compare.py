@@ -119,6 +119,10 @@ def test_plan_counts_communication_per_mesh_dimension():
     ddp = make_plan(validate(compose([*base, "strategy=ddp"])))
     assert ddp.comm_bytes_by_dimension["data_parallel"] > 0 and ddp.comm_messages_per_step["data_parallel"] >= 1
     assert ddp.comm_bytes_by_dimension["tensor_parallel"] == ddp.comm_messages_per_step["pipeline"] == 0
+    # HSDP on one node: the replicas all-reduce their gradient shards (2 x (r-1)/r of a shard).
+    hsdp = make_plan(validate(compose([*base, "strategy=nd", "strategy.dp_replicate=2", "strategy.dp_shard=4"])))
+    shard_grads = hsdp.params * hsdp.bytes_per_param["grads"] / 4
+    assert abs(hsdp.comm_bytes_by_collective["all_reduce"] - shard_grads) < 0.01 * shard_grads
     fsdp = make_plan(validate(compose([*base, "strategy=fsdp"])))
     assert fsdp.comm_messages_per_step["data_parallel"] > ddp.comm_messages_per_step["data_parallel"]
 

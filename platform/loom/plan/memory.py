@@ -250,9 +250,9 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
         gathers = 1 if own and s.get("reshard_after_forward") is False else 2
         out["all_gather"] = accum * gathers * frac * p * local
         out["reduce_scatter"] = accum * frac * g * local
-        if layout.hybrid:  # HSDP: all-reduce the grad shards across nodes
-            nodes = layout.num_nodes
-            out["all_reduce"] = 2 * (nodes - 1) / nodes * g * local / group
+        if layout.hybrid:  # HSDP: all-reduce the grad shards across the replicas (on one node too)
+            reps = layout.dp_replicate
+            out["all_reduce"] = 2 * (reps - 1) / reps * g * local / group
     out["all_reduce"] += tp_bytes(cfg, layout)
     return out
 
