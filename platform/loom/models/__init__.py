@@ -1,4 +1,4 @@
-"""Models as config groups (conf/model/): Loom's GPT family, an MLP classifier, transformers
+"""Models as config groups (conf/model/): Loom's GPT and Llama families, an MLP classifier, transformers
 causal LMs from a local config, and your own module (`model=custom`).
 
 This package's top level stays free of torch (schemas, checks and `model_spec` run in the

@@ -14,6 +14,10 @@ def gpt(cfg: DictConfig) -> Any:
     return lit.CausalLMModule(cfg)
 
 
+def llama(cfg: DictConfig) -> Any:
+    return lit.LlamaModule(cfg)
+
+
 def mlp(cfg: DictConfig) -> Any:
     from loom.models.mlp import MLPClassifier
 

@@ -40,6 +40,88 @@ def check_gpt(cfg: DictConfig, layout: ParallelLayout) -> None:
     _vocab(cfg, m.vocab_size)
 
 
+LLAMA_FIELDS = ("n_layer", "n_head", "n_kv_heads", "d_model", "intermediate_size", "vocab_size", "block_size",
+                "rope_theta", "rms_norm_eps", "tie_embeddings", "qkv_bias")
+
+
+def normalize_llama(cfg: DictConfig) -> None:
+    """Fields left null are taken from the config.json of the Hugging Face dir `model.init_from`
+    names (`model=llama`: all of them); the user's own overrides stay. An architecture Loom's
+    Llama does not reproduce is refused here, naming the supported ones."""
+    from pathlib import Path
+
+    from loom.models import llama_hf
+
+    m = cfg.model
+    src = Path(str(m.init_from)).expanduser().resolve() if m.get("init_from") else None
+    data = llama_hf.read_config(src) if src is not None and src.is_dir() else None
+    if data is None:
+        return
+    fields = llama_hf.fields_from_config(data, str(m.init_from))
+    for key, value in fields.items():
+        if m.get(key) is None and (key != "rope_scaling" or m.name == "llama"):
+            m[key] = value
+
+
+def check_llama(cfg: DictConfig, layout: ParallelLayout) -> None:
+    m = cfg.model
+    for key in LLAMA_FIELDS:
+        _require(m.get(key) is not None, f"model.{key}", None,
+                 f"model={m.name} takes its shape from model.init_from's config.json: set model.init_from to "
+                 "a Hugging Face dir (config.json + model.safetensors), or choose a sized option "
+                 "(llama_tiny, llama3_1b, llama3_3b, llama3_8b, llama3_70b)")
+    for key in ("n_layer", "n_head", "n_kv_heads", "d_model", "intermediate_size", "vocab_size", "block_size"):
+        _require(m[key] >= 1, f"model.{key}", m[key], "must be a positive integer")
+    _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
+    _require(m.n_head % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+             f"must divide model.n_head={m.n_head} (each key/value head serves a whole group of query "
+             f"heads); valid: {', '.join(str(d) for d in _divisors(m.n_head))}")
+    _require(m.rms_norm_eps > 0, "model.rms_norm_eps", m.rms_norm_eps, "must be > 0")
+    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta, "must be > 0")
+    _check_rope_scaling(m)
+    _needs_tokens(cfg)
+    _require(cfg.dataset.seq_len <= m.block_size, "dataset.seq_len", cfg.dataset.seq_len,
+             f"exceeds the model's context model.block_size={m.block_size}; "
+             "lower dataset.seq_len or raise model.block_size")
+    _vocab(cfg, m.vocab_size)
+    _check_llama_layout(cfg, layout)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_rope_scaling(m: DictConfig) -> None:
+    from loom.models.llama_hf import ROPE_SCALING_KEYS
+
+    if m.rope_scaling is None:
+        return
+    keys = sorted(m.rope_scaling)
+    _require(keys == sorted(ROPE_SCALING_KEYS), "model.rope_scaling", dict(m.rope_scaling),
+             f"Llama-3.1 scaling has exactly the keys {', '.join(ROPE_SCALING_KEYS)} (null: plain rotary)")
+    r = m.rope_scaling
+    _require(r.factor > 0 and r.high_freq_factor > r.low_freq_factor > 0, "model.rope_scaling", dict(r),
+             "needs factor > 0 and high_freq_factor > low_freq_factor > 0")
+
+
+def _check_llama_layout(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """What the Llama family does not run yet: tensor parallelism (whole key/value heads per
+    rank, when it comes) and pipeline stages (at most one per layer)."""
+    m, s = cfg.model, cfg.strategy
+    if layout.tp > 1:
+        key = "strategy.tp" if "tp" in s else "strategy.tensor_parallel"
+        _require(m.n_kv_heads % layout.tp == 0, key, layout.tp,
+                 f"must divide model.n_kv_heads={m.n_kv_heads} (each tensor-parallel rank holds whole "
+                 f"key/value heads); valid degrees: {', '.join(str(d) for d in _divisors(m.n_kv_heads))}")
+        _fail(key, layout.tp, f"model={m.name} does not support tensor parallelism yet (no tensor-parallel "
+              "plan for the Llama family; models with one: gpt_*); use strategy=fsdp, or zero2/zero3")
+    if layout.pp > 1:
+        _require(layout.pp <= m.n_layer, "strategy.pp", layout.pp,
+                 f"exceeds model.n_layer={m.n_layer} (a pipeline stage holds at least one layer)")
+        _fail("strategy.pp", layout.pp, f"model={m.name} does not support pipeline parallelism yet (Loom "
+              "splits only its GPT, model=gpt_*, into stages); use strategy.pp=1, or strategy=fsdp / ddp")
+
+
 def normalize_mlp(cfg: DictConfig) -> None:
     """in_features / num_classes left null are the dataset's."""
     m, feats = cfg.model, data_features(cfg)

@@ -80,9 +80,10 @@ def _file_init(module: Any, path: str) -> FileInit:
     from functools import partial
 
     from loom.models.gpt import fuse_qkv
+    from loom.models.schema import GPT_SIZES
 
     m = module.cfg.model
-    head_dim = int(m.d_model) // int(m.n_head) if "d_model" in m and "n_head" in m else None
+    head_dim = int(m.d_model) // int(m.n_head) if m.get("name") in GPT_SIZES else None
     return FileInit(path, partial(fuse_qkv, head_dim=head_dim) if head_dim else None)
 
 

@@ -49,6 +49,21 @@ def gpt_rule(n_layer: int) -> Rule:
     return rule
 
 
+def llama_rule(std: float = 0.02) -> Rule:
+    """loom.models.llama: transformers' Llama init (`initializer_range` 0.02 for every matrix,
+    embeddings included; zero biases; unit RMSNorm weights), so a from-scratch Loom Llama
+    starts as `LlamaForCausalLM.from_config` would."""
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if name.endswith("norm.weight"):
+            return "ones", 0.0
+        return "normal", std
+
+    return rule
+
+
 def std_rule(std: float) -> Rule:
     """Transformers' common init (normal(initializer_range) matrices, zero biases, unit norms),
     without per-architecture special cases."""
@@ -228,20 +243,33 @@ def _write_zero3_partition(p: torch.Tensor, init: NamedInit, name: str) -> None:
 
 
 class FileInit(NamedInit):
-    """`model.init_from`: each parameter's value read from a safetensors file by name, cast to
-    the parameter's dtype on copy (an export in bf16 loads into fp32 parameters). The last
-    tensor read is kept, as a rank fills its shard of one parameter in several calls. Separate
-    `attn.q/k/v` entries of older GPT weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v)
-    when given (loom.models.gpt's)."""
+    """`model.init_from`: each parameter's value read from safetensors by name, cast to the
+    parameter's dtype on copy (an export in bf16 loads into fp32 parameters): one file, or a
+    Hugging Face directory's `model.safetensors` or shards (`model.safetensors.index.json`
+    says which shard holds which tensor). One tensor is read at a time, and the last one is
+    kept, as a rank fills its shard of one parameter in several calls. Separate `attn.q/k/v`
+    entries of older GPT weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v) when given
+    (loom.models.gpt's)."""
 
     def __init__(self, path: str, fuse_qkv: Callable[..., torch.Tensor] | None = None) -> None:
-        from safetensors import safe_open
+        from pathlib import Path
+
+        from loom.models.init_from import tensor_files
 
         super().__init__(0, lambda name, shape: ("zeros", 0.0))
         self.path, self.fuse_qkv = path, fuse_qkv
-        self._file = safe_open(path, framework="pt", device="cpu")
-        self._keys = set(self._file.keys())
+        self._where = tensor_files(Path(path))  # tensor name -> the file holding it
+        self._keys = set(self._where)
+        self._open: dict = {}  # file -> its safe_open handle (opened at first use)
         self._last: tuple[str, torch.Tensor] | None = None
+
+    def _get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self._where[name]
+        if f not in self._open:
+            self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+        return self._open[f].get_tensor(name)
 
     def _tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != name:
@@ -254,11 +282,11 @@ class FileInit(NamedInit):
 
     def _read(self, name: str) -> torch.Tensor:
         if name in self._keys:
-            return self._file.get_tensor(name)
+            return self._get(name)
         prefix, _, kind = name.rpartition(".qkv.")
         parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
         if self.fuse_qkv is not None and prefix and all(p in self._keys for p in parts):
-            return self.fuse_qkv(*(self._file.get_tensor(p) for p in parts))
+            return self.fuse_qkv(*(self._get(p) for p in parts))
         raise KeyError(f"model.init_from={self.path} has no tensor {name}")
 
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:

@@ -1,12 +1,15 @@
-"""`model.init_from=<run dir | .safetensors file>`: a new run that starts from existing weights.
+"""`model.init_from=<run dir | .safetensors file | Hugging Face dir>`: a new run that starts
+from existing weights.
 
 In the launcher (torch-free for Loom's own models): the source is resolved (a run dir means its
-`final/model.safetensors`), frozen as an absolute path with a fingerprint of the file (size and
-modification time, `model.init_from_fingerprint`, part of the run's identity: another source,
-or the same file rewritten, is another run), and its tensors' names and shapes, read from the
-safetensors header (8 bytes little-endian length + JSON), are compared with the model's before
-anything is launched. GPT and MLP shapes are written out from the config; an `hf_causal_lm` or a
-custom nn.Module class is built on the meta device for its shapes (this imports torch).
+`final/model.safetensors`; a Hugging Face dir, its `model.safetensors` or the shards its
+`model.safetensors.index.json` lists), frozen as an absolute path with a fingerprint of the
+files (sizes and modification times, `model.init_from_fingerprint`, part of the run's identity:
+another source, or the same files rewritten, is another run), and its tensors' names and
+shapes, read from the safetensors headers (8 bytes little-endian length + JSON), are compared
+with the model's before anything is launched. GPT, Llama and MLP shapes are written out from the
+config; an `hf_causal_lm` or a custom nn.Module class is built on the meta device for its shapes
+(this imports torch).
 
 In the worker the weights go in through the same path as a fresh initialization
 (`loom.models.init.FileInit`, a `NamedInit` that reads the file), so every strategy that
@@ -25,9 +28,11 @@ from omegaconf import DictConfig
 
 from loom.errors import ConfigError
 from loom.errors import fail as _fail
-from loom.models.schema import GPT_SIZES
+from loom.models import llama_hf
+from loom.models.schema import GPT_SIZES, LLAMA_OPTIONS
 
 FINAL = Path("final") / "model.safetensors"
+HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"  # a Hugging Face dir's weights
 Shapes = dict[str, tuple[int, ...]]
 MAX_LISTED = 8  # tensors named per kind of mismatch in the refusal
 
@@ -47,22 +52,44 @@ def read_header(path: Path) -> dict[str, Any]:
 
 
 def source_file(value: str) -> Path:
-    """The safetensors file `model.init_from` names (a run dir: its final weights)."""
+    """The source `model.init_from` names: a run dir's final weights, a .safetensors file, or
+    a Hugging Face directory (itself: its config.json and weight files are read from it)."""
     p = Path(value).expanduser().resolve()
     if p.is_dir():
         if (p / FINAL).is_file():
             return p / FINAL
+        if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
+            return p
         _fail("model.init_from", value,
-              f"is a directory without {FINAL} (a run dir has it once the run completed); "
-              "name a completed run dir or a .safetensors file")
+              f"is a directory without {FINAL} (a run dir has it once the run completed) nor "
+              f"{HF_SINGLE} / {HF_INDEX} (a Hugging Face dir); name a completed run dir, a "
+              "Hugging Face dir or a .safetensors file")
     if not p.is_file():
-        _fail("model.init_from", value, "does not exist; name a completed run dir or a .safetensors file")
+        _fail("model.init_from", value,
+              "does not exist; name a completed run dir, a Hugging Face dir or a .safetensors file")
     return p
 
 
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Each tensor's name -> the safetensors file holding it (a file: all in it; a Hugging
+    Face dir: its single file, or the shards its index's `weight_map` names)."""
+    if not path.is_dir():
+        return {name: path for name in read_header(path)}
+    if (path / HF_INDEX).is_file():
+        weight_map = json.loads((path / HF_INDEX).read_text()).get("weight_map") or {}
+        return {name: path / f for name, f in weight_map.items()}
+    return {name: path / HF_SINGLE for name in read_header(path / HF_SINGLE)}
+
+
 def fingerprint(path: Path) -> str:
-    st = path.stat()
-    return f"size={st.st_size},mtime_ns={st.st_mtime_ns}"
+    """Size and mtime of the file; of a Hugging Face dir: of its config.json, index and shards."""
+    if not path.is_dir():
+        st = path.stat()
+        return f"size={st.st_size},mtime_ns={st.st_mtime_ns}"
+    files = sorted({*tensor_files(path).values(), *(path / n for n in ("config.json", HF_INDEX))})
+    stats = [f.stat() for f in files if f.is_file()]
+    return (f"files={len(stats)},size={sum(st.st_size for st in stats)},"
+            f"mtime_ns={max(st.st_mtime_ns for st in stats)}")
 
 
 def normalize(cfg: DictConfig) -> None:
@@ -121,6 +148,8 @@ def expected_shapes(cfg: DictConfig) -> Shapes:
     name = cfg.model.name
     if name in GPT_SIZES:
         return gpt_shapes(cfg.model)
+    if name in LLAMA_OPTIONS:
+        return llama_hf.llama_shapes(cfg.model)
     if name == "mlp":
         return mlp_shapes(cfg.model)
     if name == "custom":
@@ -136,14 +165,15 @@ def expected_shapes(cfg: DictConfig) -> Shapes:
 
 
 def file_shapes(path: Path) -> Shapes:
-    """Names and shapes in the file; older GPT weights' separate attn.q/k/v count as the fused
-    attn.qkv they load as (loom.models.gpt)."""
+    """Names and shapes in the file (a Hugging Face dir: in all its shards); older GPT weights'
+    separate attn.q/k/v count as the fused attn.qkv they load as (loom.models.gpt)."""
+    shapes: Shapes = {}
     try:
-        header = read_header(path)
+        for f in sorted(set(tensor_files(path).values())):
+            shapes |= {k: tuple(v["shape"]) for k, v in read_header(f).items()}
     except (OSError, ValueError) as e:
-        raise ConfigError(f"Invalid config: model.init_from={str(path)!r}: not a readable safetensors "
-                          f"file ({e}).") from None
-    shapes = {k: tuple(v["shape"]) for k, v in header.items()}
+        raise ConfigError(f"Invalid config: model.init_from={str(path)!r}: not readable safetensors "
+                          f"({e}).") from None
     for k in [k for k in shapes if k.endswith(".attn.q.weight") or k.endswith(".attn.q.bias")]:
         prefix, kind = k.rsplit(".q.", 1)
         parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
@@ -176,16 +206,39 @@ def mismatches(expected: Shapes, found: Shapes) -> list[str]:
     return out
 
 
+def _llama_problems(m: DictConfig, path: Path, found: Shapes) -> list[str]:
+    """A Llama from a Hugging Face dir: a tied head stored anyway is dropped from `found` (never
+    read); once the tensors fit, a sized option's shape-free fields must agree with config.json."""
+    data = llama_hf.read_config(path) if path.is_dir() else None
+    if data is None:
+        return []
+    fields = llama_hf.fields_from_config(data, str(path))
+    if fields["tie_embeddings"] and m.tie_embeddings:
+        found.pop("lm_head.weight", None)
+    if m.name == "llama" or mismatches(llama_hf.llama_shapes(m), found):
+        return []
+    return llama_hf.field_mismatches(m, fields)
+
+
+def _hint(name: str, path: Path) -> str:
+    if not path.is_dir():
+        return "change the model overrides to match the source run's config.yaml"
+    if name in LLAMA_OPTIONS:
+        return "use model=llama, which takes every field from the directory's config.json"
+    return "use model=llama (Llama, Qwen2) or model=hf_causal_lm for a Hugging Face dir"
+
+
 def check(cfg: DictConfig) -> None:
     """Refuse (exit 2) a source whose tensors do not fit the configured model, before launch."""
     m = cfg.model
     if not m.get("init_from"):
         return
     path = Path(str(m.init_from))
-    problems = mismatches(expected_shapes(cfg), file_shapes(path))
+    found = file_shapes(path)
+    fields = _llama_problems(m, path, found) if m.name in LLAMA_OPTIONS else []
+    problems = mismatches(expected_shapes(cfg), found) or fields
     if problems:
         raise ConfigError(
             f"Invalid config: model.init_from={str(path)!r} does not fit model={m.name}: "
-            f"{'; '.join(problems)}. Start from weights of the same architecture, or change the "
-            "model overrides to match the source run's config.yaml."
+            f"{'; '.join(problems)}. Start from weights of the same architecture, or {_hint(m.name, path)}."
         )

@@ -19,7 +19,8 @@ from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
 from loom.models.gpt import GPT, Block
-from loom.models.init import NamedInit, ResetParametersInit, gpt_rule, meta_capable, std_rule
+from loom.models.init import NamedInit, ResetParametersInit, gpt_rule, llama_rule, meta_capable, std_rule
+from loom.models.llama import DecoderLayer, Llama
 from loom.optim.build import build_optimizer, sync_schedule
 
 
@@ -148,6 +149,24 @@ class CausalLMModule(LoomModule):
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         return _lm_loss(self.model(x), y)
+
+
+class LlamaModule(CausalLMModule):
+    """Loom's Llama (loom.models.llama), `model=llama*`: FSDP and activation checkpointing
+    units are its decoder layers. No tensor-parallel plan or pipeline split yet: validation
+    refuses tp > 1 and pp > 1 for it (models.checks)."""
+
+    sharding_units = (DecoderLayer,)
+    tensor_parallel_plan = {}
+
+    def build_model(self) -> nn.Module:
+        m = OmegaConf.to_container(self.cfg.model)
+        for key in ("name", "init_from", "init_from_fingerprint"):
+            m.pop(key, None)
+        return Llama(**m)
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        return NamedInit(int(self.cfg.seed), llama_rule()), None
 
 
 class HFCausalLMModule(LoomModule):

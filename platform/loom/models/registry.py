@@ -16,9 +16,11 @@ from loom.layout import ParallelLayout
 from loom.models import checks, spec
 from loom.models.schema import (
     GPT_SIZES,
+    LLAMA_OPTIONS,
     CustomModelConfig,
     GPTModelConfig,
     HFCausalLMModelConfig,
+    LlamaModelConfig,
     MLPModelConfig,
 )
 from loom.models.spec import ModelSpec
@@ -35,9 +37,12 @@ class ModelOption:
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt")
+_LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
+                     normalize=checks.normalize_llama)
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},
+    **{option: _LLAMA for option in LLAMA_OPTIONS},
     "mlp": ModelOption(MLPModelConfig, checks.check_mlp, spec.mlp_spec, "loom.models.build:mlp",
                        normalize=checks.normalize_mlp),
     "hf_causal_lm": ModelOption(HFCausalLMModelConfig, checks.check_hf, spec.hf_spec, "loom.models.build:hf",

@@ -20,6 +20,30 @@ class GPTModelConfig:
 
 
 @dataclass
+class LlamaModelConfig:
+    """loom.models.llama (conf/model/llama*.yaml). A null field is filled from the config.json
+    of the Hugging Face directory `init_from` names (`model=llama`: every shape comes from it)."""
+
+    name: str = "llama_tiny"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_kv_heads: int | None = None     # key/value heads (GQA); = n_head: multi-head attention
+    d_model: int | None = None
+    intermediate_size: int | None = None  # the SwiGLU MLP's width (gate/up rows)
+    vocab_size: int | None = None
+    block_size: int | None = None     # longest sequence (config.json max_position_embeddings)
+    rope_theta: float | None = None
+    # Llama-3.1 frequency scaling {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; null: plain rotary
+    rope_scaling: dict[str, float] | None = None
+    rms_norm_eps: float | None = None
+    tie_embeddings: bool | None = None  # the head reuses model.embed_tokens.weight (no lm_head.weight)
+    qkv_bias: bool | None = None      # biases on q/k/v_proj (Qwen2)
+    init_from: str | None = None      # a run dir, a .safetensors file, or a Hugging Face dir
+    init_from_fingerprint: str | None = None  # set by Loom: the files' sizes and mtimes
+
+
+@dataclass
 class MLPModelConfig:
     name: str = "mlp"
     in_features: int | None = None    # null: from the dataset (digits: 64)
@@ -53,3 +77,5 @@ class CustomModelConfig:
 
 # Loom's GPT family: one schema, several sizes (conf/model/gpt_*.yaml).
 GPT_SIZES = ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")
+# The Llama family: sized options, and `llama` whose sizes come from model.init_from's config.json.
+LLAMA_OPTIONS = ("llama_tiny", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama")

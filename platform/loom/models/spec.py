@@ -1,6 +1,6 @@
 """Model arithmetic from config: parameter counts and training FLOPs per item.
 
-`loom plan` answers before torch is imported, so for Loom's own models (GPT, MLP) the
+`loom plan` answers before torch is imported, so for Loom's own models (GPT, Llama, MLP) the
 counts are written out here; a test checks them against the real modules' `numel()`.
 `hf_causal_lm` and `custom` models are counted by building them on the meta device (this
 imports torch and the model's library, after validation); FLOPs of a custom model are
@@ -55,6 +55,32 @@ def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
 
 def gpt_spec_of(cfg: DictConfig) -> ModelSpec:
     return gpt_spec(cfg.model, cfg.dataset.seq_len)
+
+
+def llama_spec(m: DictConfig, seq_len: int) -> ModelSpec:
+    """loom.models.llama: GQA attention (n_kv_heads key/value heads), SwiGLU MLP (three
+    d x intermediate matrices), two RMSNorm weights per layer and a final one, no positions
+    (rotary), q/k/v biases when qkv_bias, and a head that is its own matrix unless tied.
+
+    FLOPs per token: 6N + 12*L*H*Q*T (PaLM appendix B: N the non-embedding parameters, H*Q =
+    n_head * head_dim, T the sequence), with the head's V x d matmul counted in N even when it
+    is tied to the embedding: a tied head holds no parameters but still multiplies per token.
+    """
+    d, L, V, inner = int(m.d_model), int(m.n_layer), int(m.vocab_size), int(m.intermediate_size)
+    hd = d // int(m.n_head)
+    q, kv = int(m.n_head) * hd, int(m.n_kv_heads) * hd
+    attention = d * q + 2 * d * kv + q * d + ((q + 2 * kv) if m.qkv_bias else 0)
+    per_layer = attention + 3 * d * inner + 2 * d
+    embedding = V * d
+    head = V * d
+    total = embedding + L * per_layer + d + (0 if m.tie_embeddings else head)
+    non_embedding = total - embedding
+    flops = 6 * (non_embedding + (head if m.tie_embeddings else 0)) + 12 * L * q * seq_len
+    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len)
+
+
+def llama_spec_of(cfg: DictConfig) -> ModelSpec:
+    return llama_spec(cfg.model, cfg.dataset.seq_len)
 
 
 def mlp_spec(cfg: DictConfig) -> ModelSpec:

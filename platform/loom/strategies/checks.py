@@ -9,11 +9,13 @@ from omegaconf import DictConfig
 
 from loom.errors import require
 from loom.layout import ParallelLayout
+from loom.models import llama_hf
 from loom.strategies.schema import COMM_HOOKS
 
 # The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
 # before torch is imported: the choices for strategy.shard_units.
 GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
+LLAMA_MODULE_CLASSES = llama_hf.MODULE_CLASSES  # loom.models.llama's (DecoderLayer: its default unit)
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
 
 
@@ -83,12 +85,14 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
     if s.shard_units is not None:
         units = list(s.shard_units)
         require(len(units) > 0, "strategy.shard_units", units,
-                "list at least one module class name, or null for the model's default (GPT: Block)")
+                "list at least one module class name, or null for the model's default "
+                "(GPT: Block, Llama: DecoderLayer)")
         if is_gpt:
-            bad = [u for u in units if u not in GPT_MODULE_CLASSES]
+            classes = LLAMA_MODULE_CLASSES if "n_kv_heads" in model else GPT_MODULE_CLASSES
+            bad = [u for u in units if u not in classes]
             require(not bad, "strategy.shard_units", units,
                     f"{', '.join(map(str, bad))} is not a module class of model={model.name}; "
-                    f"valid choices: {', '.join(GPT_MODULE_CLASSES)}")
+                    f"valid choices: {', '.join(classes)}")
     require(hw.precision in MODEL_PARALLEL_PRECISIONS, "hardware.precision", hw.precision,
             f"strategy={s.name} has no fp16 mixed precision: FSDP2's MixedPrecisionPolicy casts to "
             "bf16 and reduces in fp32, and fp16 would need a gradient scaler Lightning's "

@@ -1,0 +1,256 @@
+"""The Llama family (loom.models.llama, model=llama*): logits parity with transformers on
+checkpoints written by `save_pretrained` (one file and sharded, tied and untied heads, both
+config.json spellings, Qwen2's q/k/v biases), the torch-free arithmetic against the module
+built on the meta device, the plan, and the refusals. In-process only: no launch, no network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loom.errors import ConfigError
+from loom.models import build_module, model_spec
+from loom.models.llama_hf import llama_shapes
+from loom.pipeline import resolve
+
+SIZED = ["llama_tiny", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b"]
+ONE_CPU = ["hardware=cpu", "hardware.devices=1", "strategy=single"]
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+# a short original context, so that Llama-3.1's scaling changes the frequencies this test uses
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16}
+
+
+def _save(model, path: Path, sharded: bool) -> Path:
+    """Random weights (norms and biases too, so none is at its init value), then save_pretrained."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(path, max_shard_size="50KB" if sharded else "1GB")
+    assert (path / "model.safetensors.index.json").is_file() == sharded
+    assert len(list(path.glob("*.safetensors"))) > 1 if sharded else (path / "model.safetensors").is_file()
+    return path
+
+
+def _hf_llama(path: Path, tie: bool, sharded: bool, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling=dict(SCALING), rms_norm_eps=1e-5,
+                         tie_word_embeddings=tie, **extra)
+    return _save(LlamaForCausalLM(config), path, sharded)
+
+
+def _as_transformers4(path: Path) -> None:
+    """Rewrite config.json as transformers 4 (and Meta's published files) spell the rotary."""
+    f = path / "config.json"
+    data = json.loads(f.read_text())
+    rope = data.pop("rope_parameters")
+    data["rope_theta"] = rope.pop("rope_theta")
+    data["rope_scaling"] = rope if rope.get("rope_type") != "default" else None
+    f.write_text(json.dumps(data))
+
+
+def _loom_from(path: Path, *overrides: str):
+    """The run's config and its model, weights loaded as the worker loads model.init_from
+    (FileInit through construct: meta device, then materialized tensor by tensor)."""
+    cfg = resolve(["model=llama", f"model.init_from={path}", *ONE_CPU, *overrides])
+    module = build_module(cfg)
+    module.init_source = cfg.model.init_from
+    module.configure_model()
+    return cfg, module.model.eval()
+
+
+def _logits_match(hf, loom, vocab: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    x = torch.randint(0, vocab, (2, 200))
+    with torch.no_grad():
+        want, got = hf(x).logits, loom(x)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-5
+    return x
+
+
+@pytest.mark.parametrize("tie,sharded", [(False, False), (True, True), (False, True)])
+def test_llama_checkpoint_imports_name_for_name_with_the_same_logits(tmp_path, tie, sharded):
+    from transformers import AutoModelForCausalLM
+
+    path = _hf_llama(tmp_path / "hf", tie, sharded)
+    if sharded and not tie:
+        _as_transformers4(path)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg, loom = _loom_from(path)
+    m = cfg.model
+    assert (m.d_model, m.n_kv_heads, m.intermediate_size, m.tie_embeddings, m.qkv_bias) == (64, 2, 160, tie, False)
+    assert m.rope_theta == 500000.0 and m.rope_scaling["original_max_position_embeddings"] == 16
+    assert m.init_from == str(path) and m.init_from_fingerprint.startswith("files=")
+    names = set(loom.state_dict())
+    assert names == set(hf.state_dict()) - ({"lm_head.weight"} if tie else set())
+    assert names == set(llama_shapes(m))
+    x = _logits_match(hf, loom, 300)
+    # export: Loom's state dict loads by name into transformers, with the same logits
+    fresh = AutoModelForCausalLM.from_config(hf.config).eval()
+    fresh.load_state_dict(loom.state_dict(), strict=not tie)
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, hf(x).logits)
+
+
+def test_llama3_scaling_is_applied(tmp_path):
+    """The same weights without the frequency scaling give other logits (the parity above
+    would not hold with plain rotary)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _hf_llama(tmp_path / "hf", tie=False, sharded=False)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    _, loom = _loom_from(path)
+    loom.model.rotary_emb.scaling = None
+    x = torch.randint(0, 300, (2, 200))
+    with torch.no_grad():
+        assert (loom(x) - hf(x).logits).abs().max().item() > 1e-3
+
+
+def test_qwen2_takes_every_field_from_config_json(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path = _save(Qwen2ForCausalLM(Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=True)),
+                 tmp_path / "qwen", sharded=False)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg, loom = _loom_from(path)
+    m = cfg.model
+    assert m.qkv_bias and m.tie_embeddings and m.rope_scaling is None
+    assert (m.rope_theta, m.rms_norm_eps, m.n_layer, m.vocab_size, m.block_size) == (1e6, 1e-6, 2, 300, 256)
+    assert "model.layers.1.self_attn.k_proj.bias" in loom.state_dict()
+    _logits_match(hf, loom, 300)
+
+
+@pytest.mark.parametrize("name", SIZED)
+def test_spec_counts_the_module_built_on_the_meta_device(name):
+    cfg = resolve([f"model={name}"])
+    with torch.device("meta"):
+        model = build_module(cfg).build_model()
+    spec = model_spec(cfg)
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == llama_shapes(cfg.model)
+    assert ("lm_head.weight" in model.state_dict()) == (not cfg.model.tie_embeddings)
+    published = {"llama3_1b": 1.24e9, "llama3_8b": 8.03e9}.get(name)
+    if published:
+        assert abs(spec.params - published) / published < 0.005
+
+
+def test_flops_per_token_agree_with_torch_flop_counter():
+    """6N + 12*L*H*Q*T against FlopCounterMode's count of one forward (x3 for training); the tied
+    head's matmul is in both. Only the norms' and embedding's elementwise work differ (< 1%)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = resolve(["model=llama_tiny", "dataset.seq_len=64"])
+    model = build_module(cfg).build_model()
+    counter = FlopCounterMode(display=False)  # the math kernel: its matmuls are counted on CPU
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(torch.zeros(2, 64, dtype=torch.long))
+    measured = 3 * counter.get_total_flops() / (2 * 64)
+    spec = model_spec(cfg)
+    assert abs(measured - spec.flops_per_token) / spec.flops_per_token < 0.01
+
+
+def test_fresh_init_is_name_seeded_and_follows_the_llama_rule():
+    from loom.models.llama import Llama
+
+    cfg = resolve(["model=llama_tiny", "seed=5"])
+    module = build_module(cfg)
+    module.configure_model()  # meta device, then materialized by name
+    state = module.model.state_dict()
+    direct = Llama(**{k: v for k, v in cfg.model.items() if not k.startswith(("name", "init_from"))})
+    direct.reset_parameters(seed=5)
+    assert all(torch.equal(state[k], v) for k, v in direct.state_dict().items())
+    assert torch.equal(state["model.layers.0.input_layernorm.weight"], torch.ones(128))
+    assert 0.018 < state["model.layers.1.mlp.up_proj.weight"].std().item() < 0.022
+
+
+def test_activation_checkpointing_wraps_each_decoder_layer_and_keeps_the_names():
+    plain, wrapped = (build_module(resolve(["model=llama_tiny", f"trainer.activation_checkpointing={mode}"]))
+                      for mode in ("none", "full"))
+    for module in (plain, wrapped):
+        module.configure_model()
+    assert [type(m).__name__ for m in wrapped.model.model.layers] == ["CheckpointWrapper"] * 2
+    assert list(wrapped.model.state_dict()) == list(plain.model.state_dict())
+    x = torch.randint(0, 256, (2, 32))
+    losses = [m.model(x).float().logsumexp(-1).mean() for m in (plain, wrapped)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    grads = [m.model.model.embed_tokens.weight.grad for m in (plain, wrapped)]
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_llama3_8b_fits_fsdp_on_h100x8_but_not_ddp():
+    from loom.plan import make_plan
+
+    plan = make_plan(resolve(["model=llama3_8b", "strategy=fsdp", "hardware=h100x8"]))
+    assert plan.fits and model_spec(resolve(["model=llama3_8b"])).params == 8_030_261_248
+    assert not make_plan(resolve(["model=llama3_8b", "strategy=ddp", "hardware=h100x8"])).fits
+
+
+def test_fsdp_shard_units_name_the_llama_classes():
+    assert resolve(["model=llama_tiny", "strategy=fsdp", "strategy.shard_units=[DecoderLayer]"])
+    with pytest.raises(ConfigError, match="valid choices: DecoderLayer"):
+        resolve(["model=llama_tiny", "strategy=fsdp", "strategy.shard_units=[Block]"])
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["strategy=nd", "strategy.tp=4"], "must divide model.n_kv_heads=2 (each tensor-parallel rank holds "
+                                       "whole key/value heads); valid degrees: 1, 2"),
+    (["strategy=fsdp_tp"], "strategy.tensor_parallel=2: model=llama_tiny does not support tensor parallelism yet"),
+    (["strategy=nd", "strategy.pp=2"], "model=llama_tiny does not support pipeline parallelism yet"),
+    (["strategy=nd", "strategy.pp=4"], "strategy.pp=4: exceeds model.n_layer=2"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3: must divide model.n_head=4 (each key/value head serves a whole "
+                             "group of query heads); valid: 1, 2, 4"),
+    (["model.vocab_size=200"], "model.vocab_size=200: is smaller than the data's vocabulary (dataset=tinycode "
+                               "has token ids up to 255); set model.vocab_size=256"),
+])
+def test_layouts_and_shapes_llama_cannot_run_are_refused(overrides, named):
+    with pytest.raises(ConfigError) as e:
+        resolve(["model=llama_tiny", "hardware=h100x8", *overrides])
+    assert named in str(e.value)
+
+
+def test_llama_without_a_source_names_what_to_set():
+    with pytest.raises(ConfigError, match="model=llama takes its shape from model.init_from's config.json"):
+        resolve(["model=llama"])
+
+
+def test_an_unsupported_architecture_names_the_supported_ones_and_the_fallback(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
+    save_file({"wte.weight": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError) as e:
+        resolve(["model=llama", f"model.init_from={tmp_path}"])
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM, Qwen2ForCausalLM" in msg
+    assert f"model=hf_causal_lm model.config={tmp_path}" in msg
+
+
+def test_a_checkpoint_of_another_shape_is_refused_listing_tensors(tmp_path):
+    path = _hf_llama(tmp_path / "hf", tie=False, sharded=True)
+    with pytest.raises(ConfigError) as e:
+        resolve(["model=llama_tiny", f"model.init_from={path}"])
+    msg = str(e.value)
+    assert "does not fit model=llama_tiny" in msg
+    assert "model.embed_tokens.weight [300, 64] in the file, [512, 128] in the model" in msg
+    assert "1 tensor(s) the model does not have: lm_head.weight" in msg  # llama_tiny ties its head
+
+
+def test_a_sized_option_must_agree_with_config_json_beyond_shapes(tmp_path):
+    path = _hf_llama(tmp_path / "hf", tie=False, sharded=False)
+    same_shape = ["model=llama_tiny", f"model.init_from={path}", "model.d_model=64", "model.intermediate_size=160",
+                  "model.vocab_size=300", "model.tie_embeddings=false"]
+    with pytest.raises(ConfigError) as e:
+        resolve(same_shape)
+    assert "model.rope_scaling=" in str(e.value) and "use model=llama" in str(e.value)
+    scaling = "model.rope_scaling={factor:8.0,low_freq_factor:1.0,high_freq_factor:4.0,original_max_position_embeddings:16}"
+    assert resolve([*same_shape, scaling]).model.init_from == str(path)
