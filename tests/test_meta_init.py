@@ -25,7 +25,10 @@ from loom.pipeline import resolve
 
 BIG = ["model=gpt_1b", "model.n_layer=2", "hardware=cpu", *FAST, "trainer.max_steps=1", "dataset.seq_len=16",
        "trainer.limit_val_batches=0"]
-MEMORY_RATIO = 0.6   # sharded build peak (above a gpt_tiny run's) / ddp's, at 2 ranks
+# A sharded build holds its half of the fp32 model plus, briefly, one whole parameter being
+# initialized before it is sharded: the largest, gpt_1b's MLP up projection (4 x 2048 x 2048).
+LARGEST_PARAM_GB = 4 * 2048 * 2048 * 4 / 1e9
+SLACK_GB = 0.03
 AC_TOL = 1e-5
 
 
@@ -118,8 +121,8 @@ def test_sharded_strategies_never_build_the_whole_model(big_runs, strategy_runs)
           {s: big_runs[s].summary()["memory"]["build_peak_rss_gb_per_rank"] for s in big_runs})
     whole_gb = big_runs["ddp"].summary()["memory"]["param_bytes_per_rank"][0] / 1e9
     assert extra["ddp"] > 0.8 * whole_gb, (extra, whole_gb)  # the whole fp32 model on each rank
-    for s in ("fsdp", "zero3"):
-        assert extra[s] <= MEMORY_RATIO * extra["ddp"], (s, extra)
+    for s in ("fsdp", "zero3"):  # 2 ranks: well under the whole model (0.67 of it at 2 layers)
+        assert extra[s] <= whole_gb / 2 + LARGEST_PARAM_GB + SLACK_GB, (s, extra, whole_gb)
 
 
 @pytest.mark.slow
