@@ -56,6 +56,8 @@ def source_file(value: str) -> Path:
     a Hugging Face directory (itself: its config.json and weight files are read from it)."""
     p = Path(value).expanduser().resolve()
     if p.is_dir():
+        if (p / FINAL.parent / "config.json").is_file():  # a run exported with checkpoint.export_format=hf
+            return p / FINAL.parent
         if (p / FINAL).is_file():
             return p / FINAL
         if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():

@@ -130,3 +130,30 @@ def llama_shapes(m: DictConfig) -> Shapes:
     if not m.tie_embeddings:
         out["lm_head.weight"] = (V, d)
     return out
+
+
+def config_from_fields(m: DictConfig, dtype: str = "float32") -> dict[str, Any]:
+    """loom.models.llama's fields -> a config.json `transformers` builds the same network from
+    (the inverse of `fields_from_config`, in the transformers 4 spelling Meta publishes, which
+    transformers 5 reads too): LlamaForCausalLM, or Qwen2ForCausalLM when q/k/v carry biases."""
+    qwen = bool(m.qkv_bias)
+    scaling = m.get("rope_scaling")
+    heads = int(m.n_head)
+    config: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "hidden_size": int(m.d_model), "intermediate_size": int(m.intermediate_size),
+        "num_hidden_layers": int(m.n_layer), "num_attention_heads": heads,
+        "num_key_value_heads": int(m.n_kv_heads), "head_dim": int(m.d_model) // heads,
+        "vocab_size": int(m.vocab_size), "max_position_embeddings": int(m.block_size),
+        "rms_norm_eps": float(m.rms_norm_eps), "rope_theta": float(m.rope_theta),
+        "rope_scaling": ({"rope_type": "llama3", **{k: float(scaling[k]) for k in ROPE_SCALING_KEYS}}
+                         if scaling else None),
+        "tie_word_embeddings": bool(m.tie_embeddings), "hidden_act": "silu",
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
+    }
+    if qwen:
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    else:
+        config |= {"attention_bias": False, "mlp_bias": False}
+    return config

@@ -42,6 +42,12 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_bytes(spec: Spec) -> int:
+    """Bytes of one announced tensor in the file."""
+    _, shape, dtype = spec
+    return math.prod(shape) * _TAGS[dtype][1]
+
+
 def header_bytes(specs: list[Spec], metadata: dict[str, str]) -> bytes:
     """The 8-byte length + JSON header for tensors laid out back to back in `specs` order."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
