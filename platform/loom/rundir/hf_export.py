@@ -7,7 +7,8 @@ The layout is the one `save_pretrained` writes: `config.json`, the weights as
 each tensor's shard), and the tokenizer's files when the run used one. The weights are streamed
 one tensor at a time, as Loom's own export is (`safetensors_stream`): shards are planned from
 the shapes before any tensor is gathered, so no rank holds the consolidated model. Each shard
-carries the `{"format": "pt"}` metadata transformers requires of a safetensors file.
+carries `{"format": "pt"}` in its metadata: transformers 4 refuses a safetensors file whose
+metadata lacks it (5 no longer checks).
 
 Torch-free at module level (rundir/): torch is only touched through the tensors handed in.
 """
