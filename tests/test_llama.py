@@ -1,7 +1,8 @@
 """The Llama family (loom.models.llama, model=llama*): logits parity with transformers on
 checkpoints written by `save_pretrained` (one file and sharded, tied and untied heads, both
 config.json spellings, Qwen2's q/k/v biases), the torch-free arithmetic against the module
-built on the meta device, the plan, and the refusals. In-process only: no launch, no network.
+built on the meta device, the plan, the tensor-parallel plan (under torch's fake process
+group) and the pipeline split, and the refusals. In-process only: no launch, no network.
 """
 
 from __future__ import annotations
@@ -206,8 +207,12 @@ def test_fsdp_shard_units_name_the_llama_classes():
 @pytest.mark.parametrize("overrides,named", [
     (["strategy=nd", "strategy.tp=4"], "must divide model.n_kv_heads=2 (each tensor-parallel rank holds "
                                        "whole key/value heads); valid degrees: 1, 2"),
-    (["strategy=fsdp_tp"], "strategy.tensor_parallel=2: model=llama_tiny does not support tensor parallelism yet"),
-    (["strategy=nd", "strategy.pp=2"], "model=llama_tiny does not support pipeline parallelism yet"),
+    (["strategy=fsdp_tp", "strategy.tensor_parallel=3"], "strategy.tensor_parallel=3: must divide "
+                                                          "model.n_kv_heads=2 (each tensor-parallel rank holds "
+                                                          "whole key/value heads); valid degrees: 1, 2"),
+    (["strategy=nd", "strategy.pp=2"], "strategy.pp=2 puts model.embed_tokens on the first pipeline stage and the "
+                                       "head on the last, so a head tied to the embedding cannot be shared between "
+                                       "them; set model.tie_embeddings=false"),
     (["strategy=nd", "strategy.pp=4"], "strategy.pp=4: exceeds model.n_layer=2"),
     (["model.n_kv_heads=3"], "model.n_kv_heads=3: must divide model.n_head=4 (each key/value head serves a whole "
                              "group of query heads); valid: 1, 2, 4"),
@@ -254,3 +259,111 @@ def test_a_sized_option_must_agree_with_config_json_beyond_shapes(tmp_path):
     assert "model.rope_scaling=" in str(e.value) and "use model=llama" in str(e.value)
     scaling = "model.rope_scaling={factor:8.0,low_freq_factor:1.0,high_freq_factor:4.0,original_max_position_embeddings:16}"
     assert resolve([*same_shape, scaling]).model.init_from == str(path)
+
+
+UNTIED = ["model=llama_tiny", "model.tie_embeddings=false"]
+# llama_tiny's weights on one of 2 tensor-parallel ranks: q/k/v/gate/up keep half their output rows
+# (q: 2 of 4 heads of 32, k and v: 1 of 2 key/value heads), o/down half their input columns.
+TP2_LOCAL = {"self_attn.q_proj": (64, 128), "self_attn.k_proj": (32, 128), "self_attn.v_proj": (32, 128),
+             "self_attn.o_proj": (128, 64), "mlp.gate_proj": (192, 128), "mlp.up_proj": (192, 128),
+             "mlp.down_proj": (128, 192)}
+
+
+@pytest.fixture
+def fake_world_of_2():
+    """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once):
+    the TP plan's placements and local shapes, in one process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_plan_splits_every_linear_of_a_decoder_layer_by_whole_heads(fake_world_of_2):
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from loom.models.init import params_on_meta
+    from loom.models.llama import DecoderLayer
+    from loom.strategies.model_parallel import _apply_tensor_parallel
+
+    module = build_module(resolve(UNTIED))
+    with params_on_meta():
+        module.model = module.build_model()
+    _apply_tensor_parallel(module, init_device_mesh("cpu", (2,)))
+    plan = module.tensor_parallel_plan[DecoderLayer]
+    for layer in module.model.model.layers:
+        linears = {name for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        assert linears == set(plan) == set(TP2_LOCAL)  # no Linear of a layer is left whole
+        for name in sorted(linears):
+            w = layer.get_submodule(name).weight
+            assert isinstance(w, DTensor) and w.placements == (Shard(0 if plan[name] == "colwise" else 1),), name
+            assert tuple(w.to_local().shape) == TP2_LOCAL[name], name
+    body = module.model.model  # embedding, norms and head stay whole, as the GPT's (FSDP2 shards them)
+    assert not any(isinstance(p, DTensor) for p in (body.embed_tokens.weight, body.norm.weight,
+                                                    module.model.lm_head.weight))
+    # attention runs on the rank's local heads (2 query, 1 key/value): shapes only, on meta
+    logits = module.model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+    assert tuple(logits.shape) == (2, 16, 512)
+
+
+def test_pipeline_split_of_llama3_8b_into_4_stages_by_layers():
+    from loom.models.init import params_on_meta
+    from loom.strategies.pipeline import split_stages
+
+    cfg = resolve(["model=llama3_8b", "hardware=h100x8", "strategy=nd", "strategy.pp=4", "strategy.dp_shard=2"])
+    module = build_module(cfg)
+    for stage in range(4):
+        with params_on_meta():
+            net = module.build_model()
+        total = sum(p.numel() for p in net.parameters())
+        (chunk,) = split_stages(net, [stage], 4)
+        body = net.model
+        assert list(body.layers) == [str(i) for i in range(8 * stage, 8 * stage + 8)]
+        assert [id(m) for m in chunk.layers] == [id(m) for m in body.layers.values()]
+        assert (body.embed_tokens is not None) == (stage == 0)
+        assert (body.norm is not None) == (net.lm_head is not None) == (stage == 3)
+        assert body.rotary_emb is not None  # on every stage
+        # the stage module holds every parameter the rank kept (FSDP2 shards it as the root)
+        kept = sum(p.numel() for p in net.parameters())
+        assert sum(p.numel() for p in chunk.parameters()) == kept < total
+        assert {net.pipeline_split.stage_of(k, lambda layer: layer // 8, 4) for k in net.state_dict()} == {stage}
+
+
+@pytest.mark.parametrize("overrides", [UNTIED, ["model=gpt_tiny"]])
+def test_two_pipeline_stages_compute_what_the_whole_network_does(overrides):
+    from loom.strategies.pipeline import split_stages
+
+    module = build_module(resolve(overrides))
+    nets = []
+    for _ in range(3):
+        torch.manual_seed(0)  # the networks initialize themselves from torch's seed
+        nets.append(module.build_model().eval())
+    whole, a, b = nets
+    (first,), (last,) = split_stages(a, [0], 2), split_stages(b, [1], 2)
+    x = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        h = first(x)
+        assert h.shape == (2, 24, module.cfg.model.d_model)  # the first stage sends hidden states
+        assert torch.equal(last(h), whole(x))
+
+
+def test_plan_compare_lists_llama_tp_and_pp_layouts_and_why_a_tied_head_has_no_pp():
+    from loom.compose import compose
+    from loom.plan.compare import compare
+
+    def layouts(*overrides: str):
+        c = compare(compose(["hardware=cpu", "hardware.devices=4", *overrides]))
+        return {(x.strategy, x.degrees["tp"], x.degrees["pp"]) for x in c.candidates}, c.refused
+
+    untied, _ = layouts(*UNTIED)
+    assert {("fsdp_tp", 2, 1), ("nd", 2, 2), ("nd", 1, 2)} <= untied
+    tied, refused = layouts("model=llama_tiny")
+    assert ("fsdp_tp", 2, 1) in tied and not any(pp > 1 for _, _, pp in tied)
+    assert any("set model.tie_embeddings=false" in why for _, why in refused)

@@ -35,6 +35,17 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     init_from.check(cfg)  # the source's tensors against the model's, before launch
 
 
+def splits(cfg: DictConfig, how: str) -> bool:
+    """Whether `cfg.model` can be split `how` ("tensor_parallel" | "pipeline"): the registry's
+    answer, so strategies' checks ask the model instead of recognizing model names."""
+    return bool(getattr(MODELS[cfg.model.name], how))
+
+
+def splittable(how: str) -> str:
+    """The model families that can be split `how`, for refusals: "gpt_*, llama*"."""
+    return ", ".join(dict.fromkeys(o.family for o in MODELS.values() if getattr(o, how)))
+
+
 def build_module(cfg: DictConfig) -> Any:
     """The run's LightningModule, built from the frozen config (seeded by the caller)."""
     module, _, function = MODELS[cfg.model.name].build.partition(":")

@@ -105,21 +105,24 @@ def _check_rope_scaling(m: DictConfig) -> None:
 
 
 def _check_llama_layout(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """What the Llama family does not run yet: tensor parallelism (whole key/value heads per
-    rank, when it comes) and pipeline stages (at most one per layer)."""
+    """What the Llama family's splits need: tensor-parallel ranks hold whole key/value heads
+    (models.lit's plan splits k/v_proj by output features), a pipeline stage holds at least one
+    layer, and a tied head cannot cross stages (embed_tokens lives on the first, the head on
+    the last, and Loom does not keep a tied copy in sync across them)."""
     m, s = cfg.model, cfg.strategy
     if layout.tp > 1:
         key = "strategy.tp" if "tp" in s else "strategy.tensor_parallel"
         _require(m.n_kv_heads % layout.tp == 0, key, layout.tp,
                  f"must divide model.n_kv_heads={m.n_kv_heads} (each tensor-parallel rank holds whole "
                  f"key/value heads); valid degrees: {', '.join(str(d) for d in _divisors(m.n_kv_heads))}")
-        _fail(key, layout.tp, f"model={m.name} does not support tensor parallelism yet (no tensor-parallel "
-              "plan for the Llama family; models with one: gpt_*); use strategy=fsdp, or zero2/zero3")
     if layout.pp > 1:
         _require(layout.pp <= m.n_layer, "strategy.pp", layout.pp,
                  f"exceeds model.n_layer={m.n_layer} (a pipeline stage holds at least one layer)")
-        _fail("strategy.pp", layout.pp, f"model={m.name} does not support pipeline parallelism yet (Loom "
-              "splits only its GPT, model=gpt_*, into stages); use strategy.pp=1, or strategy=fsdp / ddp")
+        _require(not m.tie_embeddings, "model.tie_embeddings", m.tie_embeddings,
+                 f"strategy.pp={layout.pp} puts model.embed_tokens on the first pipeline stage and the head "
+                 "on the last, so a head tied to the embedding cannot be shared between them; set "
+                 "model.tie_embeddings=false (the head gets a matrix of its own), or strategy.pp=1 "
+                 "(tensor parallelism and FSDP keep a tied head)")
 
 
 def normalize_mlp(cfg: DictConfig) -> None:

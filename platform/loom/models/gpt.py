@@ -8,7 +8,9 @@ row blocks) gives each rank whole heads of q, k and v, and the parameter names, 
 and checkpoint keys are the same with and without tensor parallelism. Weights saved with
 separate `attn.q/k/v` (Loom before the fused layout) still load: `_load_from_state_dict`
 interleaves them. Untied embeddings so FSDP/TP shard the head and the embedding independently.
-Shapes use -1 for the head count, so the same code runs on a TP rank's local heads.
+Shapes use -1 for the head count, so the same code runs on a TP rank's local heads. Its
+pipeline split (`pipeline_split`, loom.models.pipeline_split): blocks by index, wte + wpe with
+the first stage, ln_f + lm_head with the last.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.models.pipeline_split import PipelineSplit
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,6 +88,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    pipeline_split = PipelineSplit(layers="blocks", first=("wte", "wpe"), last=("ln_f", "lm_head"))
+
     def __init__(
         self,
         n_layer: int,
@@ -114,10 +120,21 @@ class GPT(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         initialize(self, NamedInit(seed, gpt_rule(self.n_layer)), self.lm_head.weight.device)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token + learned position embeddings (the first pipeline stage's step)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def layer_inputs(self, x: torch.Tensor) -> tuple:
+        """What each block takes beside the hidden states: nothing."""
+        return ()
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the vocabulary projection (the last pipeline stage's step)."""
+        return self.lm_head(self.ln_f(x))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.head(x)

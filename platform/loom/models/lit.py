@@ -153,11 +153,20 @@ class CausalLMModule(LoomModule):
 
 class LlamaModule(CausalLMModule):
     """Loom's Llama (loom.models.llama), `model=llama*`: FSDP and activation checkpointing
-    units are its decoder layers. No tensor-parallel plan or pipeline split yet: validation
-    refuses tp > 1 and pp > 1 for it (models.checks)."""
+    units are its decoder layers; its pipeline split is the network's (`Llama.pipeline_split`)."""
 
     sharding_units = (DecoderLayer,)
-    tensor_parallel_plan = {}
+    # transformers' `base_model_tp_plan` and torchtitan's llama3 plan: q/k/v and the SwiGLU's gate
+    # and up projections split by output features (whole query and key/value heads per rank:
+    # validation asks tp to divide n_kv_heads), o and down by input features: one all-reduce per
+    # branch. Embedding and head stay whole on every TP rank (FSDP2 shards them over the
+    # data-parallel ranks), as for the GPT, so the loss path is the same; a tied head then
+    # reads the same whole embedding, with no special case.
+    tensor_parallel_plan = {
+        DecoderLayer: {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                       "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                       "mlp.down_proj": "rowwise"},
+    }
 
     def build_model(self) -> nn.Module:
         m = OmegaConf.to_container(self.cfg.model)

@@ -8,7 +8,10 @@ the first and second half of each head together, not Meta's interleaved pairs. S
 transformers checkpoint loads name for name, and Loom's final weights load in transformers;
 nothing is permuted. Tied embeddings have no `lm_head` at all: the head reuses
 `model.embed_tokens.weight`, as the checkpoints of tied models (Llama 3.2 1B/3B) store it.
-Shapes use -1 for head counts, so the same code would run on a tensor-parallel rank's heads.
+Shapes use -1 for head counts, so the same code runs on a tensor-parallel rank's local query
+and key/value heads (models.lit's plan: q/k/v/gate/up column-wise, o/down row-wise). Its
+pipeline split (`pipeline_split`): layers by index, embed_tokens with the first stage, norm +
+lm_head with the last, the rotary embedding (no state) on every stage.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loom.models.pipeline_split import PipelineSplit
 
 
 class RMSNorm(nn.Module):
@@ -146,6 +151,9 @@ class Llama(nn.Module):
     """transformers' `LlamaForCausalLM` (and `Qwen2ForCausalLM` with qkv_bias=True): token ids
     (B, T) -> logits (B, T, vocab_size)."""
 
+    pipeline_split = PipelineSplit(layers="model.layers", first=("model.embed_tokens",),
+                                   last=("model.norm", "lm_head"))
+
     def __init__(self, n_layer: int, n_head: int, n_kv_heads: int, d_model: int, intermediate_size: int,
                  vocab_size: int, block_size: int, rope_theta: float = 500000.0,
                  rope_scaling: dict | None = None, rms_norm_eps: float = 1e-5,
@@ -169,11 +177,24 @@ class Llama(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         initialize(self, NamedInit(seed, llama_rule()), self.model.embed_tokens.weight.device)
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (the first pipeline stage's step)."""
+        return self.model.embed_tokens(idx)
+
+    def layer_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin every layer takes, for x's length, device and dtype: computed
+        on every pipeline stage from the activations it receives, so nothing else is sent."""
+        return self.model.rotary_emb(x.shape[1], x.device, x.dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the vocabulary projection (the last stage's step; a tied head reads
+        the embedding, which is why validation refuses a tied Llama across pipeline stages)."""
+        x = self.model.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.model.embed_tokens.weight)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        body = self.model
-        x = body.embed_tokens(idx)
-        cos, sin = body.rotary_emb(idx.shape[1], x.device, x.dtype)
-        for layer in body.layers:
+        x = self.embed(idx)
+        cos, sin = self.layer_inputs(x)
+        for layer in self.model.layers:
             x = layer(x, cos, sin)
-        x = body.norm(x)
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, body.embed_tokens.weight)
+        return self.head(x)

@@ -34,11 +34,18 @@ class ModelOption:
     spec: Callable[[DictConfig], ModelSpec]
     build: str        # "loom.models.build:function" (cfg) -> LightningModule; imports torch
     normalize: Callable[[DictConfig], None] = nothing_to_fill
+    # Whether Loom's code can split the model over ranks beyond data parallelism, for validation
+    # (torch-free); the how is the worker's: the LightningModule's `tensor_parallel_plan`, the
+    # network's `pipeline_split` (models.pipeline_split). `family` names the options in refusals.
+    tensor_parallel: bool = False
+    pipeline: bool = False
+    family: str = ""
 
 
-_GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt")
+_GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
+                   tensor_parallel=True, pipeline=True, family="gpt_*")
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
-                     normalize=checks.normalize_llama)
+                     normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*")
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},

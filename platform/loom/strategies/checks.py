@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from loom.errors import require
 from loom.layout import ParallelLayout
-from loom.models import llama_hf
+from loom.models import llama_hf, splits, splittable
 from loom.strategies.schema import COMM_HOOKS
 
 # The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
@@ -118,9 +118,9 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool
             f"choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0 and whole_heads(d))}"
             + keep)
     require(layout.world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {layout.world}")
-    require(is_gpt, "model.name", model.name,
-            f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: gpt_*. "
-            "Use strategy=fsdp for this model")
+    require(splits(cfg, "tensor_parallel"), "model.name", model.name,
+            f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: "
+            f"{splittable('tensor_parallel')}. Use strategy=fsdp for this model")
     require(model.n_head % tp == 0, "strategy.tensor_parallel", tp,
             f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads)")
 
@@ -185,8 +185,9 @@ def check_nd(cfg: DictConfig, layout: ParallelLayout) -> None:
 
     model = cfg.model
     if layout.tp > 1:
-        require("n_head" in model, "strategy.tp", layout.tp,
-                f"model={model.name} has no tensor-parallel plan (models with one: gpt_*); use strategy.tp=1")
+        require(splits(cfg, "tensor_parallel"), "strategy.tp", layout.tp,
+                f"model={model.name} has no tensor-parallel plan (models with one: "
+                f"{splittable('tensor_parallel')}); use strategy.tp=1")
         require(model.n_head % layout.tp == 0, "strategy.tp", layout.tp,
                 f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads); "
                 f"valid: {', '.join(str(d) for d in range(1, model.n_head + 1) if model.n_head % d == 0)}")

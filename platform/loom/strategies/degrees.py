@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import require
+from loom.models import splits, splittable
 
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
 
@@ -91,9 +92,9 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
     require(m is None or m >= 1, "strategy.pp_microbatches", m, "must be a positive integer, or null (= strategy.pp)")
     if pp == 1:
         return
-    require("n_layer" in model and str(model.name).startswith("gpt"), "strategy.pp", pp,
-            f"model={model.name} cannot be split into pipeline stages (Loom splits its GPT, model=gpt_*, "
-            "by blocks); use strategy.pp=1, or strategy=fsdp / ddp for this model")
+    require(splits(cfg, "pipeline"), "strategy.pp", pp,
+            f"model={model.name} cannot be split into pipeline stages (Loom splits {splittable('pipeline')} "
+            "by layers); use strategy.pp=1, or strategy=fsdp / ddp for this model")
     stages = stages_of(s, pp)
     per_rank = PP_SCHEDULES[sched].stages_per_rank
     require(stages <= model.n_layer, "strategy.pp", pp,

@@ -1,18 +1,23 @@
-"""`strategy=pp` (and `nd` with pp > 1): the GPT's blocks split into pipeline stages
+"""`strategy=pp` (and `nd` with pp > 1): a model's layers split into pipeline stages
 (torch.distributed.pipelining), inside Lightning's ModelParallelStrategy.
 
-Each rank keeps `module.model` as the full GPT minus the other stages' modules (torchtitan's
-way): the blocks it holds stay under their own names (`blocks.3.attn.qkv.weight`), so name-seeded
-init, DCP checkpoints and final weights use the single-device names. Its stages are thin
-`_StageChunk` views over those modules (not registered, so no parameter gets a second name),
-driven by the schedule of `strategy.pp_schedule`. The LightningModule runs with manual
-optimization: the schedule's `step()` runs forward and backward over the microbatches, the last
-stage computes the loss, then gradients are clipped by the norm across stages, and the
-optimizer and the lr schedule step. The loss is broadcast over the pipeline group so every
-rank (rank 0's metrics included) sees the last stage's value.
+Which modules a stage holds is the network's to say (`pipeline_split`, the hook in
+loom.models.pipeline_split: Loom's GPT and Llama declare one): its layers split evenly by index,
+the embeddings with the first stage, the final norm and head with the last, everything else
+(Llama's rotary embedding) on every stage. Each rank keeps `module.model` as the full network
+minus the other stages' modules (torchtitan's way): the layers it holds stay under their own
+names (`blocks.3.attn.qkv.weight`, `model.layers.3.mlp.up_proj.weight`), so name-seeded init,
+DCP checkpoints and final weights use the single-device names. Its stages are thin
+`_StageChunk` views over those modules (not registered, so no parameter gets a second name)
+that run the network's own `embed`, `layer_inputs` and `head` steps, driven by the schedule of
+`strategy.pp_schedule`. The LightningModule runs with manual optimization: the schedule's
+`step()` runs forward and backward over the microbatches, the last stage computes the loss,
+then gradients are clipped by the norm across stages, and the optimizer and the lr schedule
+step. The loss is broadcast over the pipeline group so every rank (rank 0's metrics included)
+sees the last stage's value.
 
 With data parallelism (`nd`: dp_replicate x dp_shard > 1) and tensor parallelism, the stages
-are built first, then the TP plan is applied to their blocks and FSDP2 shards each stage
+are built first, then the TP plan is applied to their layers and FSDP2 shards each stage
 module over the data-parallel ranks (torchtitan's order); the mesh is (data_parallel,
 pipeline, tensor_parallel), data_parallel being (replicate, shard) flattened under HSDP.
 """
@@ -40,7 +45,7 @@ def stage_ids(pp_rank: int, pp: int, per_rank: int, style: str = "loop") -> list
 
 
 def stage_blocks(stage: int, n_stages: int, n_layer: int) -> range:
-    """The block indices of `stage`: an even split, earlier stages taking the remainder's blocks."""
+    """The layer indices of `stage`: an even split, later stages taking the remainder's layers."""
     return range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages)
 
 
@@ -61,36 +66,68 @@ def _chunk_class():
     from torch import nn
 
     class _StageChunk(nn.Module):
-        """One pipeline stage over modules the GPT owns: embeddings (first stage), its blocks,
-        final norm and head (last stage)."""
+        """One pipeline stage over modules the network owns: its first-stage modules (first
+        stage), its layers, its last-stage modules (last stage). The modules are registered
+        here so that FSDP2 can shard the stage as a root; the network itself is not (its
+        parameters would get a second name), and runs the steps of its `pipeline_split`."""
 
-        def __init__(self, gpt, blocks: list, first: bool, last: bool) -> None:
+        def __init__(self, net, layers: list, first: bool, last: bool) -> None:
             super().__init__()
-            self.embed = (gpt.wte, gpt.wpe, gpt.drop) if first else None
-            self.blocks = nn.ModuleList(blocks)
-            self.head = (gpt.ln_f, gpt.lm_head) if last else None
-            if first:
-                self.wte, self.wpe = gpt.wte, gpt.wpe
-            if last:
-                self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+            split = net.pipeline_split
+            object.__setattr__(self, "net", net)  # plain attribute: not a submodule
+            self.layers = nn.ModuleList(layers)
+            self.is_first, self.is_last = first, last
+            ends = (split.first if first else ()) + (split.last if last else ())
+            self.ends = nn.ModuleDict({p.replace(".", "_"): m for p in ends
+                                       if (m := get_path(net, p)) is not None})
 
         def forward(self, x):
-            import torch
-
-            if self.embed is not None:
-                wte, wpe, drop = self.embed
-                x = drop(wte(x) + wpe(torch.arange(x.shape[1], device=x.device)))
-            for block in self.blocks:
-                x = block(x)
-            if self.head is not None:
-                x = self.head[1](self.head[0](x))
-            return x
+            net = self.net
+            if self.is_first:
+                x = net.embed(x)
+            extra = net.layer_inputs(x)
+            for layer in self.layers:
+                x = layer(x, *extra)
+            return net.head(x) if self.is_last else x
 
     return _StageChunk
 
 
+def get_path(net, path: str):
+    """The module at a dotted attribute path ("model.embed_tokens"), None where it is None."""
+    for name in path.split("."):
+        net = getattr(net, name) if net is not None else None
+    return net
+
+
+def set_path(net, path: str, value) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(get_path(net, parent) if parent else net, name, value)
+
+
+def split_stages(net, stages: list[int], n_stages: int) -> list:
+    """Cut `net` down to `stages` of `n_stages` (in place): the other stages' layers and end
+    modules dropped (kept layers keep their index as name), and one `_StageChunk` per stage.
+    `net` must declare a `pipeline_split` (loom.models.pipeline_split)."""
+    from torch import nn
+
+    split = getattr(net, "pipeline_split", None)
+    if split is None:
+        raise ValueError(f"{type(net).__name__} declares no pipeline_split: it cannot be split into stages")
+    layers = list(get_path(net, split.layers))
+    n_layer = len(layers)
+    keep = {b for st in stages for b in stage_blocks(st, n_stages, n_layer)}
+    set_path(net, split.layers, nn.ModuleDict({str(i): b for i, b in enumerate(layers) if i in keep}))
+    for path in (split.first if 0 not in stages else ()) + (split.last if n_stages - 1 not in stages else ()):
+        set_path(net, path, None)
+    kept = get_path(net, split.layers)
+    chunk = _chunk_class()
+    return [chunk(net, [kept[str(i)] for i in stage_blocks(st, n_stages, n_layer)],
+                  first=st == 0, last=st == n_stages - 1) for st in stages]
+
+
 class Pipeline:
-    """This rank's stages of the GPT and the schedule that drives them (built at first use,
+    """This rank's stages of the network and the schedule that drives them (built at first use,
     once the parameters are materialized on the device)."""
 
     def __init__(self, cfg: DictConfig, layout: ParallelLayout, mesh, device) -> None:
@@ -106,6 +143,7 @@ class Pipeline:
         self.device, self.layout = device, layout
         self.schedule: Any = None
         self.chunks: list = []
+        self.split: Any = None  # the network's PipelineSplit, once pruned
 
     @property
     def has_first(self) -> bool:
@@ -124,22 +162,13 @@ class Pipeline:
     def local_blocks(self) -> list[int]:
         return [b for st in self.stages for b in stage_blocks(st, self.n_stages, self.n_layer)]
 
-    def prune(self, gpt) -> None:
-        """Drop the modules of the other ranks' stages (kept blocks keep their names) and make
+    def prune(self, net) -> None:
+        """Drop the modules of the other ranks' stages (kept layers keep their names) and make
         this rank's stage modules (`chunks`), which FSDP2 may then shard as roots."""
-        from torch import nn
+        self.split = net.pipeline_split
+        self.chunks = split_stages(net, self.stages, self.n_stages)
 
-        keep = set(self.local_blocks())
-        gpt.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(gpt.blocks) if i in keep})
-        if not self.has_first:
-            gpt.wte = gpt.wpe = None
-        if not self.has_last:
-            gpt.ln_f = gpt.lm_head = None
-        chunk = _chunk_class()
-        self.chunks = [chunk(gpt, [gpt.blocks[str(i)] for i in stage_blocks(st, self.n_stages, self.n_layer)],
-                             first=st == 0, last=st == self.n_stages - 1) for st in self.stages]
-
-    def _build(self, gpt, loss_fn) -> None:
+    def _build(self, loss_fn) -> None:
         """The PipelineStages over the chunks (an FSDP2 chunk gets its gradient reduction from
         the stage: no sync until the last microbatch's backward) and the schedule."""
         from torch.distributed.pipelining import PipelineStage, schedules
@@ -153,16 +182,16 @@ class Pipeline:
         self.schedule = (cls(stages[0], self.microbatches, loss_fn=loss_fn) if self.per_rank == 1
                          else cls(stages, self.microbatches, loss_fn=loss_fn))
         log.info(f"pipeline: rank {self.pp_rank}/{self.pp} runs stages {self.stages} of {self.n_stages} "
-                 f"(blocks {self.local_blocks()}), {self.name}, {self.microbatches} microbatches")
+                 f"(layers {self.local_blocks()}), {self.name}, {self.microbatches} microbatches")
 
-    def run(self, gpt, loss_fn, x, y, train: bool = True):
+    def run(self, net, loss_fn, x, y, train: bool = True):
         """One pass over the batch (forward + backward when `train`); the mean microbatch loss,
         the same on every rank of the pipeline group."""
         import torch
         import torch.distributed as dist
 
         if self.schedule is None:
-            self._build(gpt, loss_fn)
+            self._build(loss_fn)
         losses: list = []
         args = (x,) if self.has_first else ()
         kw = {"target": y, "losses": losses} if self.has_last else {}
@@ -239,7 +268,7 @@ def _pipeline_strategy_class():
             super(base, self).setup(trainer)  # ModelParallelStrategy's, not Loom's clip hook (manual optimization)
 
         def parallelize(self, module) -> None:
-            """Stages first, then TP on their blocks, then FSDP2 on each stage (torchtitan's order)."""
+            """Stages first, then TP on their layers, then FSDP2 on each stage (torchtitan's order)."""
             from loom.strategies.model_parallel import _apply_tensor_parallel
 
             self.pipeline.prune(module.model)
@@ -301,7 +330,7 @@ def _pipeline_strategy_class():
 
         # ------------------------------------------------------------ final weights
         def model_state_entries(self, trainer, module) -> list:
-            """Every entry of the whole GPT, in its own order: this rank's tensors, and meta
+            """Every entry of the whole network, in its own order: this rank's tensors, and meta
             tensors (shape and dtype only) for the other stages' ones."""
             from loom.models.init import params_on_meta
 
@@ -318,11 +347,11 @@ def _pipeline_strategy_class():
 
         def _owner_rank(self, key: str) -> int:
             p = self.pipeline
-            if key.startswith("blocks."):
-                block = int(key.split(".")[1])
-                stage = next(s for s in range(p.n_stages) if block in stage_blocks(s, p.n_stages, p.n_layer))
-            else:
-                stage = 0 if key.startswith(("wte.", "wpe.")) else p.n_stages - 1
+
+            def stage_of_layer(layer: int) -> int:
+                return next(s for s in range(p.n_stages) if layer in stage_blocks(s, p.n_stages, p.n_layer))
+
+            stage = p.split.stage_of(key, stage_of_layer, p.n_stages)
             return p.owner_pp_rank(stage) * self.loom_layout.tp  # data-parallel index 0
 
         def gather_full_tensor(self, trainer, t):
