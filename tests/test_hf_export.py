@@ -109,3 +109,15 @@ def test_a_re_export_leaves_no_shard_of_the_previous_one(tmp_path):
     assert sorted(p.name for p in (tmp_path / "final").glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "final" / INDEX).exists()
     _same_logits(model, tmp_path / "final", int(cfg.model.vocab_size))
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["checkpoint.export_format=hf"], "model=gpt_tiny has no Hugging Face architecture"),
+    (["checkpoint.export_format=onnx", "model=llama_tiny"], "valid choices: loom, hf"),
+    (["checkpoint.export_format=hf", "model=llama_tiny", "checkpoint.export_shard_gb=0"], "must be > 0"),
+])
+def test_an_export_loom_cannot_write_is_refused_before_launch(overrides, named):
+    from loom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        resolve([*overrides, *ONE_CPU])

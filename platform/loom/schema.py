@@ -61,6 +61,8 @@ class CheckpointConfig:
     keep_last: int = 2
     async_: bool = False        # the YAML key is `async` (see _keyword_field)
     export_dtype: str = "fp32"  # final/model.safetensors: fp32 | bf16 | fp16
+    export_format: str = "loom"  # loom: final/model.safetensors | hf: final/ loads with from_pretrained
+    export_shard_gb: float = 5.0  # export_format=hf: the largest shard file
 
 
 def _keyword_field(schema: type, attr: str, key: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from loom.errors import fail
 from loom.layout import ParallelLayout
 from loom.models import init_from
 from loom.models.registry import MODELS
@@ -33,6 +34,22 @@ def normalize(cfg: DictConfig) -> None:
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     MODELS[cfg.model.name].check(cfg, layout)
     init_from.check(cfg)  # the source's tensors against the model's, before launch
+    _check_export_format(cfg)
+
+
+def _check_export_format(cfg: DictConfig) -> None:
+    """checkpoint.export_format=hf needs a transformers architecture that holds this model."""
+    if cfg.checkpoint.get("export_format", "loom") != "hf" or MODELS[cfg.model.name].hf_config is not None:
+        return
+    able = ", ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.hf_config is not None))
+    fail("checkpoint.export_format", "hf",
+         f"model={cfg.model.name} has no Hugging Face architecture to export to (models that have one: "
+         f"{able}); keep checkpoint.export_format=loom (final/model.safetensors)")
+
+
+def hf_export_config(cfg: DictConfig) -> dict[str, Any]:
+    """config.json of `checkpoint.export_format=hf` for the run's model (validated: it has one)."""
+    return dict(MODELS[cfg.model.name].hf_config(cfg))
 
 
 def splits(cfg: DictConfig, how: str) -> bool:

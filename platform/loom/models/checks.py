@@ -46,14 +46,14 @@ LLAMA_FIELDS = ("n_layer", "n_head", "n_kv_heads", "d_model", "intermediate_size
 
 def normalize_llama(cfg: DictConfig) -> None:
     """Fields left null are taken from the config.json of the Hugging Face dir `model.init_from`
-    names (`model=llama`: all of them); the user's own overrides stay. An architecture Loom's
+    names, or of a run's `final/` exported with checkpoint.export_format=hf (`model=llama`: all
+    of them); the user's own overrides stay. An architecture Loom's
     Llama does not reproduce is refused here, naming the supported ones."""
-    from pathlib import Path
-
     from loom.models import llama_hf
+    from loom.models.init_from import source_file
 
     m = cfg.model
-    src = Path(str(m.init_from)).expanduser().resolve() if m.get("init_from") else None
+    src = source_file(str(m.init_from)) if m.get("init_from") else None  # a run dir: its final/
     data = llama_hf.read_config(src) if src is not None and src.is_dir() else None
     if data is None:
         return

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import checks, spec
+from loom.models import checks, hf, llama_hf, spec
 from loom.models.schema import (
     GPT_SIZES,
     LLAMA_OPTIONS,
@@ -40,12 +40,16 @@ class ModelOption:
     tensor_parallel: bool = False
     pipeline: bool = False
     family: str = ""
+    # config.json of `checkpoint.export_format=hf` (torch-free; None: no transformers architecture
+    # holds this model, so that export is refused at validation)
+    hf_config: Callable[[DictConfig], dict] | None = None
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
                    tensor_parallel=True, pipeline=True, family="gpt_*")
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
-                     normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*")
+                     normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*",
+                     hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model))
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},
@@ -53,7 +57,7 @@ MODELS: dict[str, ModelOption] = {
     "mlp": ModelOption(MLPModelConfig, checks.check_mlp, spec.mlp_spec, "loom.models.build:mlp",
                        normalize=checks.normalize_mlp),
     "hf_causal_lm": ModelOption(HFCausalLMModelConfig, checks.check_hf, spec.hf_spec, "loom.models.build:hf",
-                                normalize=checks.normalize_hf),
+                                normalize=checks.normalize_hf, hf_config=lambda cfg: hf.config_dict(cfg.model)),
     "custom": ModelOption(CustomModelConfig, checks.check_custom, spec.custom_spec, "loom.models.build:custom",
                           normalize=checks.normalize_custom),
 }

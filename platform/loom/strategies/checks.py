@@ -22,6 +22,7 @@ MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardwar
 # checkpoint.async: strategies whose checkpoints can be written in the background, and why the
 # others cannot (the sentence the refusal gives).
 ASYNC_CHECKPOINT_STRATEGIES = ("fsdp", "fsdp_tp")
+EXPORT_FORMATS = ("loom", "hf")  # checkpoint.export_format
 _NO_ASYNC_WHY = {
     "replicated": "Lightning's AsyncCheckpointIO would clone the whole state on the training thread "
               "and still stage it in a BytesIO, with no completion to wait on before the checkpoint "
@@ -33,13 +34,19 @@ _NO_ASYNC_WHY = {
 
 
 def check_checkpoint(cfg: DictConfig) -> None:
-    """checkpoint.export_dtype is one Loom writes; checkpoint.async only where it can run."""
+    """checkpoint.export_dtype and export_format are ones Loom writes; checkpoint.async only where
+    it can run."""
     from loom.rundir.safetensors_stream import EXPORT_DTYPES
 
     c, name = cfg.checkpoint, cfg.strategy.name
     require(c.export_dtype in EXPORT_DTYPES, "checkpoint.export_dtype", c.export_dtype,
             f"valid choices: {', '.join(EXPORT_DTYPES)} (the dtype of every floating-point tensor "
             "in final/model.safetensors)")
+    require(c.get("export_format", "loom") in EXPORT_FORMATS, "checkpoint.export_format", c.get("export_format"),
+            f"valid choices: {', '.join(EXPORT_FORMATS)} (loom: final/model.safetensors; hf: final/ is a "
+            "directory transformers' from_pretrained loads)")
+    require(float(c.get("export_shard_gb", 5.0)) > 0, "checkpoint.export_shard_gb", c.get("export_shard_gb"),
+            "must be > 0 (the largest weight file of checkpoint.export_format=hf, in GB)")
     if c["async"] and name not in ASYNC_CHECKPOINT_STRATEGIES:
         why = _NO_ASYNC_WHY["zero" if name.startswith("zero") else "replicated"]
         require(False, "checkpoint.async", c["async"],

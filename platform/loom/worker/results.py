@@ -37,9 +37,7 @@ class RunResults:
         """Final weights (a collective under sharding) and every rank's memory figures."""
         self.status = "completed"
         trainer.strategy.wait_for_checkpoint()  # a background checkpoint write finishes first
-        self._export_final_weights(trainer, module)
-        if self.rank == 0:
-            self.summary["final_weights"] = "final/model.safetensors"
+        self.summary["final_weights"] = self._export_final_weights(trainer, module)
         per_rank = self._gather_rank_stats(trainer, module)
         self.summary["memory"] = {
             "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
@@ -52,11 +50,13 @@ class RunResults:
         # A node restarted because another failed keeps its own count: the run's is the max.
         self.summary["restarts"] = int(per_rank[:, 4].max())
 
-    def _export_final_weights(self, trainer, module) -> None:
+    def _export_final_weights(self, trainer, module) -> str:
         """final/model.safetensors in `checkpoint.export_dtype` (integer tensors keep theirs),
         whatever the strategy: each entry is gathered whole (a collective under sharding, so
         every rank walks the same list), cast on rank 0 and streamed to the file, so no rank
-        ever holds the consolidated model, let alone two copies of it."""
+        ever holds the consolidated model, let alone two copies of it. With
+        `checkpoint.export_format=hf`, the same stream makes final/ a directory transformers
+        loads (loom.rundir.hf_export). Returns what summary.json's `final_weights` names."""
         import torch
 
         strategy, ckpt = trainer.strategy, self.cfg.checkpoint
@@ -65,14 +65,24 @@ class RunResults:
         specs = [(k, strategy.full_shape(t), dtype_name(dtype if t.is_floating_point() else t.dtype))
                  for k, t in entries]
         tensors = ((k, strategy.gather_full_tensor(trainer, t)) for k, t in entries)
+        hf = ckpt.get("export_format", "loom") == "hf"
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
-            return
+            return "final/" if hf else "final/model.safetensors"
         meta = {"run_id": str(self.cfg.run.id), "model": self.cfg.model.name,
                 "step": str(trainer.global_step), "dtype": str(ckpt.export_dtype)}
-        checkpoints.write_final_weights(
-            self.run_dir, specs, ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in tensors), meta)
+        cast = ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in tensors)
+        if not hf:
+            checkpoints.write_final_weights(self.run_dir, specs, cast, meta)
+            return "final/model.safetensors"
+        from loom.models import hf_export_config
+        from loom.rundir.hf_export import write_hf_dir
+
+        config = {**hf_export_config(self.cfg), "torch_dtype": dtype_name(dtype)}
+        write_hf_dir(self.run_dir / "final", config, specs, cast, meta, float(ckpt.export_shard_gb) * 1e9,
+                     self.cfg.dataset.get("tokenizer"))
+        return "final/"
 
     def _earlier(self, key: str):
         """A resumed run's value from the attempts before this one (None for a fresh run)."""
