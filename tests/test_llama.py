@@ -308,6 +308,10 @@ def test_tp_plan_splits_every_linear_of_a_decoder_layer_by_whole_heads(fake_worl
     body = module.model.model  # embedding, norms and head stay whole, as the GPT's (FSDP2 shards them)
     assert not any(isinstance(p, DTensor) for p in (body.embed_tokens.weight, body.norm.weight,
                                                     module.model.lm_head.weight))
+    from loom.plan.memory import tp_replicated_params  # what the plan leaves whole is what TP does
+
+    whole = sum(p.numel() for p in module.model.parameters() if not isinstance(p, DTensor))
+    assert whole == tp_replicated_params(resolve(UNTIED))
     # attention runs on the rank's local heads (2 query, 1 key/value): shapes only, on meta
     logits = module.model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
     assert tuple(logits.shape) == (2, 16, 512)
@@ -317,7 +321,11 @@ def test_pipeline_split_of_llama3_8b_into_4_stages_by_layers():
     from loom.models.init import params_on_meta
     from loom.strategies.pipeline import split_stages
 
+    from loom.plan.pipeline import stage_plans
+    from loom.strategies import layout_of
+
     cfg = resolve(["model=llama3_8b", "hardware=h100x8", "strategy=nd", "strategy.pp=4", "strategy.dp_shard=2"])
+    plans = stage_plans(cfg, "nd", layout_of(cfg))
     module = build_module(cfg)
     for stage in range(4):
         with params_on_meta():
@@ -333,6 +341,7 @@ def test_pipeline_split_of_llama3_8b_into_4_stages_by_layers():
         # the stage module holds every parameter the rank kept (FSDP2 shards it as the root)
         kept = sum(p.numel() for p in net.parameters())
         assert sum(p.numel() for p in chunk.parameters()) == kept < total
+        assert plans[stage].params == kept, (stage, plans[stage].params, kept)  # the plan counts the same
         assert {net.pipeline_split.stage_of(k, lambda layer: layer // 8, 4) for k in net.state_dict()} == {stage}
 
 

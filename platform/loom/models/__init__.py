@@ -16,7 +16,7 @@ from loom.errors import fail
 from loom.layout import ParallelLayout
 from loom.models import init_from
 from loom.models.registry import MODELS
-from loom.models.spec import ModelSpec
+from loom.models.spec import ModelSpec, Parts
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items()}
 
@@ -45,6 +45,12 @@ def _check_export_format(cfg: DictConfig) -> None:
     fail("checkpoint.export_format", "hf",
          f"model={cfg.model.name} has no Hugging Face architecture to export to (models that have one: "
          f"{able}); keep checkpoint.export_format=loom (final/model.safetensors)")
+
+
+def model_parts(cfg: DictConfig) -> Parts | None:
+    """Where the model's parameters sit by layer (None: not a layered decoder Loom splits)."""
+    parts = MODELS[cfg.model.name].parts
+    return parts(cfg) if parts is not None else None
 
 
 def hf_export_config(cfg: DictConfig) -> dict[str, Any]:

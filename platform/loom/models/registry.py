@@ -43,13 +43,16 @@ class ModelOption:
     # config.json of `checkpoint.export_format=hf` (torch-free; None: no transformers architecture
     # holds this model, so that export is refused at validation)
     hf_config: Callable[[DictConfig], dict] | None = None
+    # where a layered decoder's parameters sit (the plan's pipeline stages and TP); None: not one
+    parts: Callable[[DictConfig], spec.Parts] | None = None
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
-                   tensor_parallel=True, pipeline=True, family="gpt_*")
+                   tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model))
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
                      normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*",
-                     hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model))
+                     hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),
+                     parts=lambda cfg: spec.llama_parts(cfg.model))
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},

@@ -29,6 +29,44 @@ class ModelSpec:
     items_per_sample: int = 1    # tokens per sample (seq_len), 1 for classification
 
 
+@dataclass(frozen=True)
+class Parts:
+    """Where a layered decoder's parameters sit, for the plan's pipeline stages and tensor
+    parallelism (torch-free): each layer's, the first stage's (embeddings), the last stage's
+    (final norm and an untied head), what the model's TP plan leaves whole (norms, row-parallel
+    biases, embeddings and head: Loom's plans split only the layers' projections), and the
+    largest single parameter (materialized whole in fp32 before it is sharded)."""
+
+    per_layer: int
+    per_layer_tp_whole: int
+    first: int
+    last: int
+    largest: int
+
+    def tp_whole(self, layers: int, first: bool, last: bool) -> int:
+        """Parameters a stage of `layers` layers keeps whole on every tensor-parallel rank."""
+        return layers * self.per_layer_tp_whole + (self.first if first else 0) + (self.last if last else 0)
+
+
+def gpt_parts(m: DictConfig) -> Parts:
+    """loom.models.gpt under models.lit's TP plan (qkv and fc colwise, proj and mlp-out rowwise:
+    their two biases and the two LayerNorms stay whole)."""
+    d, V, T = int(m.d_model), int(m.vocab_size), int(m.block_size)
+    return Parts(per_layer=12 * d * d + 13 * d, per_layer_tp_whole=6 * d, first=V * d + T * d, last=V * d + 2 * d,
+                 largest=max(4 * d * d, V * d, T * d))
+
+
+def llama_parts(m: DictConfig) -> Parts:
+    """loom.models.llama under its TP plan (q/k/v/gate/up colwise, o/down rowwise, no bias on a
+    row-parallel layer: only the two RMSNorm weights stay whole); no position table."""
+    d, L, V, inner = int(m.d_model), int(m.n_layer), int(m.vocab_size), int(m.intermediate_size)
+    q = int(m.n_head) * (d // int(m.n_head))
+    head = 0 if m.tie_embeddings else V * d
+    per_layer = (llama_spec(m, 1).params - V * d - d - head) // L
+    return Parts(per_layer=per_layer, per_layer_tp_whole=2 * d, first=V * d, last=d + head,
+                 largest=max(inner * d, V * d, q * d))
+
+
 def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
     """The GPT of loom.models.gpt: untied embeddings, biased linears, learned positions.
 

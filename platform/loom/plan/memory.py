@@ -180,14 +180,13 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
 
 
 def tp_replicated_params(cfg: DictConfig) -> float:
-    """Parameters tensor parallelism leaves whole on every TP rank (GPT of loom.models.gpt
-    under models.lit's plan: qkv/fc colwise, proj rowwise): embeddings, positions, the
-    head, every LayerNorm, and the two row-parallel biases per block."""
-    m = cfg.model
-    if "d_model" not in m:
-        return 0.0
-    d = m.d_model
-    return float(2 * m.vocab_size * d + m.block_size * d + 2 * d + m.n_layer * (4 * d + 2 * d))
+    """Parameters tensor parallelism leaves whole on every TP rank, by the model's own TP plan
+    (models.spec.Parts: embeddings, the head, the norms, row-parallel biases); 0 for a model
+    Loom does not split."""
+    from loom.models import model_parts
+
+    parts = model_parts(cfg)
+    return float(parts.tp_whole(int(cfg.model.n_layer), True, True)) if parts else 0.0
 
 
 def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
@@ -293,13 +292,15 @@ def fits(cfg: DictConfig, mem: MemoryEstimate, capacity: float | None) -> bool:
 
 def largest_param(cfg: DictConfig) -> float:
     """Elements of the model's largest single parameter: what initialization materializes
-    whole (in fp32) before it is sharded. Loom's GPT: max(4*d*d (the MLP's up projection),
-    vocab*d, block_size*d); the MLP: its widest weight; a transformers model: max(4*d*d,
-    vocab*d) from its config; 0 when unknown."""
+    whole (in fp32) before it is sharded. Loom's GPT and Llama: models.spec.Parts.largest; the
+    MLP: its widest weight; a transformers model: max(4*d*d, vocab*d) from its config; 0 when
+    unknown."""
+    from loom.models import model_parts
+
     m = cfg.model
-    if "d_model" in m:
-        d = m.d_model
-        return float(max(4 * d * d, m.vocab_size * d, m.block_size * d))
+    parts = model_parts(cfg)
+    if parts is not None:
+        return float(parts.largest)
     if "hidden" in m:
         widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
         return float(max(a * b for a, b in zip(widths, widths[1:], strict=False)))

@@ -55,20 +55,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, per_rank: int, pp_rank:
     return min(microbatches * per_rank, (per_rank - 1) * pp + 2 * (pp - pp_rank - 1) + 1)
 
 
-def _gpt_parts(m: DictConfig) -> tuple[int, int, int]:
-    """(per block, embeddings, head + final norm) parameters of loom.models.gpt (models.spec)."""
-    d = m.d_model
-    per_block = 12 * d * d + 13 * d
-    return per_block, m.vocab_size * d + m.block_size * d, m.vocab_size * d + 2 * d
-
-
-def _tp_whole(m: DictConfig, n_blocks: int, first: bool, last: bool) -> int:
-    """Parameters tensor parallelism leaves whole on a stage (memory.tp_replicated_params's split)."""
-    d = m.d_model
-    return n_blocks * 6 * d + (m.vocab_size * d + m.block_size * d if first else 0) + \
-        (m.vocab_size * d + 2 * d if last else 0)
-
-
 def _states(cfg: DictConfig, name: str, layout: ParallelLayout, params: int, whole: int) -> MemoryEstimate:
     hw = cfg.hardware
     kw = dict(per_param=per_param_bytes(name, hw.precision, cfg.optim), offload_optimizer=False)
@@ -93,14 +79,17 @@ def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, l
 
 
 def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[StagePlan]:
-    """Every pipeline rank's stages and memory per device (GPT models; [] without a pipeline)."""
-    if layout.pp == 1 or "d_model" not in cfg.model:
+    """Every pipeline rank's stages and memory per device (models that declare their Parts:
+    Loom's GPT and Llama; [] without a pipeline)."""
+    from loom.models import model_parts
+
+    parts = model_parts(cfg)
+    if layout.pp == 1 or parts is None:
         return []
     m, sched = cfg.model, str(layout.pp_schedule)
     v = PP_SCHEDULES[sched].stages_per_rank
     n_stages, mb = layout.pp * v, int(layout.pp_microbatches or layout.pp)
     micro = max(1, cfg.dataset.batch_size // mb)
-    per_block, emb, head = _gpt_parts(m)
     style = "v" if "zbv" in sched else "loop"
     out = []
     for r in range(layout.pp):
@@ -108,8 +97,8 @@ def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[Stag
         chunks = [(len(stage_blocks(st, n_stages, m.n_layer)), st == n_stages - 1) for st in stages]
         blocks = [b for st in stages for b in stage_blocks(st, n_stages, m.n_layer)]
         first, last = 0 in stages, n_stages - 1 in stages
-        params = len(blocks) * per_block + (emb if first else 0) + (head if last else 0)
-        mem = _states(cfg, name, layout, params, _tp_whole(m, len(blocks), first, last))
+        params = len(blocks) * parts.per_layer + (parts.first if first else 0) + (parts.last if last else 0)
+        mem = _states(cfg, name, layout, params, parts.tp_whole(len(blocks), first, last))
         flight = in_flight(sched, layout.pp, mb, v, r)
         # the chunks in flight spread over this rank's stages; the largest chunk bounds them
         mem.activations = flight * max(_chunk_activations(cfg, layout, n, lst, micro) for n, lst in chunks)
