@@ -167,7 +167,7 @@ def test_fresh_init_is_name_seeded_and_follows_the_llama_rule():
     module = build_module(cfg)
     module.configure_model()  # meta device, then materialized by name
     state = module.model.state_dict()
-    direct = Llama(**{k: v for k, v in cfg.model.items() if not k.startswith(("name", "init_from"))})
+    direct = Llama(**{k: v for k, v in cfg.model.items() if not k.startswith(("name", "init_from", "vocab_used"))})
     direct.reset_parameters(seed=5)
     assert all(torch.equal(state[k], v) for k, v in direct.state_dict().items())
     assert torch.equal(state["model.layers.0.input_layernorm.weight"], torch.ones(128))
@@ -319,10 +319,9 @@ def test_tp_plan_splits_every_linear_of_a_decoder_layer_by_whole_heads(fake_worl
 
 def test_pipeline_split_of_llama3_8b_into_4_stages_by_layers():
     from loom.models.init import params_on_meta
-    from loom.strategies.pipeline import split_stages
-
     from loom.plan.pipeline import stage_plans
     from loom.strategies import layout_of
+    from loom.strategies.pipeline import split_stages
 
     cfg = resolve(["model=llama3_8b", "hardware=h100x8", "strategy=nd", "strategy.pp=4", "strategy.dp_shard=2"])
     plans = stage_plans(cfg, "nd", layout_of(cfg))
@@ -376,3 +375,50 @@ def test_plan_compare_lists_llama_tp_and_pp_layouts_and_why_a_tied_head_has_no_p
     tied, refused = layouts("model=llama_tiny")
     assert ("fsdp_tp", 2, 1) in tied and not any(pp > 1 for _, _, pp in tied)
     assert any("set model.tie_embeddings=false" in why for _, why in refused)
+
+
+# ----------------------------------------------------------------------------- tokenizer-sized vocabularies
+
+
+def _bpe_tokenizer(path: Path, size: int) -> Path:
+    """A byte-level BPE tokenizer trained here on a few lines (no download), save_pretrained'd."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [f"def f{i}(x):\n    return x * {i} + {i * i}  # line {i}\n" for i in range(400)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("option", ["gpt_tiny", "llama_tiny"])
+def test_a_tokenizer_sizes_the_vocabulary_padded_and_the_padding_never_changes_the_loss(tmp_path, option):
+    from loom.data.tokenizer import tokenizer_vocab_size
+
+    tok = _bpe_tokenizer(tmp_path / "tok", 700)
+    used = tokenizer_vocab_size(str(tok))
+    cfg = resolve([f"model={option}", f"dataset.tokenizer={tok}", *ONE_CPU])
+    assert cfg.model.vocab_size % 64 == 0 and cfg.model.vocab_size - 64 < used < cfg.model.vocab_size
+    assert cfg.model.vocab_used == used
+    module = build_module(cfg)
+    module.configure_model()
+    torch.manual_seed(0)
+    x, y = torch.randint(0, used, (2, 32)), torch.randint(0, used, (2, 32))
+    with torch.no_grad():
+        logits = module.model(x)
+        logits[..., used:] += 50.0  # whatever the padded rows say, they are not in the softmax
+        unpadded = torch.nn.functional.cross_entropy(logits[..., :used].reshape(-1, used), y.reshape(-1))
+        assert abs(module._lm_loss(logits, y).item() - unpadded.item()) < 1e-6
+        assert module._lm_loss(logits, y).item() < torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item() - 1.0  # the padding would have counted
+
+
+def test_a_tokenizer_larger_than_a_published_vocabulary_is_refused(tmp_path):
+    """A sized llama3_* option keeps Meta's vocabulary (here lowered to 512 so that a 700-token
+    tokenizer exceeds it): it is not resized to the tokenizer but refused, naming both."""
+    tok = _bpe_tokenizer(tmp_path / "tok", 700)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=512: is smaller than the data's vocabulary"):
+        resolve(["model=llama3_1b", f"dataset.tokenizer={tok}", "model.vocab_size=512", *ONE_CPU])

@@ -94,7 +94,8 @@ def test_hf_causal_lm_spec_counts_the_built_model(hf_assets):
          ["model.vocab_size", "200", "256"]),
         (["model=hf_causal_lm", "model.config=CFG", "dataset.tokenizer=TOK", "dataset.seq_len=32", "model.vocab_size=100"],
          ["model.vocab_size", "100", "300 tokens"]),
-        (["model=gpt_tiny", "dataset.tokenizer=TOK"], ["model.vocab_size", "256", "set model.vocab_size=300"]),
+        (["model=llama3_1b", "dataset.tokenizer=TOK", "model.vocab_size=256"], ["model.vocab_size", "256",
+                                                                                 "set model.vocab_size=300"]),
     ],
 )
 def test_bad_model_input_names_the_key_and_the_fix(overrides, needles, hf_assets):

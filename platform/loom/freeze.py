@@ -37,7 +37,7 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
         for part in parent.split(".") if parent else []:
             node = node.get(part, {})
         node.pop(leaf, None)
-    for key in ("init_from", "init_from_fingerprint"):  # null: as frozen before the key existed
+    for key in ("init_from", "init_from_fingerprint", "vocab_used"):  # null: as frozen before the key existed
         if key in data.get("model", {}) and data["model"][key] is None:
             data["model"].pop(key)
     if data.get("trainer", {}).get("global_batch_size", 0) is None:  # null: the run's own (adopt_run_batch)

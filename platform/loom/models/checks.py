@@ -13,6 +13,10 @@ from loom.errors import require as _require
 from loom.layout import ParallelLayout
 
 TOKEN_HINT = "token datasets: tinycode, text_files, hf, synthetic (dataset.kind=tokens)"
+# Options whose vocabulary is Loom's byte-level default, which a dataset.tokenizer replaces;
+# the others' (llama3_*: Meta's 128,256) is the published one, and a larger tokenizer is refused.
+TOKENIZER_SIZED = ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b", "llama_tiny")
+VOCAB_MULTIPLE = 64  # a tokenizer-sized vocabulary is padded to it: matmul-friendly, any TP degree divides it
 TENSOR_HINT = "feature datasets: digits, synthetic (dataset.kind=tensors)"
 
 
@@ -22,6 +26,23 @@ def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size") -> None:
         src = (f"dataset.tokenizer={cfg.dataset.tokenizer} has {need} tokens" if cfg.dataset.get("tokenizer")
                else f"dataset={cfg.dataset.name} has token ids up to {need - 1}")
         _fail(key, have, f"is smaller than the data's vocabulary ({src}); set model.vocab_size={need}")
+
+
+def size_vocab_to_tokenizer(cfg: DictConfig) -> None:
+    """With `dataset.tokenizer`, a TOKENIZER_SIZED option that starts from no checkpoint takes
+    the tokenizer's vocabulary, padded up to a multiple of VOCAB_MULTIPLE (a larger
+    `model.vocab_size` of the user's stays). `model.vocab_used` then records the tokenizer's
+    size, and the loss leaves the padded ids out of its softmax (models.lit._lm_loss): the
+    padding never changes the loss. A checkpoint's or a published vocabulary is not resized."""
+    m = cfg.model
+    if not cfg.dataset.get("tokenizer") or m.get("init_from") or m.name not in TOKENIZER_SIZED:
+        return
+    need = data_vocab_size(cfg)
+    if need is None:
+        return
+    padded = -(-need // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    m.vocab_size = max(int(m.vocab_size), padded)
+    m.vocab_used = need if need < m.vocab_size else None
 
 
 def _needs_tokens(cfg: DictConfig) -> None:
@@ -47,12 +68,13 @@ LLAMA_FIELDS = ("n_layer", "n_head", "n_kv_heads", "d_model", "intermediate_size
 def normalize_llama(cfg: DictConfig) -> None:
     """Fields left null are taken from the config.json of the Hugging Face dir `model.init_from`
     names, or of a run's `final/` exported with checkpoint.export_format=hf (`model=llama`: all
-    of them); the user's own overrides stay. An architecture Loom's
-    Llama does not reproduce is refused here, naming the supported ones."""
+    of them); the user's own overrides stay. An architecture Loom's Llama does not reproduce
+    is refused here, naming the supported ones. llama_tiny takes a tokenizer's vocabulary."""
     from loom.models import llama_hf
     from loom.models.init_from import source_file
 
     m = cfg.model
+    size_vocab_to_tokenizer(cfg)  # llama_tiny's byte-level default; no-op with a checkpoint
     src = source_file(str(m.init_from)) if m.get("init_from") else None  # a run dir: its final/
     data = llama_hf.read_config(src) if src is not None and src.is_dir() else None
     if data is None:

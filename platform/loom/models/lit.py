@@ -67,6 +67,10 @@ class LoomModule(pl.LightningModule):
     def _loss(self, batch) -> torch.Tensor:
         raise NotImplementedError
 
+    def _lm_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A causal LM's loss (the pipeline's loss_fn too), over the tokenizer's ids only."""
+        return _lm_loss(logits, y, self.cfg.model.get("vocab_used"))
+
     def _pipeline(self):
         """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
         return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
@@ -80,7 +84,7 @@ class LoomModule(pl.LightningModule):
         clip by the norm across stages, step the optimizer and the lr schedule."""
         x, y = batch
         opt, sched = self.optimizers(), self.lr_schedulers()
-        loss = pipe.run(self.model, _lm_loss, x, y)
+        loss = pipe.run(self.model, self._lm_loss, x, y)
         clip = self.cfg.trainer.gradient_clip_val
         if clip:
             pipe.clip(list(self.model.parameters()), float(clip))
@@ -92,7 +96,7 @@ class LoomModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         pipe = self._pipeline()
-        loss = self._loss(batch) if pipe is None else pipe.run(self.model, _lm_loss, *batch, train=False)
+        loss = self._loss(batch) if pipe is None else pipe.run(self.model, self._lm_loss, *batch, train=False)
         self.log("val/loss", loss, sync_dist=True, prog_bar=False)
         return loss
 
@@ -121,7 +125,12 @@ class LoomModule(pl.LightningModule):
             sync_schedule(config.scheduler)
 
 
-def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor, used: int | None = None) -> torch.Tensor:
+    """Next-token cross-entropy over the first `used` logits (a vocabulary padded past the
+    tokenizer's, models.checks.size_vocab_to_tokenizer: the padding never enters the softmax,
+    so the loss is the unpadded model's)."""
+    if used is not None and used < logits.shape[-1]:
+        logits = logits[..., :used]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
@@ -139,7 +148,7 @@ class CausalLMModule(LoomModule):
 
     def build_model(self) -> nn.Module:
         m = OmegaConf.to_container(self.cfg.model)
-        for key in ("name", "init_from", "init_from_fingerprint"):
+        for key in ("name", "init_from", "init_from_fingerprint", "vocab_used"):
             m.pop(key, None)
         return GPT(**m)
 
@@ -148,7 +157,7 @@ class CausalLMModule(LoomModule):
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
-        return _lm_loss(self.model(x), y)
+        return self._lm_loss(self.model(x), y)
 
 
 class LlamaModule(CausalLMModule):
@@ -170,7 +179,7 @@ class LlamaModule(CausalLMModule):
 
     def build_model(self) -> nn.Module:
         m = OmegaConf.to_container(self.cfg.model)
-        for key in ("name", "init_from", "init_from_fingerprint"):
+        for key in ("name", "init_from", "init_from_fingerprint", "vocab_used"):
             m.pop(key, None)
         return Llama(**m)
 

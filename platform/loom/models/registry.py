@@ -48,7 +48,7 @@ class ModelOption:
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
-                   tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model))
+                   normalize=checks.size_vocab_to_tokenizer, tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model))
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
                      normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*",
                      hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),

@@ -17,6 +17,7 @@ class GPTModelConfig:
     dropout: float = 0.0
     init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
     init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
+    vocab_used: int | None = None     # set by Loom: the tokenizer's ids below a padded vocab_size
 
 
 @dataclass
@@ -41,6 +42,7 @@ class LlamaModelConfig:
     qkv_bias: bool | None = None      # biases on q/k/v_proj (Qwen2)
     init_from: str | None = None      # a run dir, a .safetensors file, or a Hugging Face dir
     init_from_fingerprint: str | None = None  # set by Loom: the files' sizes and mtimes
+    vocab_used: int | None = None     # set by Loom: the tokenizer's ids below a padded vocab_size
 
 
 @dataclass
