@@ -422,3 +422,28 @@ def test_a_tokenizer_larger_than_a_published_vocabulary_is_refused(tmp_path):
     tok = _bpe_tokenizer(tmp_path / "tok", 700)
     with pytest.raises(ConfigError, match=r"model.vocab_size=512: is smaller than the data's vocabulary"):
         resolve(["model=llama3_1b", f"dataset.tokenizer={tok}", "model.vocab_size=512", *ONE_CPU])
+
+
+def test_a_rank_filling_part_of_a_parameter_reads_only_the_rows_covering_it(tmp_path):
+    """model.init_from under FSDP2 (rows) or ZeRO-3 (a flat range): FileInit reads the rows of
+    the range with safetensors' get_slice, not the tensor; a whole value is read whole."""
+    from safetensors import safe_open
+
+    from loom.models.init import FileInit
+
+    path = _hf_llama(tmp_path / "hf", tie=False, sharded=True)
+    init = FileInit(str(path))
+    name = "model.layers.1.mlp.up_proj.weight"  # (160, 64)
+    with safe_open(str(init._where[name]), framework="pt") as f:
+        whole = f.get_tensor(name).reshape(-1)
+    shape, row = (160, 64), 64
+    half = torch.empty(80 * row)
+    init.fill_flat(half, name, shape, 80 * row)  # rank 1 of 2 under FSDP2: rows 80..159
+    assert torch.equal(half, whole[80 * row:]) and init.elements_read == 80 * row
+    odd = torch.empty(1000)
+    init.fill_flat(odd, name, shape, 3 * row + 5)  # a ZeRO-3 partition starting mid-row
+    assert torch.equal(odd, whole[3 * row + 5:3 * row + 1005])
+    assert init.elements_read == 80 * row + 16 * row  # rows 3..18 cover elements 197..1196
+    full = torch.empty(160 * row)
+    init.fill_flat(full, name, shape, 0)
+    assert torch.equal(full, whole) and init.elements_wanted == 160 * row

@@ -4,6 +4,9 @@ shape from its config.json) and trained 10 steps at the same global batch of 8 u
 ddp, fsdp, fsdp_tp, pp and zero3: one launch per strategy. Every strategy starts from the same
 weights and the same samples, so its step-1 loss is single's within 1e-4.
 
+Each rank of fsdp and zero3 reads only the rows of the checkpoint it holds (its log says how
+much of the checkpoint it read: about half at 2 ranks), single all of it.
+
 `single` and `fsdp` export with `checkpoint.export_format=hf` (fsdp's gathered from its shards,
 in small shards with an index): each `final/` loads back into transformers with the logits Loom's
 own model computes from the same files, the tokenizer-free config carrying Llama's architecture.
@@ -12,6 +15,7 @@ own model computes from the same files, the tokenizer-free config carrying Llama
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -97,3 +101,14 @@ def test_hf_export_loads_back_into_transformers_with_the_same_logits(llama_runs)
             logits[strategy] = hf(x).logits
         assert (logits[strategy] - _loom_logits(r.run_dir, x)).abs().max().item() < 1e-5
     assert (logits["single"] - logits["fsdp"]).abs().max().item() < 5e-3
+
+
+@pytest.mark.parametrize("strategy,most", [("single", 100), ("fsdp", 70), ("zero3", 70)])
+def test_a_sharded_rank_reads_only_its_part_of_the_checkpoint(llama_runs, strategy, most):
+    logs = sorted((llama_runs[strategy].run_dir / "logs").glob("rank-*.log"))
+    assert len(logs) == (1 if strategy == "single" else 2)
+    for log in logs:
+        read = re.search(r"\((\d+)% of its elements read on this rank\)", log.read_text())
+        assert read, log.read_text()[-2000:]
+        pct = int(read.group(1))
+        assert pct <= most and (pct == 100) == (strategy == "single"), (log.name, pct)

@@ -76,6 +76,33 @@ def test_hf_causal_lm_spec_counts_the_built_model(hf_assets):
     assert [c.__name__ for c in module.sharding_units] == ["GPT2Block"]
 
 
+def test_hf_causal_lm_pretrained_safetensors_are_read_by_name_into_the_meta_built_model(tmp_path, caplog):
+    """Pretrained weights of model=hf_causal_lm are no longer loaded whole by from_pretrained on
+    every rank: the model is built on the meta device and each rank reads what it holds of the
+    safetensors by name (models.init.FileInit, shard by shard under fsdp and zero3: the llama
+    runs of tests/test_llama_runs.py check the part read). Here, whole: transformers' logits."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from loom.models import build_module
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=300, n_positions=64)).eval()
+    hf.save_pretrained(tmp_path / "gpt2")
+    cfg = resolve(["dataset=synthetic", "dataset.seq_len=32", "dataset.vocab_size=300", "model=hf_causal_lm",
+                   f"model.config={tmp_path / 'gpt2'}"])
+    module = build_module(cfg)
+    with caplog.at_level("INFO", logger="loom"):
+        module.configure_model()
+    assert "built on the meta device, materialized shard by shard" in caplog.text
+    assert "(100% of its elements read on this rank)" in caplog.text
+    module.model.eval()  # GPT-2's dropout
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        assert (module.forward(x) - hf(x).logits).abs().max().item() < 1e-5
+    assert module.model.lm_head.weight is module.model.transformer.wte.weight  # still tied
+
+
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [

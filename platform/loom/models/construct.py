@@ -72,6 +72,8 @@ def _construct(module: Any, strategy: Any | None) -> str:
             materialize(model, device, init)
         elif zero3:
             initialize(model, init, device)
+    if isinstance(init, FileInit) and init.elements_wanted:
+        how += f" ({init.elements_read / init.elements_wanted:.0%} of its elements read on this rank)"
     return how
 
 

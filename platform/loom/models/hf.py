@@ -48,6 +48,19 @@ def has_local_weights(name: str) -> bool:
     return any(_local_file(name, w) is not None for w in WEIGHT_FILES)
 
 
+def safetensors_dir(m: DictConfig) -> Path | None:
+    """The directory holding `model.config`'s pretrained safetensors weights (one file or an
+    index of shards), which Loom reads itself, shard by shard (models.init.FileInit); None when
+    the model starts from a random init or its weights are only `.bin` files."""
+    if m.random_init:
+        return None
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        f = _local_file(str(m.config), name)
+        if f is not None:
+            return f.parent
+    return None
+
+
 def _source(m: DictConfig) -> str:
     p = Path(str(m.config)).expanduser()
     return str(p) if p.is_dir() else str(m.config)
@@ -69,10 +82,12 @@ def auto_config(m: DictConfig):
 
 
 def build(m: DictConfig):
+    """The architecture, randomly initialized; with pretrained `.bin` weights only (no
+    safetensors for Loom to shard-load), transformers' from_pretrained, whole."""
     from transformers import AutoModelForCausalLM
 
     config = auto_config(m)
-    if not m.random_init and has_local_weights(str(m.config)):
+    if not m.random_init and has_local_weights(str(m.config)) and safetensors_dir(m) is None:
         return AutoModelForCausalLM.from_pretrained(_source(m), config=config, local_files_only=True)
     return AutoModelForCausalLM.from_config(config)
 

@@ -246,10 +246,13 @@ class FileInit(NamedInit):
     """`model.init_from`: each parameter's value read from safetensors by name, cast to the
     parameter's dtype on copy (an export in bf16 loads into fp32 parameters): one file, or a
     Hugging Face directory's `model.safetensors` or shards (`model.safetensors.index.json`
-    says which shard holds which tensor). One tensor is read at a time, and the last one is
-    kept, as a rank fills its shard of one parameter in several calls. Separate `attn.q/k/v`
-    entries of older GPT weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v) when given
-    (loom.models.gpt's)."""
+    says which shard holds which tensor). A rank filling a range of a parameter (its FSDP2
+    rows, its ZeRO-3 partition) reads only the rows covering that range
+    (`safe_open(...).get_slice`), so no rank reads the whole checkpoint; a whole value (a
+    replicated or tensor-parallel parameter) is read whole, one tensor at a time.
+    `elements_read` / `elements_wanted` count what was read against the full tensors filled
+    (the construction log line says the ratio). Separate `attn.q/k/v` entries of older GPT
+    weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v) when given (loom.models.gpt's)."""
 
     def __init__(self, path: str, fuse_qkv: Callable[..., torch.Tensor] | None = None) -> None:
         from pathlib import Path
@@ -262,14 +265,37 @@ class FileInit(NamedInit):
         self._keys = set(self._where)
         self._open: dict = {}  # file -> its safe_open handle (opened at first use)
         self._last: tuple[str, torch.Tensor] | None = None
+        self.elements_read = 0
+        self._wanted: dict[str, int] = {}  # tensor -> its elements, for each tensor filled
 
-    def _get(self, name: str) -> torch.Tensor:
+    @property
+    def elements_wanted(self) -> int:
+        return sum(self._wanted.values())
+
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         f = self._where[name]
         if f not in self._open:
             self._open[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._open[f].get_tensor(name)
+        return self._open[f]
+
+    def _get(self, name: str) -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
+        self.elements_read += t.numel()
+        return t
+
+    def _rows(self, name: str, shape: tuple[int, ...], start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the flattened tensor, read as the rows covering them."""
+        part = self._handle(name).get_slice(name)
+        if tuple(part.get_shape()) != tuple(shape):
+            raise ValueError(f"model.init_from={self.path}: {name} has shape {list(part.get_shape())}, "
+                             f"the model's is {list(shape)}")
+        row = math.prod(shape[1:])
+        first, end = start // row, -(-(start + n) // row)
+        block = part[first:end].reshape(-1)
+        self.elements_read += block.numel()
+        return block[start - first * row:start - first * row + n]
 
     def _tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self._last is None or self._last[0] != name:
@@ -290,7 +316,13 @@ class FileInit(NamedInit):
         raise KeyError(f"model.init_from={self.path} has no tensor {name}")
 
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
-        dest.copy_(self._tensor(name, shape).reshape(-1)[start:start + dest.numel()])
+        self._wanted[name] = math.prod(shape)
+        n = dest.numel()
+        if name in self._keys and len(shape) > 0 and n < math.prod(shape):
+            dest.copy_(self._rows(name, shape, start, n))
+            return
+        dest.copy_(self._tensor(name, shape).reshape(-1)[start:start + n])
 
     def full_value(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        self._wanted[name] = math.prod(shape)
         return self._tensor(name, shape).to(device=device)

@@ -19,7 +19,15 @@ from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
 from loom.models.gpt import GPT, Block
-from loom.models.init import NamedInit, ResetParametersInit, gpt_rule, llama_rule, meta_capable, std_rule
+from loom.models.init import (
+    FileInit,
+    NamedInit,
+    ResetParametersInit,
+    gpt_rule,
+    llama_rule,
+    meta_capable,
+    std_rule,
+)
 from loom.models.llama import DecoderLayer, Llama
 from loom.optim.build import build_optimizer, sync_schedule
 
@@ -203,8 +211,11 @@ class HFCausalLMModule(LoomModule):
         from loom.models import hf
 
         m = self.cfg.model
+        weights = hf.safetensors_dir(m)
+        if weights is not None:  # each rank reads what it holds of the pretrained safetensors
+            return FileInit(str(weights)), None
         if not m.random_init and hf.has_local_weights(str(m.config)):
-            return None, "its pretrained weights are loaded whole"
+            return None, "its pretrained weights are .bin files, which transformers loads whole"
         std = float(getattr(meta_model.config, "initializer_range", 0.02))
         return NamedInit(int(self.cfg.seed), std_rule(std)), None
 
