@@ -32,7 +32,8 @@ RUNS = {
     "fsdp": ["strategy=fsdp", "hardware.devices=2", "dataset.batch_size=4", *EXPORT, "checkpoint.export_shard_gb=0.0001"],
     "fsdp_tp": ["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=2", "dataset.batch_size=4"],
     "pp": ["strategy=pp", "hardware.devices=2", "dataset.batch_size=8"],
-    "zero3": ["strategy=zero3", "hardware.devices=2", "dataset.batch_size=4"],
+    # zero3 also recomputes its decoder layers (activation checkpointing: the same math)
+    "zero3": ["strategy=zero3", "hardware.devices=2", "dataset.batch_size=4", "trainer.activation_checkpointing=full"],
 }
 
 
@@ -112,3 +113,8 @@ def test_a_sharded_rank_reads_only_its_part_of_the_checkpoint(llama_runs, strate
         assert read, log.read_text()[-2000:]
         pct = int(read.group(1))
         assert pct <= most and (pct == 100) == (strategy == "single"), (log.name, pct)
+
+
+def test_zero3_recomputed_every_decoder_layer(llama_runs):
+    log = (llama_runs["zero3"].run_dir / "logs" / "rank-0.log").read_text()
+    assert re.search(r"activation checkpointing \(full\): 2 of the model's", log), log[-3000:]
