@@ -7,18 +7,33 @@
 #   scripts/gpu_check.sh [OUT_DIR]          (default: gpu_check_out/)
 #   STEPS=20 MODEL=gpt_small STRATEGIES="single fsdp" SKIP_MFU=1 scripts/gpu_check.sh out/
 #
-# Exit codes: 0 every check passed; 1 a check failed (the table says which); 4 skipped: torch sees
-# no CUDA device, nothing was run (a distinct code so a caller can tell "not checked" from "passed").
-# Python: $PYTHON, else the repo's .venv/bin/python (as scripts/test.sh and scripts/bench/ use).
+# Exit codes: 0 every check passed; 1 a check failed (the table says which); 2 the interpreter
+# cannot run Loom (no such python, or no torch: nothing was checked, and it is not "no GPU");
+# 4 skipped: torch sees no CUDA device, nothing was run (a distinct code so a caller can tell
+# "not checked" from "passed").
+# Python: $PYTHON, else the repo's .venv/bin/python (as scripts/test.sh and scripts/bench/ use),
+# else python3 (a GPU image's own interpreter with its site torch); the first line says which.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-gpu_check_out}"
-PY="${PYTHON:-.venv/bin/python}"
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; WHY="\$PYTHON"
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; WHY="the repo's venv"
+else PY=python3; WHY="no \$PYTHON and no .venv"; fi
 STEPS="${STEPS:-20}"
 MODEL="${MODEL:-gpt_small}"
 STRATEGIES="${STRATEGIES:-single ddp fsdp zero1 zero2 zero3 zero3_offload}"
 EXIT_SKIPPED=4
+EXIT_NO_PYTHON=2
 
+echo "gpu_check: python: $PY ($WHY)"
+if ! command -v "$PY" > /dev/null 2>&1; then
+  echo "gpu_check: $PY is not an interpreter here: set PYTHON=/path/to/python (exit $EXIT_NO_PYTHON)"
+  exit "$EXIT_NO_PYTHON"
+fi
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "gpu_check: $PY cannot import torch: install the site's CUDA torch there or set PYTHON to one that has it; nothing was checked (exit $EXIT_NO_PYTHON)"
+  exit "$EXIT_NO_PYTHON"
+fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_check: skipped: no CUDA device visible to torch ($PY); nothing was run (exit $EXIT_SKIPPED)"
   exit "$EXIT_SKIPPED"
