@@ -192,3 +192,15 @@ def test_an_edited_tokenizer_or_model_config_dir_is_refused_on_resume(tmp_path, 
     assert f"{key}: " in str(e.value) and named in str(e.value), str(e.value)
     assert run_id(resolve(args)) != auto_id  # without run.id: a new run, not a resume
     assert (first.run_dir / "config.yaml").is_file()
+
+
+def test_version_names_loom_python_torch_cuda_and_nccl():
+    import torch
+    from conftest import LOOM
+
+    p = subprocess.run([*LOOM, "--version"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["loom", "python", "torch", "cuda", "nccl"], p.stdout
+    assert f"torch {torch.__version__}" in lines
+    assert lines[3] == f"cuda {torch.version.cuda or 'none (a CPU build)'}"

@@ -149,8 +149,40 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def versions_text() -> str:
+    """Loom's, Python's, torch's, CUDA's and NCCL's versions: what a site's own torch build is
+    (an air-gapped GPU node's). torch is imported for this only."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        loom = version("loom")
+    except PackageNotFoundError:
+        loom = "unknown (not installed as a package)"
+    lines = [f"loom {loom}", f"python {sys.version.split()[0]}"]
+    try:
+        import torch
+    except ImportError:
+        return "\n".join([*lines, "torch not installed"])
+    nccl = "none"
+    if torch.version.cuda:
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception as e:  # a CUDA build without NCCL, or no driver to ask
+            nccl = f"unknown ({type(e).__name__})"
+    return "\n".join([*lines, f"torch {torch.__version__}", f"cuda {torch.version.cuda or 'none (a CPU build)'}",
+                      f"nccl {nccl}"])
+
+
+class _PrintVersions(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(versions_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom", description="Declarative distributed training.")
+    p.add_argument("--version", nargs=0, action=_PrintVersions,
+                   help="print Loom's, Python's, torch's, CUDA's and NCCL's versions and exit")
     sub = p.add_subparsers(dest="verb", required=True)
     t = sub.add_parser("train", help="compose, validate, plan, freeze and launch a run", add_help=False)
     t.add_argument("-h", "--help", action="store_true",
