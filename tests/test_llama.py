@@ -161,13 +161,14 @@ def test_flops_per_token_agree_with_torch_flop_counter():
 
 
 def test_fresh_init_is_name_seeded_and_follows_the_llama_rule():
+    from loom.models.lit import network_kwargs
     from loom.models.llama import Llama
 
     cfg = resolve(["model=llama_tiny", "seed=5"])
     module = build_module(cfg)
     module.configure_model()  # meta device, then materialized by name
     state = module.model.state_dict()
-    direct = Llama(**{k: v for k, v in cfg.model.items() if not k.startswith(("name", "init_from", "vocab_used"))})
+    direct = Llama(**network_kwargs(cfg.model))
     direct.reset_parameters(seed=5)
     assert all(torch.equal(state[k], v) for k, v in direct.state_dict().items())
     assert torch.equal(state["model.layers.0.input_layernorm.weight"], torch.ones(128))

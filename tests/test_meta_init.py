@@ -47,13 +47,14 @@ def test_any_range_of_a_parameter_draws_the_same_values():
 
 def test_meta_build_equals_a_plain_gpt_with_the_same_seed():
     from loom.models.gpt import GPT
+    from loom.models.lit import network_kwargs
 
     cfg = resolve(["model=gpt_tiny", "strategy=single", "hardware=cpu", "hardware.devices=1"])
     module = build_module(cfg)
     module.configure_model()
     assert not any(p.is_meta for p in module.model.parameters())
     torch.manual_seed(cfg.seed)
-    plain = GPT(**{k: v for k, v in cfg.model.items() if k not in ("name", "init_from", "init_from_fingerprint", "vocab_used")})
+    plain = GPT(**network_kwargs(cfg.model))
     ours, ref = module.model.state_dict(), plain.state_dict()
     assert ours.keys() == ref.keys()
     assert all(torch.equal(ours[k], ref[k]) for k in ref)

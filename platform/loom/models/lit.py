@@ -31,6 +31,15 @@ from loom.models.init import (
 from loom.models.llama import DecoderLayer, Llama
 from loom.optim.build import build_optimizer, sync_schedule
 
+# model.* keys that configure Loom, not the network's constructor
+CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used")
+
+
+def network_kwargs(model_cfg: DictConfig) -> dict:
+    """The constructor arguments of Loom's own networks (GPT, Llama) from `cfg.model`."""
+    m = OmegaConf.to_container(model_cfg)
+    return {k: v for k, v in m.items() if k not in CONFIG_ONLY_KEYS}
+
 
 class LoomModule(pl.LightningModule):
     """Subclasses say how to build the network (`build_model`) and how to initialize it by
@@ -45,6 +54,7 @@ class LoomModule(pl.LightningModule):
         self.optim_cfg, self.max_steps = cfg.optim, cfg.trainer.max_steps
         self.build_peak_rss_gb: float | None = None
         self._built = False
+        self._vocab_used: int | None = cfg.model.get("vocab_used")  # read once, not every step
 
     def build_model(self) -> nn.Module:
         """A new network (called on the meta device first, then for real where needed)."""
@@ -77,7 +87,7 @@ class LoomModule(pl.LightningModule):
 
     def _lm_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A causal LM's loss (the pipeline's loss_fn too), over the tokenizer's ids only."""
-        return _lm_loss(logits, y, self.cfg.model.get("vocab_used"))
+        return _lm_loss(logits, y, self._vocab_used)
 
     def _pipeline(self):
         """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
@@ -154,11 +164,10 @@ class CausalLMModule(LoomModule):
         Block: {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"},
     }
 
+    network: type[nn.Module] = GPT
+
     def build_model(self) -> nn.Module:
-        m = OmegaConf.to_container(self.cfg.model)
-        for key in ("name", "init_from", "init_from_fingerprint", "vocab_used"):
-            m.pop(key, None)
-        return GPT(**m)
+        return self.network(**network_kwargs(self.cfg.model))
 
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
         return NamedInit(int(self.cfg.seed), gpt_rule(int(self.cfg.model.n_layer))), None
@@ -172,6 +181,7 @@ class LlamaModule(CausalLMModule):
     """Loom's Llama (loom.models.llama), `model=llama*`: FSDP and activation checkpointing
     units are its decoder layers; its pipeline split is the network's (`Llama.pipeline_split`)."""
 
+    network = Llama
     sharding_units = (DecoderLayer,)
     # transformers' `base_model_tp_plan` and torchtitan's llama3 plan: q/k/v and the SwiGLU's gate
     # and up projections split by output features (whole query and key/value heads per rank:
@@ -184,12 +194,6 @@ class LlamaModule(CausalLMModule):
                        "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                        "mlp.down_proj": "rowwise"},
     }
-
-    def build_model(self) -> nn.Module:
-        m = OmegaConf.to_container(self.cfg.model)
-        for key in ("name", "init_from", "init_from_fingerprint", "vocab_used"):
-            m.pop(key, None)
-        return Llama(**m)
 
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
         return NamedInit(int(self.cfg.seed), llama_rule()), None
