@@ -54,7 +54,7 @@ class LoomModule(pl.LightningModule):
         self.optim_cfg, self.max_steps = cfg.optim, cfg.trainer.max_steps
         self.build_peak_rss_gb: float | None = None
         self._built = False
-        self._vocab_used: int | None = cfg.model.get("vocab_used")  # read once, not every step
+        self._vocab_used: int | None = (cfg.get("model") or {}).get("vocab_used")  # read once, not every step
 
     def build_model(self) -> nn.Module:
         """A new network (called on the meta device first, then for real where needed)."""
