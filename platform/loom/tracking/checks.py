@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
+from loom.packages import require
 from loom.tracking.schema import MODES
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
@@ -56,6 +57,8 @@ def tracking_checks(cfg: DictConfig) -> None:
         raise ConfigError(
             f"Invalid config: tracking.mode={mode!r} is not a wandb mode; valid choices: {', '.join(MODES)}."
         )
+    if tr.wandb:
+        require("wandb", option=f"tracking={tr.name}", extra="tracking", instead="tracking=csv (metrics.csv only)")
     if tr.wandb and mode == "online" and not has_wandb_key():
         raise ConfigError(
             f"Invalid config: tracking={tr.name} logs to wandb online (tracking.mode=online) but no wandb "

@@ -157,6 +157,11 @@ class RunResults:
         )
         self._sampled_memory()
         write_summary(self.run_dir, self.summary)
+        from loom.packages import installed
+
+        if not installed("matplotlib"):
+            log.info("plots skipped: matplotlib is not installed (pip install 'loom[tracking]')")
+            return
         try:
             from loom.tracking.plots import write_plots
 
