@@ -23,28 +23,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from loom.sweep import translate
 
     if args.compare:
-        return _compare(translate(args.overrides), args.json)
+        return _compare(translate(args.overrides), args.json, args.rehearse)
     cfg = resolve(translate(args.overrides))
     plan = plan_run(cfg, show=True)
+    data, rc = plan.to_dict(), EXIT_OK
+    if args.rehearse:  # loom.rehearse: build and step ranks of this layout over a fake process group
+        from loom.rehearse import rehearse_into
+
+        rc = rehearse_into(cfg, data, args.rank)
     if args.json:
         import json
 
-        Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-    return EXIT_OK if plan.fits else refuse_infeasible(plan)
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    return rc if rc != EXIT_OK else (EXIT_OK if plan.fits else refuse_infeasible(plan))
 
 
-def _compare(overrides: list[str], json_path: str | None) -> int:
-    """`loom plan --compare`: every valid layout of the world, best first (torch-free)."""
+def _compare(overrides: list[str], json_path: str | None, rehearse: bool = False) -> int:
+    """`loom plan --compare`: every valid layout of the world, best first (torch-free);
+    `--rehearse`: the top three rehearsed and re-ranked by their rehearsed peaks."""
     from loom.compose import compose
     from loom.plan.compare import compare, render_comparison
 
     cfg = compose(overrides)
     result = compare(cfg)
     render_comparison(result, cfg.hardware.name, cfg.model.name)
+    rows = [c.to_dict() for c in result.candidates]
+    if rehearse:
+        from loom.rehearse.compare import rehearse_top
+
+        rows = rehearse_top(result.candidates)
     if json_path:
         import json
 
-        rows = [c.to_dict() for c in result.candidates]
         Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
     return EXIT_OK
 
@@ -202,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compare", action="store_true",
                     help="list every valid layout of the world (strategy and degrees) with memory, fit "
                          "and predicted step time, best first")
+    pl.add_argument("--rehearse", action="store_true",
+                    help="build and step ranks of the layout on this machine (fake process group, fake "
+                         "tensors, torch's memory tracker) and compare their memory with the plan's")
+    pl.add_argument("--rank", metavar="R[,R...]",
+                    help="--rehearse: the ranks to rehearse (default: 0 and the fullest pipeline stage's first)")
     pl.add_argument("overrides", nargs="*")
     pl.set_defaults(func=cmd_plan)
     pr = sub.add_parser("probe", help="measure this machine and write a hardware profile")

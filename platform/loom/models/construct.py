@@ -43,6 +43,23 @@ def construct(module: Any, strategy: Any | None) -> None:
 def _construct(module: Any, strategy: Any | None) -> str:
     device = strategy.root_device if strategy is not None else torch.device("cpu")
     zero3 = bool(getattr(strategy, "zero_stage_3", False))
+    model, init, on_meta, how = parallelized(module, strategy)
+    if init is not None:
+        if on_meta:
+            materialize(model, device, init)
+        elif zero3:
+            initialize(model, init, device)
+    if isinstance(init, FileInit) and init.elements_wanted:
+        how += f" ({init.elements_read / init.elements_wanted:.0%} of its elements read on this rank)"
+    return how
+
+
+def parallelized(module: Any, strategy: Any | None) -> tuple[torch.nn.Module, Any, bool, str]:
+    """The build up to the weights: (model, its initializer, whether it is still on the meta
+    device, how it was built). `module.model` is set, activation checkpointing, compile and the
+    strategy's `parallelize` are applied. `loom plan --rehearse` stops here (loom.rehearse)."""
+    device = strategy.root_device if strategy is not None else torch.device("cpu")
+    zero3 = bool(getattr(strategy, "zero_stage_3", False))
     with _outside_zero_init(zero3), params_on_meta():
         meta_model = module.build_model()
     init, why_not = module.initializer(meta_model)
@@ -67,14 +84,7 @@ def _construct(module: Any, strategy: Any | None) -> str:
     _compile(module, model, per_unit=parallelize is not None)
     if parallelize is not None:
         parallelize(module)
-    if init is not None:
-        if model is meta_model:
-            materialize(model, device, init)
-        elif zero3:
-            initialize(model, init, device)
-    if isinstance(init, FileInit) and init.elements_wanted:
-        how += f" ({init.elements_read / init.elements_wanted:.0%} of its elements read on this rank)"
-    return how
+    return model, init, model is meta_model, how
 
 
 def _file_init(module: Any, path: str) -> FileInit:

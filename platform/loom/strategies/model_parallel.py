@@ -52,11 +52,7 @@ def _model_parallel_strategy_class():
             super().setup_environment()
             lay = self.loom_layout
             if lay.hybrid:
-                from torch.distributed.device_mesh import init_device_mesh
-
-                mesh = init_device_mesh(self.root_device.type, (lay.dp_replicate, lay.dp_shard, lay.tp),
-                                        mesh_dim_names=("replicate", "shard", "tensor_parallel"))
-                mesh["replicate", "shard"]._flatten("data_parallel")
+                mesh = hybrid_mesh(self.root_device.type, lay)
                 self._device_mesh = self.lightning_module._device_mesh = mesh
 
         def parallelize(self, module) -> None:
@@ -111,6 +107,27 @@ def _model_parallel_strategy_class():
                 future.result()
 
     return LoomModelParallelStrategy
+
+
+def hybrid_mesh(device_type: str, lay: ParallelLayout):
+    """HSDP's (replicate, shard, tensor_parallel) mesh, (replicate, shard) flattened as data_parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (lay.dp_replicate, lay.dp_shard, lay.tp),
+                            mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+    mesh["replicate", "shard"]._flatten("data_parallel")
+    return mesh
+
+
+def mesh_of(device_type: str, lay: ParallelLayout):
+    """The device mesh the strategy of `lay` builds (pp == 1): HSDP's, else Lightning's own
+    (data_parallel, tensor_parallel) one. `loom plan --rehearse` builds it over a fake group."""
+    if lay.hybrid:
+        return hybrid_mesh(device_type, lay)
+    import torch
+    from lightning_fabric.strategies.model_parallel import _setup_device_mesh
+
+    return _setup_device_mesh(lay.dp, lay.tp, lay.world, torch.device(device_type))
 
 
 def _precision_policy(precision: str) -> tuple[Any, str]:
