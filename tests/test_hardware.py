@@ -284,3 +284,41 @@ def test_probe_writes_a_profile_plan_accepts(tmp_path):
     if prof.accelerator == "cpu":
         assert plan.peak_flops_per_device == pytest.approx(m.matmul_tflops * 1e12)
         assert plan.comm_time_s_at_measured_busbw is not None
+
+
+def test_auto_takes_this_hosts_memory_and_cores_not_the_profiles():
+    """One H100 in a 251 GB, 16-core host: not h100x8's 2 TB, 112 cores and NVLink; the plan's
+    host-memory checks (offload) use the measured figure."""
+    gpu = hardware.GpuInfo(1, "NVIDIA H100 80GB HBM3", 85.0, (9, 0))
+    cfg = resolve(hardware.overrides_for(gpu, ["strategy=zero3_offload"], hardware.HostInfo(251.5, 16)))
+    hw = cfg.hardware
+    assert (hw.name, hw.devices, hw.host_memory_gb, hw.cpu_cores) == ("h100x8", 1, 251.5, 16)
+    assert hw.interconnect.startswith("none")
+    assert make_plan(cfg).host_capacity_bytes == pytest.approx(make_plan(resolve(["hardware=h100x8"])).host_capacity_bytes
+                                                               * 251.5 / 2048)
+    here = hardware.host_info()  # this machine, measured: the cpu profile gets it too
+    assert here.cores == hardware.usable_cores() and here.memory_gb and 0.1 < here.memory_gb < 100_000
+    cpu = resolve(hardware.overrides_for(hardware.GpuInfo(0), [], here)).hardware
+    assert (cpu.name, cpu.host_memory_gb, cpu.cpu_cores) == ("cpu", here.memory_gb, here.cores)
+
+
+def test_auto_nvml_failure_counts_gpus_with_torch_and_warns(monkeypatch, capsys):
+    """An NVML error after init (a MIG device, an unknown UUID) must not become a silent CPU run."""
+    import pynvml
+    import torch
+
+    def refuse(*_):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", refuse)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    info = hardware.gpu_info()
+    assert (info.count, info.name) == (2, None)
+    err = capsys.readouterr().err
+    assert "NVML could not describe the GPUs" in err and "torch.cuda sees 2" in err
+    hw = resolve(hardware.overrides_for(info, [])).hardware
+    assert (hw.name, hw.accelerator, hw.devices, hw.precision) == ("gpu", "gpu", 2, "16-mixed")

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -41,28 +43,63 @@ class GpuInfo:
     cc: tuple[int, int] | None = None   # compute capability (major, minor)
 
 
+@dataclass
+class HostInfo:
+    memory_gb: float | None   # physical memory, or the cgroup's limit when lower (a container)
+    cores: int                 # this process's CPU affinity
+
+
 def gpu_info() -> GpuInfo:
     """GPUs this process may use (NVML, honouring CUDA_VISIBLE_DEVICES), and the first one's
-    name and memory."""
+    name and memory. No NVML library or driver: no GPU. Any other NVML failure (a MIG device,
+    a UUID prefix NVML cannot look up) must not quietly turn a GPU machine into a CPU run: the
+    count then comes from torch.cuda, with one warning, and the device is unnamed."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        try:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            count = visible_count(visible, pynvml.nvmlDeviceGetCount())
-            name = mem = cc = None
-            if count:
-                handle = _first_visible(pynvml, visible)
-                name = pynvml.nvmlDeviceGetName(handle)
-                name = name.decode() if isinstance(name, bytes) else str(name)
-                mem = round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9, 1)
-                cc = _compute_capability(pynvml, handle)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
+    except Exception:  # nvidia-ml-py without libnvidia-ml (a CPU machine): no NVIDIA GPU here
         return GpuInfo(0)
-    return GpuInfo(count, name, mem, cc) if count else GpuInfo(0)
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        count = visible_count(visible, pynvml.nvmlDeviceGetCount())
+        if not count:
+            return GpuInfo(0)
+        handle = _first_visible(pynvml, visible)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        mem = round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 1e9, 1)
+        return GpuInfo(count, name, mem, _compute_capability(pynvml, handle))
+    except Exception as e:
+        return torch_gpu_info(f"{type(e).__name__}: {e}")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def torch_gpu_info(why: str) -> GpuInfo:
+    """The GPU count torch.cuda sees, after NVML failed for `why` (torch is imported only here)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    print(f"warning: hardware=auto: NVML could not describe the GPUs ({why}); torch.cuda sees {count}, "
+          "used without a device name or peak (MFU null); set hardware=<profile> to name them", file=sys.stderr)
+    return GpuInfo(count)
+
+
+def host_info() -> HostInfo:
+    """This host's memory (the cgroup limit when lower) and usable cores, for `hardware=auto`:
+    a profile's host numbers (a DGX's 2 TB) must not stand in for the machine the run is on."""
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit() and (mem is None or int(limit) < mem):
+            mem = int(limit)
+    except OSError:
+        pass
+    return HostInfo(round(mem / 2**30, 1) if mem else None, usable_cores())
 
 
 def _first_visible(pynvml: Any, visible: str | None) -> Any:
@@ -94,26 +131,39 @@ def visible_gpus() -> int:
 
 def auto_overrides(overrides: list[str]) -> list[str]:
     """Overrides that turn `hardware=auto` into a concrete profile for this machine (NVML)."""
-    return overrides_for(gpu_info(), overrides)
+    return overrides_for(gpu_info(), overrides, host_info())
 
 
-def overrides_for(info: GpuInfo, overrides: list[str]) -> list[str]:
+def host_overrides(host: HostInfo | None, gpus: int) -> list[str]:
+    """The measured host facts (and no NVLink for one GPU) in place of the profile's."""
+    if host is None:
+        return []
+    out = [f"hardware.cpu_cores={host.cores}"]
+    if host.memory_gb:
+        out.append(f"hardware.host_memory_gb={host.memory_gb}")
+    if gpus == 1:
+        out.append("hardware.interconnect='none (one GPU)'")
+    return out
+
+
+def overrides_for(info: GpuInfo, overrides: list[str], host: HostInfo | None = None) -> list[str]:
     """`hardware=auto` for the GPUs `info` describes (a pure function of it).
 
     Every visible GPU: the shipped profile of a known device, else `gpu` with NVML's name and
     memory and the datasheet peaks of `GPU_PEAKS` (none found: MFU null). Never bf16 on a device
     without it (compute capability < 8.0, or unknown): fp16 mixed precision there. `strategy=single`
-    gets one device. No GPU: `cpu`. The concrete profile comes first so the user's own
-    `hardware.*` overrides still win.
+    gets one device. No GPU: `cpu`. `host` (measured) replaces the profile's host memory and
+    cores. The concrete profile comes first so the user's own `hardware.*` overrides still win.
     """
     rest = [o for o in overrides if not o.startswith("hardware=")]
     devices = 1 if _single(overrides) and not user_set(overrides, "hardware.devices") else info.count
+    host_facts = host_overrides(host, info.count)
     if not info.count:
-        return ["hardware=cpu", *rest]
+        return ["hardware=cpu", *host_facts, *rest]
     profile = KNOWN_GPUS.get(info.name or "")
     if profile and bf16_capable(info.cc or (8, 0)):
-        return [f"hardware={profile}", f"hardware.devices={devices}", *rest]
-    found = [f"hardware.device_name='{info.name}'"] if info.name else []
+        return [f"hardware={profile}", f"hardware.devices={devices}", *host_facts, *rest]
+    found = [*host_facts, *([f"hardware.device_name='{info.name}'"] if info.name else [])]
     if info.memory_gb:
         found.append(f"hardware.device_memory_gb={info.memory_gb}")
     row = lookup(info.name, info.cc)
