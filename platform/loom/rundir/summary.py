@@ -54,7 +54,8 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "memory": {
             "peak_rss_gb_per_rank": None,
             "build_peak_rss_gb_per_rank": None,
-            "peak_gpu_mem_gb_per_rank": None,
+            "peak_gpu_mem_gb_per_rank": None,       # torch.cuda.max_memory_allocated
+            "peak_gpu_reserved_gb_per_rank": None,  # torch.cuda.max_memory_reserved (allocator blocks)
             "param_bytes_per_rank": None,
             "optim_state_bytes_per_rank": None,
         },

@@ -299,12 +299,15 @@ class Recorder(pl.Callback):
                      f"{self.clock.validation_s:.3f} s validation, {self.clock.checkpoint_s:.3f} s checkpoints")
 
     def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
-        """This rank's peaks, for summary.json (gathered by the worker)."""
+        """This rank's peaks, for summary.json (gathered by the worker). GPU memory twice:
+        allocated (what tensors held: what the plan estimates and the benchmarks report) and
+        reserved (the caching allocator's blocks: what the device had to have free)."""
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-        peak_gpu = None
+        peak_gpu = reserved = None
         if pl_module.device.type == "cuda":
-            peak_gpu = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
-        return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu}
+            peak_gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            reserved = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu, "peak_gpu_reserved_gb": reserved}
 
     def rates(self, samples: int, seconds: float, peak_flops: float | None) -> dict[str, Any]:
         """samples/s, tokens/s, TFLOP/s per device and MFU of `samples` trained in `seconds`

@@ -44,6 +44,8 @@ class RunResults:
             "build_peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 5]],
             "peak_gpu_mem_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 1]]
                                          if module.device.type == "cuda" else None),
+            "peak_gpu_reserved_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 6]]
+                                              if module.device.type == "cuda" else None),
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
             "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
         }
@@ -107,7 +109,8 @@ class RunResults:
         held_params, held_optim = trainer.strategy.local_state_bytes(trainer, module)
         stats = torch.tensor(
             [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
-             self.recorder.attempt()["restarts"], getattr(module, "build_peak_rss_gb", None) or 0.0],
+             self.recorder.attempt()["restarts"], getattr(module, "build_peak_rss_gb", None) or 0.0,
+             local["peak_gpu_reserved_gb"] or 0.0],
             dtype=torch.float64,
         )
         world = self.layout.world
@@ -157,6 +160,9 @@ class RunResults:
         )
         self._sampled_memory()
         write_summary(self.run_dir, self.summary)
+        from loom.tracking.loggers import log_summary
+
+        log_summary(trainer.loggers, self.summary)  # MLflow keeps the outcome with the run
         from loom.packages import installed
 
         if not installed("matplotlib"):
