@@ -40,6 +40,13 @@ def test_any_range_of_a_parameter_draws_the_same_values():
         part = torch.empty(n)
         init.fill_flat(part, "blocks.0.mlp.fc.weight", shape, start)
         assert torch.equal(part, full.view(-1)[start:start + n])
+    # Drawn by a CPU generator whatever the destination device (CUDA's draws other numbers for
+    # the same seed): the values are the CPU generator's, so GPU and CPU runs start alike.
+    from loom.models.init import param_seed
+
+    first = torch.empty(CHUNK).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(
+        param_seed(7, "blocks.0.mlp.fc.weight#0")))
+    assert torch.equal(full.view(-1)[:CHUNK], first)
     other = init.full_value("blocks.1.mlp.fc.weight", shape, torch.device("cpu"))
     assert not torch.equal(full, other)
     assert abs(full.std().item() - 0.02) < 1e-3

@@ -81,8 +81,9 @@ CHUNK = 1 << 20  # elements per generator: a rank draws only the chunks its part
 
 class NamedInit:
     """The initial value of any parameter, by name, on any device: the flattened parameter
-    is cut in chunks of CHUNK elements, each drawn from a generator seeded by (run seed, name,
-    chunk index), so any contiguous range of it can be drawn alone."""
+    is cut in chunks of CHUNK elements, each drawn from a CPU generator seeded by (run seed,
+    name, chunk index), so any contiguous range of it can be drawn alone, and the same seed
+    gives the same weights on every device and strategy."""
 
     def __init__(self, seed: int, rule: Rule) -> None:
         self.seed, self.rule = seed, rule
@@ -96,8 +97,11 @@ class NamedInit:
         end, total = start + dest.numel(), math.prod(shape)
         for k in range(start // CHUNK, (end - 1) // CHUNK + 1 if end > start else 0):
             lo, hi = k * CHUNK, min((k + 1) * CHUNK, total)
-            gen = torch.Generator(device=dest.device).manual_seed(param_seed(self.seed, f"{name}#{k}"))
-            chunk = torch.empty(hi - lo, device=dest.device).normal_(0.0, std, generator=gen)
+            # Drawn on the CPU whatever the destination: CUDA's generator gives other numbers
+            # for the same seed, so the same seed would start a GPU run (or zero3_offload's
+            # CPU-held parameters beside a GPU strategy's) from different weights.
+            gen = torch.Generator().manual_seed(param_seed(self.seed, f"{name}#{k}"))
+            chunk = torch.empty(hi - lo).normal_(0.0, std, generator=gen)
             a, b = max(start, lo), min(end, hi)
             dest[a - start:b - start].copy_(chunk[a - lo:b - lo])
 
