@@ -169,17 +169,19 @@ def _pipeline_step(cfg: DictConfig, layout: ParallelLayout, module: Any, strateg
     micro = max(1, int(cfg.dataset.batch_size) // pipe.microbatches)
     flight = in_flight(pipe.name, pipe.pp, pipe.microbatches, pipe.per_rank, pipe.pp_rank)
     outs = []
-    for i in range(flight):
-        chunk = pipe.chunks[i % len(pipe.chunks)]
-        x, y = _batch(cfg, micro, device)
-        if not chunk.is_first:
-            x = torch.randn(micro, int(cfg.dataset.seq_len), int(cfg.model.d_model), device=device,
-                            requires_grad=True)
-        with plugin.forward_context():
+    # one precision context around the schedule's whole step, as Lightning's around training_step
+    # (autocast casts each weight once per context: the bf16 copies are shared by the microbatches)
+    with plugin.forward_context():
+        for i in range(flight):
+            chunk = pipe.chunks[i % len(pipe.chunks)]
+            x, y = _batch(cfg, micro, device)
+            if not chunk.is_first:
+                x = torch.randn(micro, int(cfg.dataset.seq_len), int(cfg.model.d_model), device=device,
+                                requires_grad=True)
             out = _microbatch(chunk)(x)
             outs.append(module._lm_loss(out, y) if chunk.is_last else out)
-    for out in outs:
-        out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
+        for out in outs:
+            out.backward() if out.dim() == 0 else out.backward(torch.ones_like(out))
     extra = {"micro_batch": micro, "pp_rank": pipe.pp_rank, "stages": list(pipe.stages),
              "blocks": pipe.local_blocks(), "in_flight": flight}
     return _grad_bytes(module.model.parameters()), extra
