@@ -47,9 +47,12 @@ def test_every_profile_validates_and_plans(name):
     key = {"bf16-mixed": "bf16", "16-mixed": "fp16", "32-true": "fp32"}[hw.precision]
     peak = hw.peak_tflops.get(key)
     assert plan.peak_flops_per_device == (None if peak is None else pytest.approx(peak * 1e12)), (key, peak)
-    if hw.peak_tflops.get("fp32") is not None:  # the same profile at fp32: the fp32 datasheet peak
+    if hw.peak_tflops.get("fp32") is not None:  # the same profile at fp32: TF32 on a GPU, else fp32
         fp32 = make_plan(resolve([f"hardware={name}", *extra, "hardware.precision=32-true"]))
-        assert fp32.peak_flops_per_device == pytest.approx(hw.peak_tflops.fp32 * 1e12)
+        tf32 = hw.accelerator == "gpu" and hw.peak_tflops.get("tf32")
+        assert fp32.peak_flops_per_device == pytest.approx((tf32 or hw.peak_tflops.fp32) * 1e12)
+        strict = make_plan(resolve([f"hardware={name}", *extra, "hardware.precision=32-true", "hardware.tf32=false"]))
+        assert strict.peak_flops_per_device == pytest.approx(hw.peak_tflops.fp32 * 1e12)
 
 
 @pytest.mark.parametrize(("name", "memory", "bf16", "fp32", "tf32"), [
@@ -322,3 +325,14 @@ def test_auto_nvml_failure_counts_gpus_with_torch_and_warns(monkeypatch, capsys)
     assert "NVML could not describe the GPUs" in err and "torch.cuda sees 2" in err
     hw = resolve(hardware.overrides_for(info, [])).hardware
     assert (hw.name, hw.accelerator, hw.devices, hw.precision) == ("gpu", "gpu", 2, "16-mixed")
+
+
+def test_tf32_is_the_default_fp32_peak_on_gpus():
+    """hardware.tf32 (default true): fp32 runs on an H100 compute at the TF32 peak, and MFU is
+    against it; off, against fp32's; the CPU has no TF32."""
+    on = make_plan(resolve(["hardware=h100x8", "hardware.precision=32-true"]))
+    off = make_plan(resolve(["hardware=h100x8", "hardware.precision=32-true", "hardware.tf32=false"]))
+    assert (on.peak_flops_per_device, off.peak_flops_per_device) == (pytest.approx(494.7e12), pytest.approx(66.9e12))
+    assert make_plan(resolve(["hardware=h100x8"])).peak_flops_per_device == pytest.approx(989.4e12)  # bf16
+    cpu = resolve(["hardware=cpu", "hardware.peak_tflops.fp32=1.0", "hardware.peak_tflops.tf32=2.0"])
+    assert make_plan(cpu).peak_flops_per_device == pytest.approx(1.0e12)

@@ -90,10 +90,20 @@ def bf16_capable(cc: tuple[int, int] | None) -> bool:
     return cc is not None and tuple(cc) >= (8, 0)
 
 
+def precision_key(hw: DictConfig) -> str | None:
+    """Which `peak_tflops` key the run's matmuls reach: fp32 runs on a GPU with `hardware.tf32`
+    run at the TF32 peak where the profile has one."""
+    key = PRECISION_KEY.get(hw.precision)
+    tf32_peak = (hw.get("peak_tflops") or {}).get("tf32")
+    if key == "fp32" and hw.get("accelerator") == "gpu" and hw.get("tf32", True) and tf32_peak:
+        return "tf32"
+    return key
+
+
 def peak_flops(hw: DictConfig) -> float | None:
     """The profile's datasheet peak for the precision in use, in FLOP/s, or None (MFU is
     then null). Never a guess: no key for the precision means unknown."""
-    key = PRECISION_KEY.get(hw.precision)
+    key = precision_key(hw)
     value = (hw.get("peak_tflops") or {}).get(key) if key else None
     return float(value) * 1e12 if value else None
 

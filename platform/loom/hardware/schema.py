@@ -57,6 +57,10 @@ class HardwareConfig:
     # Datasheet dense peak per precision (bf16, fp16, tf32, fp32), TFLOP/s per device.
     # null or missing key: MFU is null.
     peak_tflops: dict[str, float | None] = field(default_factory=dict)
+    # fp32 matmuls and convolutions in TF32 on GPUs that have it (Ampere and later; ~1e-3
+    # relative error, the TF32 peak: 494.7 against fp32's 66.9 TFLOP/s on an H100), as torchtitan
+    # does; the plan's peak for precision=32-true follows. No effect on the CPU.
+    tf32: bool = True
     host_memory_gb: float = 16.0
     cpu_cores: int = 2
     interconnect: str = "loopback"

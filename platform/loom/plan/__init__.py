@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import group_options
 from loom.hardware.machine import usable_cores
-from loom.hardware.peaks import PRECISION_KEY, peak_flops
+from loom.hardware.peaks import peak_flops, precision_key
 from loom.layout import ParallelLayout
 from loom.models import model_spec
 from loom.models.spec import ModelSpec
@@ -201,7 +201,7 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
     hw = cfg.hardware
     out: list[str] = []
     if peak is None:
-        key = PRECISION_KEY.get(hw.precision, hw.precision)
+        key = precision_key(hw) or hw.precision
         out.append(f"hardware={hw.name} ({hw.device_name}) has no hardware.peak_tflops.{key}: MFU will be "
                    f"null. Set it from the device's datasheet or select a profile written by `loom probe`.")
     if spec.params is None:

@@ -41,6 +41,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     plan = Plan.from_dict(frozen_plan)
     layout = formed_layout(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    _matmul_precision(cfg.hardware)
     resume = _resume_point(run_dir, rank)
     progress.start_step = checkpoints.step_of(resume) or 0
     if rank == 0:  # this attempt in summary.json's world_history, before anything can kill it
@@ -225,3 +226,15 @@ def _trainer(cfg: DictConfig, layout: ParallelLayout, run_dir: Path, callbacks: 
         enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
+
+
+def _matmul_precision(hw) -> None:
+    """TF32 for fp32 matmuls and convolutions on GPUs when `hardware.tf32` (torch's default is
+    full fp32, at an eighth of the Tensor Cores' rate; Lightning warns about it). Left alone on
+    the CPU, where "high" would let oneDNN compute fp32 matmuls in bf16."""
+    if hw.accelerator != "gpu":
+        return
+    import torch
+
+    torch.set_float32_matmul_precision("high" if hw.tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = bool(hw.tf32)
