@@ -1,9 +1,11 @@
 """Tracking that tells the truth: throughput bracketed by an independent stopwatch, MFU, one wandb
-run per Loom run (also across a resume), no secrets in the run dir, reports and plots.
+and one MLflow run per Loom run (also across a resume), TensorBoard events, no secrets in the run
+dir or the MLflow store, reports and plots.
 
 Real trainings are slow on 2 cores, so shared runs serve many checks:
-  ddp_run      the default 2-rank job, tracking=offline (wandb offline + CSV), secrets in the
-               environment: DDP_ARGS, shared with tests/test_e2e.py (one launch for both)
+  ddp_run      the default 2-rank job, tracking=offline (wandb offline + CSV) with TensorBoard and
+               MLflow (the run root's local store) on too, secrets in the environment: DDP_ARGS,
+               shared with tests/test_e2e.py (one launch for both)
   single_run   the parity suite's `single` reference (tests/conftest.py); with ddp_run it forms
                a 2-run "sweep" dir for the report
   resumed_run  a copy of ddp_run marked as killed, then resumed by the same command
@@ -21,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, LOOM, killed_copy, launching_fixture, run_loom
+from conftest import FAST, LOOM, killed_copy, launching_fixture, refused, run_loom
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TOKEN": "sentinel-token-0987654321"}
@@ -30,7 +32,7 @@ MICRO_BATCH, SEQ_LEN = 16, 128
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
 # The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step.
 DDP_ARGS = (*BASE, "tracking=offline", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={CKPT_EVERY}",
-            "trainer.limit_val_batches=2")
+            "trainer.limit_val_batches=2", "tracking.tensorboard=true", "tracking.mlflow.enabled=true")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -230,6 +232,71 @@ def test_resume_continues_the_same_wandb_run(resumed_run, ddp_run):
     assert steps == list(range(1, STEPS + 1))  # history kept, redone steps not duplicated
 
 
+# ----------------------------------------------------------------------------- TensorBoard, MLflow
+
+
+def test_tensorboard_events_hold_the_step_metrics(ddp_run):
+    """<run>/tensorboard/ holds rank 0's event file (one: the other rank writes none), read back
+    with TensorBoard's own reader: the metric names and steps of metrics.csv, the same values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((ddp_run.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert {"train/loss", "perf/step_time_ms", "perf/tokens_per_sec"} <= set(events.Tags()["scalars"])
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert losses == pytest.approx(ddp_run.result.losses())
+
+
+def _mlflow(ddp_run):
+    """(client, the run's MLflow run) in the run root's local store, by the id in <run>/mlflow.json."""
+    import json
+
+    from mlflow import MlflowClient
+
+    record = json.loads((ddp_run.run_dir / "mlflow.json").read_text())
+    store = ddp_run.root / "mlruns"
+    assert record["tracking_uri"] == f"file:{store}"
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(record["tracking_uri"])
+    return client, client.get_run(record["run_id"])
+
+
+def test_mlflow_run_holds_params_metrics_and_summary(ddp_run):
+    """One MLflow run in the experiment `gpt` of <run.root>/mlruns: the frozen config as params
+    (flattened keys, secrets never in them: test_no_secret...), the step metrics by the names
+    metrics.csv uses, and summary.json's numbers as summary/... metrics; it ended FINISHED."""
+    client, run = _mlflow(ddp_run)
+    exp = client.get_experiment_by_name("gpt")
+    assert exp is not None and run.info.experiment_id == exp.experiment_id
+    assert len(client.search_runs([exp.experiment_id])) == 1  # one run, not one per rank
+    params = run.data.params
+    assert params["strategy/name"] == "ddp" and params["trainer/max_steps"] == str(STEPS)
+    assert params["tracking/mlflow/enabled"] == "True"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert set(history) == set(range(1, STEPS + 1))
+    losses = ddp_run.result.losses()
+    assert history[1] == pytest.approx(losses[1])
+    s = ddp_run.result.summary()
+    assert run.data.metrics["summary/global_step"] == STEPS
+    assert "summary/throughput/tokens_per_sec" in run.data.metrics
+    assert run.data.tags["loom.run_id"] == ddp_run.run_dir.name
+    assert s["status"] == "completed" and run.info.status == "FINISHED"
+
+
+def test_resume_continues_the_same_mlflow_run(resumed_run, ddp_run):
+    """The resumed copy's frozen config names the same store; <run>/mlflow.json (copied with the
+    run dir) names the run: the resume logs into it (steps 11-12 again), no second run appears."""
+    client, run = _mlflow(ddp_run)
+    copy = resumed_run.run_dir / "mlflow.json"
+    assert copy.read_text() == (ddp_run.run_dir / "mlflow.json").read_text()
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == sorted([*range(1, STEPS + 1), 11, 12])
+    assert "continuing run" in (resumed_run.run_dir / "logs" / "rank-0.log").read_text()
+
+
 def test_first_loss_on_resume_is_the_runs_not_the_resumed_parts(resumed_run, ddp_run):
     """The resumed attempt trains steps 11-12 only: the summary's first loss is still step 1's
     (from metrics.csv, which the resume keeps), and the validation is the resumed run's last step's."""
@@ -241,9 +308,9 @@ def test_first_loss_on_resume_is_the_runs_not_the_resumed_parts(resumed_run, ddp
 
 
 def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):
-    for run in (ddp_run.run_dir, resumed_run.run_dir):
+    for run in (ddp_run.run_dir, resumed_run.run_dir, ddp_run.root / "mlruns"):
         files = list(_files(run))
-        assert any("wandb" in p.parts for p in files)
+        assert any(part in ("wandb", "params") for p in files for part in p.parts)
         for p in files:
             data = p.read_bytes()
             for value in SENTINELS.values():
@@ -357,16 +424,50 @@ def test_wandb_settings_record_no_metadata():
     assert s.x_disable_meta and s.disable_git and not s.save_code and s.x_disable_machine_info
 
 
-@pytest.mark.parametrize(("choice", "loggers"), [("none", []), ("csv", ["RunCSVLogger"])])
+@pytest.mark.parametrize(("choice", "loggers"), [
+    ("none", []), ("csv", ["RunCSVLogger"]), ("tensorboard", ["RunCSVLogger", "SafeTensorBoardLogger"]),
+    ("mlflow", ["RunCSVLogger", "SafeMLFlowLogger"])])
 def test_the_loggers_each_tracking_choice_gives_the_trainer(tmp_path, choice, loggers):
-    """README: `tracking=none` logs no step anywhere, `tracking=csv` only metrics.csv (what the
-    worker hands Lightning; tracking=none's run is test_hydra_cli's exact-dir run)."""
+    """README: `tracking=none` logs no step anywhere, `tracking=csv` only metrics.csv,
+    tensorboard and mlflow add theirs (what the worker hands Lightning; tracking=none's run is
+    test_hydra_cli's exact-dir run; the trackers' contents: the ddp_run tests above)."""
     from loom.pipeline import resolve
     from loom.tracking.loggers import build_loggers
 
-    cfg = resolve([f"tracking={choice}", "hardware=cpu"])
+    cfg = resolve([f"tracking={choice}", "hardware=cpu", f"run.root={tmp_path}"])
     assert [type(lg).__name__ for lg in build_loggers(cfg, tmp_path, "x")] == loggers
     assert not (tmp_path / "wandb").exists()
+    if choice == "mlflow":  # the default store: file:<run.root>/mlruns, absolute in the frozen config
+        assert cfg.tracking.mlflow.uri == f"file:{tmp_path / 'mlruns'}"
+        assert (tmp_path / "mlflow.json").is_file() and (tmp_path / "mlruns").is_dir()
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("tracking.mlflow.uri=ftp://host/x", "tracking.mlflow.uri='ftp://host/x': is not an MLflow tracking URI"),
+    ("tracking.mlflow.uri=http://me:hunter22@host:5000", "MLFLOW_TRACKING_PASSWORD"),
+])
+def test_a_bad_mlflow_uri_is_refused_naming_the_key(tmp_path, override, said):
+    err = refused(tmp_path, "tracking=mlflow", override, "hardware=cpu")
+    assert said in err and "tracking.mlflow.uri" in err
+    assert "hunter22" not in err  # credentials are not echoed
+
+
+@pytest.mark.parametrize(("args", "package", "option"), [
+    (["tracking=tensorboard"], "tensorboard", "tracking=tensorboard"),
+    (["tracking=mlflow"], "mlflow-skinny", "tracking=mlflow"),
+    (["tracking=csv", "tracking.mlflow.enabled=true"], "mlflow-skinny", "tracking.mlflow.enabled=true"),
+])
+def test_a_tracker_not_installed_is_refused(tmp_path, monkeypatch, args, package, option):
+    """The tracker's package missing: exit 2 at validation naming the package, the extra that
+    brings it and tracking=csv instead (loom.packages; the package itself is installed here)."""
+    import loom.packages
+
+    missing = {"tensorboard", "mlflow"}
+    real = loom.packages.installed
+    monkeypatch.setattr(loom.packages, "installed", lambda m: m not in missing and real(m))
+    err = refused(tmp_path, *args, "hardware=cpu")
+    assert f"{option}" in err and f"Python package {package}" in err
+    assert "loom[tracking]" in err and "tracking=csv" in err
 
 
 # ----------------------------------------------------------------------------- secrets

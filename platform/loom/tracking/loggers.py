@@ -1,4 +1,5 @@
-"""Lightning loggers for a run: metrics.csv in the run dir and one offline wandb run."""
+"""Lightning loggers for a run, one per tracker the config turns on (loom.tracking.registry):
+metrics.csv in the run dir, one wandb run, TensorBoard event files (MLflow: mlflow_run.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
-from pytorch_lightning.loggers import CSVLogger, WandbLogger
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
@@ -66,24 +67,19 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
         w.writerows(keep)
 
 
-class SafeWandbLogger(WandbLogger):
-    """A WandbLogger whose failures cost the run its wandb record, never the run itself.
+class Guarded:
+    """A logger whose failures cost the run its record in that tracker, never the run itself.
 
-    Lightning calls loggers inside the training loop, so an exception from wandb (its files
-    on a full disk, its service process gone) would kill a training that is otherwise fine.
-    Here the first failure is logged once as a warning and the logger disables itself; the
-    training, metrics.csv and summary.json carry on. Also: `finalize` finishes the wandb run
-    (an offline run left to wandb's atexit hook was recorded without its exit), and the
-    `anonymous` argument, deprecated in wandb 0.31, is not passed.
-    """
+    Lightning calls loggers inside the training loop, so an exception from a tracker (its files
+    on a full disk, its service process or server gone) would kill a training that is otherwise
+    fine. Here the first failure is logged once as a warning and the logger disables itself; the
+    training, metrics.csv and summary.json carry on."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._wandb_init.pop("anonymous", None)
-        self.disabled = False
+    tracker = "tracker"
+    disabled = False
 
     def _guarded(self, what: str, call: Callable[[], Any]) -> None:
-        """Run one wandb call; its first failure turns this logger off with one warning."""
+        """Run one tracker call; its first failure turns this logger off with one warning."""
         if self.disabled:
             return
         try:
@@ -91,9 +87,22 @@ class SafeWandbLogger(WandbLogger):
         except Exception as e:
             self.disabled = True
             log.warning(
-                f"wandb {what} failed ({type(e).__name__}: {e}); wandb logging is off for the rest "
-                "of this run. Training, metrics.csv and summary.json continue."
+                f"{self.tracker} {what} failed ({type(e).__name__}: {e}); {self.tracker} logging is off for "
+                "the rest of this run. Training, metrics.csv and summary.json continue."
             )
+
+
+class SafeWandbLogger(Guarded, WandbLogger):
+    """A guarded WandbLogger. Also: `finalize` finishes the wandb run (an offline run left to
+    wandb's atexit hook was recorded without its exit), and the `anonymous` argument,
+    deprecated in wandb 0.31, is not passed."""
+
+    tracker = "wandb"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._wandb_init.pop("anonymous", None)
+        self.disabled = False
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -144,24 +153,74 @@ def wandb_mode(cfg: DictConfig) -> str:
     return mode
 
 
+def build_csv(cfg: DictConfig, run_dir: Path, run_id: str) -> RunCSVLogger:
+    return RunCSVLogger(run_dir)
+
+
+def build_wandb(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeWandbLogger:
+    os.environ.setdefault("WANDB_SILENT", "true")
+    logger = SafeWandbLogger(
+        save_dir=str(run_dir),
+        project=cfg.tracking.project,
+        entity=cfg.tracking.entity,
+        id=run_id,  # the Loom run id: a resume continues the same wandb run
+        name=f"{cfg.experiment}/{run_id}",
+        resume="allow",
+        log_model=False,
+        mode=wandb_mode(cfg),
+        settings=wandb_settings() if rank_zero_only.rank == 0 else None,
+    )
+    # Only global rank 0 creates the wandb run (log_hyperparams is rank-zero-only).
+    logger.log_hyperparams(frozen_container(cfg))  # secrets redacted, env refs unresolved
+    return logger
+
+
+class SafeTensorBoardLogger(Guarded, TensorBoardLogger):
+    """A guarded TensorBoardLogger writing `<run>/tensorboard/events.out.tfevents.*` (a resume
+    adds a file beside the first; TensorBoard reads them as one run)."""
+
+    tracker = "tensorboard"
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self._guarded("log_metrics", lambda: super(SafeTensorBoardLogger, self).log_metrics(metrics, step))
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, metrics: Any = None) -> None:
+        self._guarded("log_hyperparams", lambda: super(SafeTensorBoardLogger, self).log_hyperparams(params, metrics))
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._guarded("finalize", lambda: super(SafeTensorBoardLogger, self).finalize(status))
+
+
+def build_tensorboard(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeTensorBoardLogger | None:
+    """Rank 0 only (the others would log nothing): no event writer, no import cost elsewhere."""
+    if rank_zero_only.rank != 0:
+        return None
+    logger = SafeTensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+    logger.log_hyperparams(frozen_container(cfg))  # the hparams tab; secrets redacted
+    return logger
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path, run_id: str) -> list:
+    """One Lightning logger per tracker the config turns on (a builder may return None on ranks
+    that log nothing)."""
+    import importlib
+
+    from loom.tracking.registry import TRACKERS, enabled_trackers
+
     loggers: list = []
-    if cfg.tracking.csv:
-        loggers.append(RunCSVLogger(run_dir))
-    if cfg.tracking.wandb and cfg.tracking.get("mode", "offline") != "disabled":
-        os.environ.setdefault("WANDB_SILENT", "true")
-        logger = SafeWandbLogger(
-            save_dir=str(run_dir),
-            project=cfg.tracking.project,
-            entity=cfg.tracking.entity,
-            id=run_id,  # the Loom run id: a resume continues the same wandb run
-            name=f"{cfg.experiment}/{run_id}",
-            resume="allow",
-            log_model=False,
-            mode=wandb_mode(cfg),
-            settings=wandb_settings() if rank_zero_only.rank == 0 else None,
-        )
-        # Only global rank 0 creates the wandb run (log_hyperparams is rank-zero-only).
-        logger.log_hyperparams(frozen_container(cfg))  # secrets redacted, env refs unresolved
-        loggers.append(logger)
+    for name in enabled_trackers(cfg.tracking):
+        module, _, function = TRACKERS[name].builder.partition(":")
+        logger = getattr(importlib.import_module(module), function)(cfg, run_dir, run_id)
+        if logger is not None:
+            loggers.append(logger)
     return loggers
+
+
+def log_summary(loggers: list, summary: dict) -> None:
+    """Rank 0, after summary.json is written: the trackers that keep a run's outcome get it."""
+    for logger in loggers:
+        if hasattr(logger, "log_summary"):
+            logger.log_summary(summary)

@@ -1,8 +1,21 @@
-"""The schema of the tracking options (conf/tracking/): one shape for all of them."""
+"""The schema of the tracking options (conf/tracking/): one shape for all of them.
+
+Trackers combine: `tracking=offline tracking.tensorboard=true tracking.mlflow.enabled=true`
+logs the same rows to metrics.csv, wandb, TensorBoard and MLflow (loom.tracking.registry)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    # null: file:<run.root>/mlruns, a local file store beside the runs (one per run root, so every
+    # run of the root is one MLflow experiment away); else any MLflow tracking URI: http(s)://host,
+    # sqlite:///path/mlflow.db, databricks. Credentials go in MLFLOW_TRACKING_USERNAME/_PASSWORD/_TOKEN.
+    uri: str | None = None
+    experiment: str | None = None     # the MLflow experiment (null: the run's `experiment`)
 
 
 @dataclass
@@ -13,6 +26,8 @@ class TrackingConfig:
     mode: str = "offline"             # wandb mode: offline | online (needs an API key) | disabled
     project: str = "loom"
     entity: str | None = None
+    tensorboard: bool = False         # event files under <run>/tensorboard/
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     # steps before the steady-state window of summary.json `throughput` (null: the first
     # logged window; any window with a compile in it is left out too: loom.tracking.clock)
     warmup_steps: int | None = None
