@@ -205,3 +205,24 @@ def test_a_secret_in_env_and_config_reaches_the_model_but_no_file(tmp_path):
     literal = run_loom("train", *args[:3], f"+model.module.api_token={secret}", root=tmp_path, env=env)
     assert literal.rc == 2 and "model.module.api_token" in literal.err and "oc.env" in literal.err
     assert secret not in literal.err
+
+
+def test_rng_state_round_trip_and_a_resume_with_fewer_gpus():
+    """Every RNG comes back; the CUDA state is this rank's device's, and an old checkpoint's list
+    of every visible device's states no longer raises IndexError on a machine with fewer GPUs."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from loom.worker.checkpoint_saver import own_cuda_state, rng_state, set_rng_state
+
+    saved = rng_state()
+    draws = (random.random(), float(np.random.rand()), torch.rand(3))
+    set_rng_state(saved)
+    again = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert draws[:2] == again[:2] and torch.equal(draws[2], again[2])
+    states = [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]  # written on 8 GPUs
+    assert torch.equal(own_cuda_state(states, 3), states[3])
+    assert own_cuda_state(states[:2], 3) is None  # resumed where only 2 are visible
+    assert own_cuda_state(states[5], 0) is states[5]  # the per-device tensor written now

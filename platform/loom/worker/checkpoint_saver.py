@@ -51,9 +51,18 @@ def rng_state() -> dict[str, Any]:
         "numpy_cached": float(cached),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's own device: a resume may see fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
+
+
+def own_cuda_state(saved: Any, device: int) -> torch.Tensor | None:
+    """The saved CUDA RNG state of this rank's device: the tensor written since it is per
+    device; in older checkpoints (every visible device's list) entry `device`, or None when a
+    resume sees fewer GPUs than the writer did (indexing that list raised IndexError)."""
+    if isinstance(saved, (list, tuple)):
+        return saved[device] if device < len(saved) else None
+    return saved
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -61,8 +70,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
                          state["numpy_has_gauss"], state["numpy_cached"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        own = own_cuda_state(state["cuda"], device)
+        if own is not None:
+            torch.cuda.set_rng_state(own, device)
 
 
 def _no_sigterm_broadcast() -> None:
