@@ -106,3 +106,20 @@ def rehearse_into(cfg: DictConfig, plan: dict[str, Any], rank_arg: str | None) -
 
     plan["rehearsal"] = rehearse(cfg, plan, parse_ranks(rank_arg))
     return EXIT_INVALID if failures(plan["rehearsal"]) else EXIT_OK
+
+
+def rehearse_in_one_process(jobs: list[tuple[DictConfig, int]]) -> list[dict[str, Any]]:
+    """Each (config, rank) in turn in ONE `loom.rehearse.rank` process (the fake group torn
+    down between them): what tests and tools use to rehearse many small layouts cheaply."""
+    with tempfile.TemporaryDirectory(prefix="loom-rehearse-") as tmp:
+        args, outs = [], []
+        for i, (cfg, rank) in enumerate(jobs):
+            config, out = Path(tmp) / f"config-{i}.yaml", Path(tmp) / f"out-{i}.json"
+            config.write_text(frozen_yaml(cfg))
+            args += [str(config), str(rank), str(out)]
+            outs.append(out)
+        proc = subprocess.run([sys.executable, "-m", "loom.rehearse.rank", *args], capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode:
+            raise RuntimeError(f"the rehearsal process exited {proc.returncode}: {proc.stderr[-2000:]}")
+        return [json.loads(o.read_text()) for o in outs]

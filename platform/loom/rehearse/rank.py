@@ -103,14 +103,21 @@ def rehearse_rank(cfg: DictConfig, rank: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    config, rank, out = Path(argv[0]), int(argv[1]), Path(argv[2])
-    cfg = OmegaConf.load(config)
-    try:
-        result = rehearse_rank(cfg, rank)
-    except Exception as e:  # the launch would fail the same way: its message, not a traceback
-        result = {"rank": rank, "error": str(e) or repr(e), "error_type": type(e).__name__,
-                  "traceback": traceback.format_exc(limit=-4)}
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    """CONFIG RANK OUT, repeated: each rank in turn, the fake group torn down between them
+    (`loom plan --rehearse` starts one process per rank; tests batch theirs in one)."""
+    import torch.distributed as dist
+
+    for i in range(0, len(argv), 3):
+        config, rank, out = Path(argv[i]), int(argv[i + 1]), Path(argv[i + 2])
+        try:
+            result = rehearse_rank(OmegaConf.load(config), rank)
+        except Exception as e:  # the launch would fail the same way: its message, not a traceback
+            result = {"rank": rank, "error": str(e) or repr(e), "error_type": type(e).__name__,
+                      "traceback": traceback.format_exc(limit=-4)}
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -1,0 +1,102 @@
+"""`loom plan --rehearse` (issue 29): ranks of a layout built and stepped over torch's fake
+process group, no training launch (the rehearsal's own CPU process). gpt_tiny under fsdp,
+fsdp_tp, pp (beside replicated data parallelism) and nd at world 8 and 64: the rehearsed
+parameter and optimizer bytes per rank are the plan's, scale as 1/dp over the sharded ranks, and (test_rehearsal_matches_real_runs, on the suite's shared
+reference runs: no launch of its own) equal what the real CPU runs report in summary.json."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAST, GLOBAL_BATCH, PARITY, strategy_args
+
+from loom import strategies
+from loom.errors import ConfigError
+from loom.pipeline import resolve
+from loom.plan import make_plan
+from loom.rehearse import default_ranks, rehearse_in_one_process
+from loom.rehearse.table import compare_rank
+
+TINY = ["model=gpt_tiny", "hardware=cpu", "dataset.seq_len=64", "dataset.batch_size=8", *FAST]
+LAYOUTS = {
+    "fsdp": ["strategy=fsdp"],
+    "fsdp_tp": ["strategy=fsdp_tp", "strategy.tensor_parallel=2"],
+    # strategy=pp is pp == world (gpt_tiny has 2 layers): its layout beside data parallelism is nd's
+    "pp": ["strategy=nd", "strategy.pp=2", "strategy.dp_replicate=-1", "strategy.dp_shard=1"],
+    "nd": ["strategy=nd", "strategy.tp=2", "strategy.pp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def rehearsed() -> dict:
+    """Rank 0 of every layout at world 8 and 64, in one rehearsal process."""
+    cfgs = {(name, world): resolve([*TINY, *args, f"hardware.devices={world}"])
+            for name, args in LAYOUTS.items() for world in (8, 64)}
+    results = rehearse_in_one_process([(cfg, 0) for cfg in cfgs.values()])
+    return {key: (cfg, r) for (key, cfg), r in zip(cfgs.items(), results, strict=True)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_rehearsed_state_bytes_are_the_plans_and_scale_as_one_over_dp(rehearsed, name):
+    got = {}
+    for world in (8, 64):
+        cfg, r = rehearsed[(name, world)]
+        assert "error" not in r, r
+        row = compare_rank(make_plan(cfg).to_dict(), r)
+        assert row["difference"]["params"] == 0 and row["difference"]["optimizer"] == 0, row
+        assert r["bytes"]["optimizer"] == 2 * r["bytes"]["params"] > 0  # AdamW m and v, fp32
+        assert r["tracker"] == ("MemTracker" if strategies.layout_of(cfg).pp > 1 else "FSDPMemTracker")
+        got[world] = (r["bytes"]["params"], strategies.layout_of(cfg).dp_shard)
+    (p8, dp8), (p64, dp64) = got[8], got[64]
+    assert p64 * dp64 == p8 * dp8, (got, name)  # 1/dp over the sharded dp ranks (replicas hold it whole)
+
+
+def test_pipeline_rank_says_which_stage_it_holds(rehearsed):
+    cfg, r = rehearsed[("nd", 64)]
+    assert r["pp_rank"] == 0 and r["stages"] == [0] and r["blocks"] == [0] and r["in_flight"] == 2
+    assert default_ranks(cfg, make_plan(cfg).to_dict()) == [0]  # 1F1B: stage 0 is the fullest
+
+
+def test_tp_that_does_not_divide_kv_heads_fails_with_the_launchs_message(capsys):
+    args = ["model=llama_tiny", "hardware=cpu", "hardware.devices=64", "strategy=fsdp_tp",
+            "strategy.tensor_parallel=4", *FAST]
+    with pytest.raises(ConfigError) as launch:  # what `loom train` (the launch) refuses with
+        resolve(args)
+    from loom.cli import main
+
+    assert main(["plan", *args, "--rehearse"]) == 2
+    assert str(launch.value) in capsys.readouterr().err
+    assert "must divide model.n_kv_heads=2" in str(launch.value)
+
+
+def test_a_build_failure_is_the_workers_message():
+    """A shard unit the model lacks: the strategy's own ValueError, from the rank's build."""
+    cfg = resolve([*TINY, "strategy=fsdp", "hardware.devices=8"])
+    cfg.strategy.shard_units = ["NoSuchBlock"]
+    (r,) = rehearse_in_one_process([(cfg, 0)])
+    assert r["error_type"] == "ValueError" and "strategy.shard_units: ['NoSuchBlock']" in r["error"]
+
+
+# The suite's shared reference runs (conftest / test_pipeline / test_nd): their summary.json
+# holds each rank's parameter and optimizer-state bytes, counted from the real shards.
+REAL = {
+    "fsdp": strategy_args("fsdp"),
+    "fsdp_tp": strategy_args("fsdp_tp"),
+    "pp": ("strategy=pp", "hardware.devices=2", *PARITY, f"dataset.batch_size={GLOBAL_BATCH}",
+           "strategy.pp_schedule=1f1b"),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_rehearsal_matches_real_runs(shared):
+    jobs, expect = [], []
+    for name, args in REAL.items():
+        run = shared.get(*args)
+        assert run.rc == 0, run.out + run.err
+        mem = run.summary()["memory"]
+        cfg = resolve(list(args))
+        for rank in range(strategies.layout_of(cfg).world):
+            jobs.append((cfg, rank))
+            expect.append((name, rank, mem["param_bytes_per_rank"][rank], mem["optim_state_bytes_per_rank"][rank]))
+    for (name, rank, params, optim), r in zip(expect, rehearse_in_one_process(jobs), strict=True):
+        assert (r["bytes"]["params"], r["bytes"]["optimizer"]) == (params, optim), (name, rank, r)
