@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
     from loom.models.gpt import GPT
+    from loom.models.llama import Llama
 
     torch.set_num_threads(threads)
     device = torch.device(args.device)
@@ -88,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    # The model group's keys that are GPT's arguments (name, init_from, ... are Loom's).
+    # Loom's own network of the model group (Llama for llama*, else GPT), from the group's keys
+    # that are its arguments (name, init_from, ... are Loom's).
     import inspect
 
-    model = GPT(**{k: v for k, v in c["model"].items() if k in inspect.signature(GPT).parameters}).to(device)
+    network = Llama if str(c["model"].get("name", "")).startswith("llama") else GPT
+    model = network(**{k: v for k, v in c["model"].items() if k in inspect.signature(network).parameters}).to(device)
 
     o, steps_total = c["optim"], args.steps  # Loom runs with trainer.max_steps=N
     named = list(model.named_parameters())
