@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# What a maintainer runs on a new GPU machine: a few bf16-mixed steps of every strategy that fits
-# one device (single, ddp, fsdp, zero1, zero2, zero3, zero3_offload), then scripts/bench/gpu_mfu.py.
-# Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md (one row per check) and keeps the run dirs
-# under OUT_DIR/runs/ (rank logs, summary.json) for whatever failed.
+# What a maintainer runs on a new GPU machine, one command:
+# - one GPU: a few bf16-mixed steps of every strategy that fits one device (single, ddp, fsdp,
+#   zero1, zero2, zero3, zero3_offload), then scripts/bench/gpu_mfu.py and gpu_memory.py;
+# - 2+ GPUs, besides: ddp, fsdp, fsdp_tp, zero2, zero3, pp and nd at the machine's world size
+#   (every visible GPU), and a SIGKILL of one rank mid-run that must resume and complete.
+# Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md (one row per check) and keeps the run
+# dirs under OUT_DIR/runs/ (rank logs, summary.json) for whatever failed. tracking=csv: it never
+# needs wandb, datasets or the sweeper (a core install from scripts/wheelhouse.sh is enough).
 #
 #   scripts/gpu_check.sh [OUT_DIR]          (default: gpu_check_out/)
-#   STEPS=20 MODEL=gpt_small STRATEGIES="single fsdp" SKIP_MFU=1 scripts/gpu_check.sh out/
+#   STEPS=20 MODEL=gpt_small STRATEGIES="single fsdp" MULTI="ddp fsdp" SKIP_BENCH=1 scripts/gpu_check.sh out/
 #
 # Exit codes: 0 every check passed; 1 a check failed (the table says which); 2 the interpreter
 # cannot run Loom (no such python, or no torch: nothing was checked, and it is not "no GPU");
@@ -22,6 +26,7 @@ else PY=python3; WHY="no \$PYTHON and no .venv"; fi
 STEPS="${STEPS:-20}"
 MODEL="${MODEL:-gpt_small}"
 STRATEGIES="${STRATEGIES:-single ddp fsdp zero1 zero2 zero3 zero3_offload}"
+MULTI="${MULTI:-ddp fsdp fsdp_tp zero2 zero3 pp nd}"
 EXIT_SKIPPED=4
 EXIT_NO_PYTHON=2
 
@@ -43,53 +48,95 @@ mkdir -p "$OUT/runs"
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true
 results="$OUT/results.tsv"
 : > "$results"
-for s in $STRATEGIES; do
-  echo "gpu_check: strategy=$s ($STEPS steps, bf16-mixed, $MODEL)"
-  start=$(date +%s)
-  "$PY" -m loom.cli train hardware=auto hardware.devices=1 hardware.precision=bf16-mixed \
-    "strategy=$s" "model=$MODEL" "trainer.max_steps=$STEPS" trainer.log_every_n_steps=5 \
-    checkpoint.every_n_steps=0 trainer.limit_val_batches=1 tracking=csv experiment=gpu_check \
-    "run.root=$OUT/runs" "run.id=$s" > "$OUT/runs/$s.out" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$s" "$rc" "$(( $(date +%s) - start ))" >> "$results"
-done
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+COMMON=(hardware=auto hardware.precision=bf16-mixed "model=$MODEL" trainer.log_every_n_steps=5
+        trainer.limit_val_batches=1 tracking=csv experiment=gpu_check "run.root=$OUT/runs")
 
-mfu_rc=skipped
-if [ -z "${SKIP_MFU:-}" ]; then
+# check ID ARGS...: one `loom train`, its exit code and wall time into results.tsv.
+check() {
+  local id="$1"; shift
+  echo "gpu_check: $id ($STEPS steps, bf16-mixed, $MODEL)"
+  local start=$(date +%s)
+  "$PY" -m loom.cli train "${COMMON[@]}" "trainer.max_steps=$STEPS" checkpoint.every_n_steps=0 \
+    "run.id=$id" "$@" > "$OUT/runs/$id.out" 2>&1
+  printf '%s\t%s\t%s\n' "$id" "$?" "$(( $(date +%s) - start ))" >> "$results"
+}
+
+# A rank SIGKILLed after the step-5 checkpoint: torchrun restarts the ranks, which resume and finish.
+kill_and_resume() {
+  local id=sigkill_resume dir="$OUT/runs/gpu_check/sigkill_resume" start=$(date +%s) pid=""
+  echo "gpu_check: $id (ddp on $GPUS GPUs, rank $((GPUS - 1)) SIGKILLed after step 5)"
+  "$PY" -m loom.cli train "${COMMON[@]}" strategy=ddp "hardware.devices=$GPUS" trainer.max_steps=30 \
+    checkpoint.every_n_steps=5 hardware.max_restarts=1 "run.id=$id" > "$OUT/runs/$id.out" 2>&1 &
+  local launcher=$!
+  for _ in $(seq 600); do
+    [ -f "$dir/checkpoints/step-0000005.ckpt" ] && break
+    kill -0 "$launcher" 2>/dev/null || break
+    sleep 0.5
+  done
+  pid=$(grep -ho "loom INFO: rank $((GPUS - 1)) (pid [0-9]*) started" "$dir/logs/rank-$((GPUS - 1)).log" 2>/dev/null \
+        | tail -1 | grep -o "pid [0-9]*" | cut -d" " -f2)
+  [ -n "$pid" ] && kill -9 "$pid"
+  wait "$launcher"
+  printf '%s\t%s\t%s\n' "$id" "$?" "$(( $(date +%s) - start ))" >> "$results"
+}
+
+for s in $STRATEGIES; do check "$s" "strategy=$s" hardware.devices=1; done
+if [ "$GPUS" -ge 2 ]; then
+  for s in $MULTI; do
+    extra=()
+    [ "$s" = nd ] && { if [ "$GPUS" -ge 4 ]; then extra=(strategy.tp=2 strategy.pp=2); else extra=(strategy.pp=2); fi; }
+    check "${s}_x$GPUS" "strategy=$s" "hardware.devices=$GPUS" "${extra[@]}"
+  done
+  kill_and_resume
+fi
+
+mfu_rc=skipped mem_rc=skipped
+if [ -z "${SKIP_BENCH:-${SKIP_MFU:-}}" ]; then
   echo "gpu_check: scripts/bench/gpu_mfu.py"
   "$PY" scripts/bench/gpu_mfu.py --json "$OUT/gpu_mfu.json" > "$OUT/gpu_mfu.out" 2>&1
   mfu_rc=$?
+  echo "gpu_check: scripts/bench/gpu_memory.py"
+  "$PY" scripts/bench/gpu_memory.py --json "$OUT/gpu_memory.json" > "$OUT/gpu_memory.out" 2>&1
+  mem_rc=$?
 fi
 
-"$PY" - "$OUT" "$results" "$mfu_rc" <<'EOF'
+"$PY" - "$OUT" "$results" "$mfu_rc" "$mem_rc" <<'EOF'
 """Gather the runs' summary.json into gpu_check.json and a markdown table; exit 1 on a failure."""
 import json, sys
 from pathlib import Path
 
-out, results, mfu_rc = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+out, results, bench_rc = Path(sys.argv[1]), Path(sys.argv[2]), {"gpu_mfu": sys.argv[3], "gpu_memory": sys.argv[4]}
 rows, ok = [], True
 for line in results.read_text().splitlines():
-    strategy, rc, wall = line.split("\t")
-    path = out / "runs" / "gpu_check" / strategy / "summary.json"
+    run_id, rc, wall = line.split("\t")
+    path = out / "runs" / "gpu_check" / run_id / "summary.json"
     s = json.loads(path.read_text()) if path.exists() else {}
     t, m = s.get("throughput") or {}, s.get("memory") or {}
     passed = rc == "0" and s.get("status") == "completed"
+    if run_id == "sigkill_resume":  # it must have been killed, restarted and resumed
+        passed &= s.get("restarts") == 1 and (s.get("resumed_from_step") or 0) >= 5
     ok &= passed
-    gpu_mem = (m.get("peak_gpu_mem_gb_per_rank") or [None])[0]
-    rows.append({"check": f"strategy={strategy}", "passed": passed, "exit": int(rc), "wall_s": int(wall),
-                 "final_loss": s.get("final_loss"), "tokens_per_sec": t.get("tokens_per_sec"),
-                 "mfu": t.get("mfu"), "peak_gpu_mem_gb": gpu_mem, "log": f"runs/{strategy}.out"})
-if mfu_rc != "skipped":
-    ok &= mfu_rc == "0"
-    mfu = out / "gpu_mfu.json"
-    rows.append({"check": "scripts/bench/gpu_mfu.py", "passed": mfu_rc == "0", "exit": int(mfu_rc),
-                 "result": json.loads(mfu.read_text()) if mfu.exists() else None, "log": "gpu_mfu.out"})
+    first = lambda key: (m.get(key) or [None])[0]
+    rows.append({"check": run_id, "passed": passed, "exit": int(rc), "wall_s": int(wall),
+                 "world": s.get("world_size"), "final_loss": s.get("final_loss"),
+                 "tokens_per_sec": t.get("tokens_per_sec"), "mfu": t.get("mfu"),
+                 "peak_gpu_mem_gb": first("peak_gpu_mem_gb_per_rank"),
+                 "peak_gpu_reserved_gb": first("peak_gpu_reserved_gb_per_rank"), "log": f"runs/{run_id}.out"})
+for bench, rc in bench_rc.items():
+    if rc == "skipped":
+        continue
+    ok &= rc == "0"
+    res = out / f"{bench}.json"
+    rows.append({"check": f"scripts/bench/{bench}.py", "passed": rc == "0", "exit": int(rc),
+                 "result": json.loads(res.read_text()) if res.exists() else None, "log": f"{bench}.out"})
 (out / "gpu_check.json").write_text(json.dumps({"passed": ok, "checks": rows}, indent=2) + "\n")
 
 def cell(v):
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
-cols = ["check", "passed", "exit", "wall_s", "final_loss", "tokens_per_sec", "mfu", "peak_gpu_mem_gb", "log"]
+cols = ["check", "passed", "exit", "wall_s", "world", "final_loss", "tokens_per_sec", "mfu", "peak_gpu_mem_gb",
+        "peak_gpu_reserved_gb", "log"]
 md = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
 md += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
 (out / "gpu_check.md").write_text("\n".join(md) + "\n")
