@@ -204,3 +204,24 @@ def test_version_names_loom_python_torch_cuda_and_nccl():
     assert [line.split()[0] for line in lines] == ["loom", "python", "torch", "cuda", "nccl"], p.stdout
     assert f"torch {torch.__version__}" in lines
     assert lines[3] == f"cuda {torch.version.cuda or 'none (a CPU build)'}"
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_at_validation(tmp_path, monkeypatch):
+    """tracking=offline without wandb (a core install): exit 2 before compose/plan/freeze are
+    spent, naming the package, its extra and tracking=csv; tracking=csv needs no wandb."""
+    import importlib.abc
+
+    class NoWandb(importlib.abc.MetaPathFinder):  # this interpreter as if wandb were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name == "wandb" or name.startswith("wandb."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [NoWandb(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    from conftest import refused
+
+    err = refused(tmp_path, "tracking=offline", "trainer.max_steps=2")
+    assert "tracking=offline needs the Python package wandb" in err
+    assert "loom[tracking]" in err and "tracking=csv" in err
+    assert resolve(["tracking=csv"]).tracking.name == "csv"  # validates without it
