@@ -44,6 +44,12 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.2f}"
 
 
+def _unit(r: dict[str, Any]) -> tuple[str, float]:
+    """GB, or MB for a rank whose figures are all under 1 GB (small CPU layouts)."""
+    big = max([*r["bytes"].values(), *r["planned_bytes"].values()])
+    return ("GB", GB) if big >= GB else ("MB", 1024.0**2)
+
+
 def _pct(d: float | None) -> str:
     return "n/a" if d is None else f"{d:+.0%}"
 
@@ -70,13 +76,15 @@ def _rank_table(r: dict[str, Any]):
     where = ""
     if r.get("pp_rank") is not None:
         where = f", pipeline rank {r['pp_rank']}: stages {r['stages']}, layers {_span(r['blocks'])}"
-    t = Table(title=f"rehearsal: rank {r['rank']}{where} (micro batch {r['micro_batch']}, GB per device)")
+    unit, scale = _unit(r)
+    t = Table(title=f"rehearsal: rank {r['rank']}{where} (micro batch {r['micro_batch']}, {unit} per device)")
     for col in ("", "plan", "rehearsed", "plan vs rehearsed"):
         t.add_column(col, justify="left" if not col else "right")
     for k in ROWS:
         flag = k in r["flagged"]
         d = _pct(r["difference"][k])
-        t.add_row(LABELS[k], _gb(r["planned_bytes"][k]), _gb(r["bytes"][k]), f"[red]{d} ![/red]" if flag else d)
+        t.add_row(LABELS[k], f"{r['planned_bytes'][k] / scale:,.2f}", f"{r['bytes'][k] / scale:,.2f}",
+                  f"[red]{d} ![/red]" if flag else d)
     return t
 
 
