@@ -261,7 +261,9 @@ def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, d
     ref, ref_ids = digits_reference
     env = {**helpers_env(tmp_path), "LOOM_RECORD_SAMPLE_IDS": str(tmp_path / "ids")}
     run_dir = tmp_path / "gpt" / "digits"
-    proc = start_loom("train", *DIGITS, "hardware.max_restarts=1", root=tmp_path, env=env)
+    # steps 3-4 profiled (trainer.profile, volatile like max_restarts): the profiler only observes,
+    # so the curve and weights below still equal the unprofiled reference's, bit for bit
+    proc = start_loom("train", *DIGITS, "hardware.max_restarts=1", "trainer.profile.steps=[3,5]", root=tmp_path, env=env)
     killed = kill_one_worker_after(proc, run_dir, 10, ranks=2, timeout=300)
     out = killed.out
     assert killed.rc == 0, out
@@ -275,6 +277,8 @@ def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, d
     # and bit-identical final weights: the one SIGKILL -> torchrun restart -> exact resume test
     want, got = _weights(ref.run_dir), _weights(run_dir)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert sorted(p.name for p in (run_dir / "profile").glob("rank-*.pt.trace.json.gz")) == [
+        "rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
 
 
 def _weights(run_dir: Path) -> dict:

@@ -4,8 +4,9 @@ dir or the MLflow store, reports and plots.
 
 Real trainings are slow on 2 cores, so shared runs serve many checks:
   ddp_run      the default 2-rank job, tracking=offline (wandb offline + CSV) with TensorBoard and
-               MLflow (the run root's local store) on too, secrets in the environment: DDP_ARGS,
-               shared with tests/test_e2e.py (one launch for both)
+               MLflow (the run root's local store) on too, steps 3-4 profiled, secrets in the
+               environment: DDP_ARGS, shared with tests/test_e2e.py and tests/test_profile.py
+               (one launch for all three)
   single_run   the parity suite's `single` reference (tests/conftest.py); with ddp_run it forms
                a 2-run "sweep" dir for the report
   resumed_run  a copy of ddp_run marked as killed, then resumed by the same command
@@ -29,10 +30,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TOKEN": "sentinel-token-0987654321"}
 STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last step: see the stopwatch
 MICRO_BATCH, SEQ_LEN = 16, 128
+PROFILED = (3, 5)             # trainer.profile.steps: steps 3 and 4 (tests/test_profile.py)
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
 # The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step.
 DDP_ARGS = (*BASE, "tracking=offline", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={CKPT_EVERY}",
-            "trainer.limit_val_batches=2", "tracking.tensorboard=true", "tracking.mlflow.enabled=true")
+            "trainer.limit_val_batches=2", "tracking.tensorboard=true", "tracking.mlflow.enabled=true",
+            f"trainer.profile.steps=[{PROFILED[0]},{PROFILED[1]}]", "trainer.profile.memory=true")
 
 
 # ----------------------------------------------------------------------------- fixtures

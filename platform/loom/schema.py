@@ -40,6 +40,16 @@ class SweepConfig:
 
 
 @dataclass
+class ProfileConfig:
+    # [start, stop): torch.profiler traces of steps start..stop-1 on every rank (<run>/profile/);
+    # null: none (or, with memory=true, the first three steps)
+    steps: list[int] | None = None
+    memory: bool = False   # GPU: a CUDA memory snapshot (memory_viz); CPU: the allocator's peak per phase
+    shapes: bool = False   # record operator input shapes
+    stacks: bool = False   # record Python stacks (larger traces)
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200
     accumulate_grad_batches: int = 1
@@ -53,6 +63,7 @@ class TrainerConfig:
     activation_checkpointing: str = "none"  # none | selective (every other block) | full (every block)
     compile: bool = False  # torch.compile: each sharding unit (fsdp, fsdp_tp) or the whole model
     gc_every_n_steps: int = 50  # Python GC: off, collected every N steps on every rank (0: Python's own)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass

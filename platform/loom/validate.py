@@ -126,6 +126,7 @@ def _check_sections(cfg: DictConfig) -> None:
             f"valid choices: {', '.join(modes)} (selective: every other block, full: every block)")
     require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
             "must be >= 2 so the previous checkpoint survives while the next is written")
+    _check_profile(cfg)
     strategies.checks.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
     strategies.checks.check_compile(cfg)  # trainer.compile where the strategy can run it
     if cfg.run.id is not None:
@@ -135,6 +136,18 @@ def _check_sections(cfg: DictConfig) -> None:
     _check_run_dir(cfg)
     require(bool(cfg.experiment) and "/" not in cfg.experiment and not cfg.experiment.startswith("."),
             "experiment", cfg.experiment, "must be a plain directory name")
+
+
+def _check_profile(cfg: DictConfig) -> None:
+    """trainer.profile.steps: [start, stop) inside the run's steps 1..max_steps."""
+    steps, last = cfg.trainer.profile.steps, cfg.trainer.max_steps
+    if steps is None:
+        return
+    ok = (len(steps) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+          and 1 <= steps[0] < steps[1] <= last + 1)
+    require(ok, "trainer.profile.steps", list(steps),
+            f"must be [start, stop] with 1 <= start < stop <= {last + 1} (trainer.max_steps={last} + 1): "
+            "steps start..stop-1 are profiled")
 
 
 def _check_run_dir(cfg: DictConfig) -> None:

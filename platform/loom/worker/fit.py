@@ -69,7 +69,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         )
         recorder.checkpointing = saver  # its save time is not training time
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
-                        TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress)]
+                        TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
+                        *_profiling(cfg, run_dir, rank)]
         progress.phase = "building the trainer"
         trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
         progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
@@ -138,6 +139,14 @@ def stop_signals(saver) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _profiling(cfg: DictConfig, run_dir: Path, rank: int) -> list:
+    """trainer.profile: the profiler callback when a window is set."""
+    from loom.worker.profiling import Profiling, profile_window
+
+    window = profile_window(cfg)
+    return [Profiling(cfg, run_dir, rank, window)] if window else []
 
 
 def _phase_callback(progress: Progress):
