@@ -41,7 +41,9 @@ def test_best_first_and_unfit_marked(h100_7b):
     assert all(float(f"{a:.3g}") <= float(f"{b:.3g}") for a, b in zip(fitting, fitting[1:], strict=False))
     ddp = next(x for x in c if x.strategy == "ddp")  # 7B under DDP holds 112 GB per device of 72
     assert not ddp.fits and ddp.memory_per_device_bytes > ddp.capacity_per_device_bytes
-    assert c[0].fits and c[-1] is ddp
+    # unfit layouts come last (ddp among them; a replicated pipeline, holding a 16-bit weight
+    # copy per microbatch in flight under bf16-mixed, may too), by predicted step time
+    assert c[0].fits and not c[-1].fits and c.index(ddp) > max(i for i, x in enumerate(c) if x.fits)
 
 
 def test_every_listed_layout_validates_from_its_overrides(h100_7b):
