@@ -45,6 +45,25 @@ class DigitsLit(pl.LightningModule):
         self.log("val/loss", F.cross_entropy(self.net(x), y), sync_dist=True)
 
 
+class StragglerLit(DigitsLit):
+    """DigitsLit where one rank is slow in its own compute (sleeps in training_step) and another
+    in its data loading (sleeps before its batch is handed over): two stragglers, two causes."""
+
+    def __init__(self, compute_rank: int = -1, data_rank: int = -1, delay: float = 0.2) -> None:
+        super().__init__()
+        self.compute_rank, self.data_rank, self.slow = compute_rank, data_rank, delay
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer.training and self.global_rank == self.data_rank:
+            time.sleep(self.slow)  # before on_train_batch_start: counted as data wait
+        return batch
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.compute_rank:
+            time.sleep(self.slow)
+        return super().training_step(batch, batch_idx)
+
+
 class TinyTokenNet(nn.Module):
     """A user's plain nn.Module over tokens: (B, T) ids -> (B, T, V) logits."""
 

@@ -285,7 +285,7 @@ def run_report(run: Run) -> Path:
         parts += [f"![{p[:-4]}](plots/{p})\n" for p in pics]
     else:
         parts += ["No plots: this run has no metrics.csv (tracking=none)."]
-    from loom.report.profile import profile_section
+    from loom.report.slow import profile_section, ranks_section
 
-    parts += ["", *profile_section(run.path)] if (run.path / "profile").is_dir() else []
+    parts += ["", *ranks_section(run.path, s), *profile_section(run.path)]
     return _write(run.path / "report.md", "\n".join(parts) + "\n")

@@ -33,13 +33,14 @@ from lightning_fabric.utilities.throughput import Throughput
 
 from loom.hardware.peaks import mfu, mfu_error
 from loom.tracking.clock import Clock
+from loom.tracking.stragglers import gather_hosts
 from loom.tracking.system import GpuStats
 
 log = logging.getLogger("loom")
 
 # Order of the per-rank vector all-gathered at every log step.
 _FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
-           "gpu_power_w", "loss", "step1_loss")
+           "gpu_power_w", "loss", "step1_loss", "compute_ms")
 
 
 class Recorder(pl.Callback):
@@ -84,6 +85,9 @@ class Recorder(pl.Callback):
         self.last_log_step = 0
         self.batch_end = 0.0
         self.data_wait = 0.0
+        self.compute = 0.0              # this rank's own forward time in the window (stragglers)
+        self.forward_start: float | None = None
+        self.stragglers = None          # rank 0: a loom.tracking.stragglers.StragglerWatch
         self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
         self.first_loss: float | None = None
@@ -106,11 +110,21 @@ class Recorder(pl.Callback):
         self.last_log_time = self.batch_end = self.clock.loop_start
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
                                flops=0 if self.flops_per_token else None)
+        hosts = gather_hosts(trainer.world_size)  # once, for naming a straggler's host
+        if self.stragglers is not None:
+            self.stragglers.hosts = hosts
         if trainer.global_rank == 0:
             log.info(f"training loop started at step {self.start_step}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.data_wait += time.perf_counter() - self.batch_end
+        self.forward_start = time.perf_counter()
+        self.data_wait += self.forward_start - self.batch_end
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """The end of this rank's forward: its own work before the gradients' collectives."""
+        if self.forward_start is not None:
+            self.compute += time.perf_counter() - self.forward_start
+            self.forward_start = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -178,11 +192,12 @@ class Recorder(pl.Callback):
                 gpu["power_w"],
                 loss.item() if loss is not None else float("nan"),
                 self.step1_loss.float().item() if self.step1_loss is not None else float("nan"),
+                1000 * self.compute / steps,
             ],
             dtype=torch.float64,
         )
         gathered = self._gather(trainer, local, pl_module.device)
-        self.loss_sum, self.loss_count, self.data_wait, self.val_window = None, 0, 0.0, 0.0
+        self.loss_sum, self.loss_count, self.data_wait, self.val_window, self.compute = None, 0, 0.0, 0.0, 0.0
         self.step1_loss = None
         self.last_log_step, self.last_log_time, self.ckpt_at_log = step, now, self.clock.checkpoint_s
         self.loop_time = self.clock.train_s(now)
@@ -201,6 +216,10 @@ class Recorder(pl.Callback):
         if trainer.global_rank != 0:
             return
         self._keep_peaks(gathered)
+        if self.stragglers is not None:
+            col = {name: i for i, name in enumerate(_FIELDS)}
+            self.stragglers.update(step, *(gathered[:, col[k]].tolist() for k in ("step_time_ms", "data_wait_ms",
+                                                                                 "compute_ms")))
         if self.on_log is not None:
             self.on_log(self.span(step))
         self._publish(trainer, step, self._row(trainer, gathered, rates))

@@ -57,9 +57,15 @@ def normalize(cfg: DictConfig) -> None:
 
 
 def check(cfg: DictConfig, layout: object) -> None:
-    """tracking.mlflow.uri: a scheme MLflow knows, and no credentials (they would be frozen into
-    config.yaml and logged; MLflow reads them from its environment variables)."""
-    ml = cfg.tracking.get("mlflow")
+    """The straggler rule's numbers; tracking.mlflow.uri: a scheme MLflow knows, and no
+    credentials (they would be frozen into config.yaml and logged; MLflow reads them from its
+    environment variables)."""
+    tr = cfg.tracking
+    threshold, window = tr.get("straggler_threshold", 0.2), tr.get("straggler_window", 5)
+    require(threshold > 0, "tracking.straggler_threshold", threshold,
+            "must be > 0 (a fraction of the median step time, e.g. 0.2)")
+    require(window >= 1, "tracking.straggler_window", window, "must be a number of log steps >= 1")
+    ml = tr.get("mlflow")
     if not (ml and ml.enabled):
         return
     uri = str(ml.uri)

@@ -28,6 +28,10 @@ class TrackingConfig:
     entity: str | None = None
     tensorboard: bool = False         # event files under <run>/tensorboard/
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # a rank whose own time (data wait + forward) exceeds the median rank's by this fraction of a
+    # step, at `straggler_window` consecutive log steps, is named a straggler (loom.tracking.stragglers)
+    straggler_threshold: float = 0.2
+    straggler_window: int = 5
     # steps before the steady-state window of summary.json `throughput` (null: the first
     # logged window; any window with a compile in it is left out too: loom.tracking.clock)
     warmup_steps: int | None = None

@@ -68,6 +68,11 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             warmup_steps=cfg.tracking.get("warmup_steps"),
         )
         recorder.checkpointing = saver  # its save time is not training time
+        if rank == 0:  # the straggler rule, on the vector the recorder gathers anyway
+            from loom.tracking.stragglers import StragglerWatch
+
+            recorder.stragglers = StragglerWatch(run_dir, float(cfg.tracking.get("straggler_threshold", 0.2)),
+                                                 int(cfg.tracking.get("straggler_window", 5)))
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
                         *_profiling(cfg, run_dir, rank)]

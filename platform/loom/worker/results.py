@@ -157,6 +157,7 @@ class RunResults:
             utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},
             attempts=history,
             world_history=history,
+            stragglers=self._stragglers(),
         )
         self._sampled_memory()
         write_summary(self.run_dir, self.summary)
@@ -174,6 +175,11 @@ class RunResults:
             write_plots(self.run_dir)
         except Exception as e:  # plots are a convenience: never fail (or mask a failure of) a run
             log.warning(f"plots not written: {type(e).__name__}: {e}")
+
+    def _stragglers(self) -> list[dict]:
+        """Ranks named stragglers (loom.tracking.stragglers): earlier attempts' and this one's."""
+        watch = self.recorder.stragglers
+        return [*(self.previous.get("stragglers") or []), *(watch.found if watch is not None else [])]
 
     def _throughput(self, total: dict) -> dict:
         """Steady-state rates (the steady windows of every attempt; the whole run's when no

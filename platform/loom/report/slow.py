@@ -1,5 +1,6 @@
-"""The profile section of a run's report.md, from `<run>/profile/summary.json` (written by the
-worker at the end of a `trainer.profile` window; no torch needed here)."""
+"""The report.md sections for a slow run: the profile (`<run>/profile/summary.json`, written by
+the worker at the end of a `trainer.profile` window) and the ranks (the stragglers of summary.json
+and the heatmap drawn from `<run>/ranks.jsonl`). No torch needed here."""
 
 from __future__ import annotations
 
@@ -54,3 +55,30 @@ def profile_section(run_dir: Path) -> list[str]:
         lines += [f"CUDA memory snapshot: `profile/{p['memory_snapshot']}` (drag it into "
                   f"https://pytorch.org/memory_viz)" + (f"; peak allocated {_mb(peak)}" if peak else "") + ".", ""]
     return lines
+
+
+def ranks_section(run_dir: Path, summary: dict) -> list[str]:
+    """Markdown lines: the heatmap of every rank's own time and the stragglers named, if any;
+    [] for a one-rank run or one without the record (or without matplotlib)."""
+    from loom.packages import installed
+
+    if not installed("matplotlib"):
+        return []
+    from loom.tracking.heatmap import rank_heatmap
+
+    try:
+        path = rank_heatmap(run_dir)
+    except Exception as e:  # a report without the picture is still a report
+        print(f"warning: rank heatmap not drawn ({type(e).__name__}: {e})")
+        return []
+    if path is None:
+        return []
+    found = summary.get("stragglers") or []
+    lines = ["## Ranks", "", "Each rank's own time per log step (data wait + forward): a straggler is a bright row.", "",
+             f"![ranks](plots/{path.name})", ""]
+    if found:
+        lines += _md_table(["straggler rank", "host", "slowdown (of a step)", "cause", "since step"],
+                           [[s["rank"], s["host"], _pct(s["slowdown"]), s["cause"], s["first_step"]] for s in found])
+    else:
+        lines += ["No straggler: no rank stayed slower than the threshold (tracking.straggler_threshold)."]
+    return [*lines, ""]
