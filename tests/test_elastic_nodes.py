@@ -50,6 +50,7 @@ TOL = 1e-4
 ARGS = [*FAST, f"checkpoint.every_n_steps={EVERY}", f"trainer.max_steps={STEPS}", "dataset.batch_size=2",
         "dataset.seq_len=32", "hardware=cpu", "hardware.num_nodes=2", "hardware.devices=1", "hardware.min_nodes=1",
         "hardware.max_restarts=1", "hardware.timeout_train_s=60", "hardware.rdzv_keep_alive_s=2",
+        "hardware.hang_timeout_s=0",  # the model holds a step on purpose while the test acts: no watchdog
         "hardware.rdzv_last_call_s=15", "model=custom", "model.module._target_=nodes_models.HeldAtWorldOne",
         f"+model.module.after={HOLD_AFTER}", "security.allow_targets=[nodes_models.]"]
 MODELS = '''

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,19 @@ class StragglerLit(DigitsLit):
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.compute_rank:
             time.sleep(self.slow)
+        return super().training_step(batch, batch_idx)
+
+
+class HangLit(DigitsLit):
+    """DigitsLit whose rank `rank` blocks forever in training_step at step `step` (a hang)."""
+
+    def __init__(self, rank: int = 1, step: int = 5) -> None:
+        super().__init__()
+        self.hang_rank, self.hang_step = rank, step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.hang_rank and self.trainer.global_step + 1 == self.hang_step:
+            threading.Event().wait()  # forever: only the hang watchdog ends this process
         return super().training_step(batch, batch_idx)
 
 

@@ -78,6 +78,10 @@ def _check_devices(hw: DictConfig) -> None:
     for key in ("timeout_init_s", "timeout_train_s"):
         require(hw[key] > 0, f"hardware.{key}", hw[key],
                 "must be > 0 (seconds a collective may wait before the process group aborts)")
+    hang = hw.get("hang_timeout_s")
+    require(hang is None or 0 <= hang < hw.timeout_train_s, "hardware.hang_timeout_s", hang,
+            f"must be below hardware.timeout_train_s={hw.timeout_train_s:g} (the collective timeout, which would "
+            "end the run first, with no report), or 0 for no watchdog, or null for 80% of it")
 
 
 def _check_rendezvous(hw: DictConfig) -> None:

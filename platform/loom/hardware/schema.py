@@ -77,6 +77,10 @@ class HardwareConfig:
     # step ran, so a hung rank fails the job (and NCCL's flight recorder dumps) in minutes.
     timeout_init_s: float = 600
     timeout_train_s: float = 300
+    # No step progress for this long (after the first step): every rank dumps its stacks to
+    # logs/hang-rank-N.txt and the run fails (or restarts) with a paragraph saying where each rank
+    # stood (loom.worker.hang). Below timeout_train_s; null: 80% of it; 0: no watchdog.
+    hang_timeout_s: float | None = None
     slurm: SlurmConfig | None = None
     measured: MeasuredConfig | None = None
     resolved_from: str | None = None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.atomic import atomic_write_text
+from loom.rundir.hangs import merge_hangs
 
 CLOCK_SKEW_S = 2.0
 # The contract's fields of summary.json `error` (plus `where`: file:line of the raising frame).
@@ -31,7 +32,8 @@ def write_failure(run_dir: Path, record: dict[str, Any]) -> Path:
 
 
 def read_failures(run_dir: Path, since: float | None) -> list[dict[str, Any]]:
-    """Every rank's failure record written since `since` (all of them when None)."""
+    """Every rank's failure record written since `since` (all of them when None); the ranks'
+    `hang` records (loom.worker.hang) as one, whose message says where every rank stood."""
     out = []
     for path in sorted((Path(run_dir) / "logs").glob("error-rank-*.json")):
         try:
@@ -40,7 +42,7 @@ def read_failures(run_dir: Path, since: float | None) -> list[dict[str, Any]]:
             continue
         if isinstance(rec, dict) and (since is None or rec.get("time", 0) >= since - CLOCK_SKEW_S):
             out.append(rec)
-    return out
+    return merge_hangs(out)
 
 
 def root_failure(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -58,6 +60,8 @@ def summary_error(record: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def failure_paragraph(record: dict[str, Any]) -> str:
     """What failed, where, and the log with the full traceback: one paragraph, no traceback."""
+    if record.get("type") == "hang":
+        return str(record.get("message"))
     step = record.get("step")
     when = "before the first training step" if record.get("before_first_step") else f"at step {step}"
     where = f" at {record['where']}" if record.get("where") else ""  # file:line, in function
