@@ -42,6 +42,16 @@ class Parts:
     first: int
     last: int
     largest: int
+    # Bytes one layer saves for backward per token: (every TP rank's, split over TP ranks), in
+    # 16-bit mixed precision and in fp32; and what autocast adds on a pipeline rank (fp32 parts).
+    act_mixed: tuple[float, float] = (0.0, 0.0)
+    act_fp32: tuple[float, float] = (0.0, 0.0)
+    act_autocast_extra: float = 0.0
+
+    def layer_activation_bytes(self, tokens: int, tp: int, mixed: bool) -> float:
+        """What one layer stores for backward for `tokens` tokens (seq x micro batch), per TP rank."""
+        replicated, split = self.act_mixed if mixed else self.act_fp32
+        return tokens * (replicated + split / tp)
 
     def tp_whole(self, layers: int, first: bool, last: bool) -> int:
         """Parameters a stage of `layers` layers keeps whole on every tensor-parallel rank."""
@@ -52,8 +62,12 @@ def gpt_parts(m: DictConfig) -> Parts:
     """loom.models.gpt under models.lit's TP plan (qkv and fc colwise, proj and mlp-out rowwise:
     their two biases and the two LayerNorms stay whole)."""
     d, V, T = int(m.d_model), int(m.vocab_size), int(m.block_size)
+    # Korthikanti et al. 2022 eq. 2 without the attention scores (SDPA stores none): 10 s*b*h
+    # bytes every TP rank repeats (two LayerNorm inputs, the q/k/v and MLP-up inputs, two dropout
+    # masks) and 24 s*b*h split over them, in 16-bit; twice that in fp32.
     return Parts(per_layer=12 * d * d + 13 * d, per_layer_tp_whole=6 * d, first=V * d + T * d, last=V * d + 2 * d,
-                 largest=max(4 * d * d, V * d, T * d))
+                 largest=max(4 * d * d, V * d, T * d), act_mixed=(10.0 * d, 24.0 * d), act_fp32=(20.0 * d, 48.0 * d),
+                 act_autocast_extra=10.0 * d)
 
 
 def llama_parts(m: DictConfig) -> Parts:
@@ -63,8 +77,16 @@ def llama_parts(m: DictConfig) -> Parts:
     q = int(m.n_head) * (d // int(m.n_head))
     head = 0 if m.tie_embeddings else V * d
     per_layer = (llama_spec(m, 1).params - V * d - d - head) // L
+    kv = int(m.n_kv_heads) * (d // int(m.n_head))
+    # Measured (saved-tensor hooks on loom.models.llama at h=512, varying kv and intermediate I),
+    # bytes per token per layer: bf16 weights (FSDP2's policy, DeepSpeed) 20 h + 4 kv + 8 I;
+    # under autocast over fp32 weights 10 h more (the fp32 residual stream into the norms); fp32
+    # 32 h + 8 kv + 16 I. Every TP rank repeats RMSNorm's internals and the two matmul inputs;
+    # q, the attention output and o_proj's input (6 h), k and v (4 kv) and SwiGLU's gate, up,
+    # silu(gate) and product (8 I) are split over the TP ranks (twice the bytes in fp32).
     return Parts(per_layer=per_layer, per_layer_tp_whole=2 * d, first=V * d, last=d + head,
-                 largest=max(inner * d, V * d, q * d))
+                 largest=max(inner * d, V * d, q * d), act_mixed=(14.0 * d, 6.0 * d + 4.0 * kv + 8.0 * inner),
+                 act_fp32=(20.0 * d, 12.0 * d + 8.0 * kv + 16.0 * inner), act_autocast_extra=10.0 * d)
 
 
 def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:

@@ -158,7 +158,8 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     """Stored activations of one micro batch per device, following activation checkpointing
     (`mode`, default `trainer.activation_checkpointing`), plus the fp32 logits.
 
-    none: every layer stores `layer_activation_bytes`. full: each layer keeps only its input
+    none: every layer stores its model family's `Parts.layer_activation_bytes` (GPT: Korthikanti's;
+    Llama: measured; other models: `layer_activation_bytes`). full: each layer keeps only its input
     (2*s*b*h bytes in 16-bit, 4 in fp32; replicated across TP ranks without sequence
     parallelism: Korthikanti et al. 2022, section 4.3, "2sbhL"), plus one layer's full
     activations while it is recomputed in backward. selective (every other block,
@@ -169,9 +170,12 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     m = cfg.model
     if "d_model" not in m:
         return 0.0
+    from loom.models import model_parts
+
     mode = mode or cfg.trainer.get("activation_checkpointing", "none")
     b, s, h, L = cfg.dataset.batch_size, cfg.dataset.seq_len, m.d_model, m.n_layer
-    full = layer_activation_bytes(s, b, h, tp, mixed)
+    parts = model_parts(cfg)
+    full = parts.layer_activation_bytes(s * b, tp, mixed) if parts else layer_activation_bytes(s, b, h, tp, mixed)
     ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
     kept_input = s * b * h * (2.0 if mixed else 4.0)
     stored = (L - ckpt) * full + ckpt * kept_input + (full if ckpt else 0.0)

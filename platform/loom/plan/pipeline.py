@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.plan.memory import MemoryEstimate, layer_activation_bytes, per_param_bytes, state_bytes
+from loom.models import model_parts
+from loom.plan.memory import MemoryEstimate, per_param_bytes, state_bytes
 from loom.strategies.degrees import PP_SCHEDULES
 from loom.strategies.pipeline import stage_blocks, stage_ids
 
@@ -81,9 +82,10 @@ def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, l
     m, mixed = cfg.model, cfg.hardware.precision != "32-true"
     autocast = cfg.hardware.precision in ("bf16-mixed", "16-mixed")
     s, h = cfg.dataset.seq_len, m.d_model
-    full = layer_activation_bytes(s, micro, h, layout.tp, mixed)
+    parts = model_parts(cfg)
+    full = parts.layer_activation_bytes(s * micro, layout.tp, mixed)
     if autocast:
-        full += 10 * s * micro * h * 1.0  # the repeated part in fp32: 4 bytes instead of 2
+        full += parts.act_autocast_extra * s * micro  # GPT: the repeated part in fp32, 4 bytes instead of 2
     mode = cfg.trainer.get("activation_checkpointing", "none")
     ckpt = {"none": 0, "selective": (n_blocks + 1) // 2, "full": n_blocks}[mode]
     stored = (n_blocks - ckpt) * full + ckpt * s * micro * h * (2.0 if mixed else 4.0) + (full if ckpt else 0.0)
@@ -94,8 +96,6 @@ def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, l
 def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[StagePlan]:
     """Every pipeline rank's stages and memory per device (models that declare their Parts:
     Loom's GPT and Llama; [] without a pipeline)."""
-    from loom.models import model_parts
-
     parts = model_parts(cfg)
     if layout.pp == 1 or parts is None:
         return []
