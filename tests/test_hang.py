@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 HANG = [*(o for o in FAST if not o.startswith(("dataset.", "checkpoint."))), "dataset=digits", "model=custom",
         "model.module._target_=tests_helpers.HangLit", "security.allow_targets=[tests_helpers.]",
         "hardware=cpu", "hardware.devices=2", "trainer.max_steps=8", "checkpoint.every_n_steps=2",
-        "hardware.hang_timeout_s=8", "hardware.max_restarts=0", "run.id=hang"]
+        "hardware.hang_timeout_s=5", "hardware.max_restarts=0", "run.id=hang"]
 
 
 @launching_fixture(scope="module")
@@ -30,7 +30,7 @@ def test_the_launcher_says_where_each_rank_hung(hung):
     lines = [line for line in (hung.out + hung.err).splitlines() if line.startswith("Training hung:")]
     assert len(lines) == 1, hung.out + hung.err
     text = lines[0]
-    assert "no step progress for 8 s (hardware.hang_timeout_s)" in text
+    assert "no step progress for 5 s (hardware.hang_timeout_s)" in text
     assert "Rank 1 is in training_step at step 5 (" in text and "tests_helpers.py:" in text
     assert "not in a collective; rank 0 waits in backward" in text and "torch/autograd/" in text
     assert "Traceback" not in hung.out + hung.err
