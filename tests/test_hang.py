@@ -80,3 +80,25 @@ def test_the_paragraph_groups_ranks_and_names_the_odd_one_first():
         "Training hung: no step progress for 240 s (hardware.hang_timeout_s). Rank 3 is in forward at step 120 "
         "(model.py:88), not in a collective; ranks 0-2, 4-7 wait in all_reduce at step 120 "
         "(torch/distributed/c10d.py:10). Every thread's stack of each rank: /r/logs/hang-rank-N.txt.")
+
+
+def test_a_long_checkpoint_write_is_not_a_hang(tmp_path):
+    """While a checkpoint is being written (Checkpointing.writing) the watchdog keeps still; once
+    the write is over, the same silence is a hang (in-process: it only dumps, never exits)."""
+    import time
+
+    from loom.worker.failure import Progress
+    from loom.worker.hang import HangWatchdog
+
+    (tmp_path / "logs").mkdir()
+    writing = [True]
+    dog = HangWatchdog(tmp_path, 0, 0.5, Progress(), busy=lambda: writing[0])
+    dog.on_train_batch_end(None, None, None, None, 0)  # armed after the first step
+    time.sleep(2.5)
+    assert not (tmp_path / "logs" / "hang-rank-0.txt").exists()
+    writing[0] = False
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "logs" / "hang-rank-0.txt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dog.stop.set()
+    assert (tmp_path / "logs" / "hang-rank-0.txt").exists()

@@ -97,6 +97,7 @@ class Checkpointing(pl.Callback):
         self._pending: Path | None = None  # saved, not yet renamed into place (checkpoint.async)
         self._pending_since = 0.0
         self.seconds = 0.0  # training time spent in saves (waits for a background save included)
+        self.writing = False  # inside `save`: the hang watchdog does not count a long write as a hang
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum, frame) -> None:
@@ -160,6 +161,13 @@ class Checkpointing(pl.Callback):
         """Write `step-N.ckpt.partial` on every rank; it becomes `step-N.ckpt` (and `last`) once
         complete: now, or under `checkpoint.async` when the next save starts, when training
         ends or on preemption (`finish_pending`)."""
+        self.writing = True
+        try:
+            return self._save(trainer, step)
+        finally:
+            self.writing = False
+
+    def _save(self, trainer: pl.Trainer, step: int) -> Path:
         started = time.perf_counter()
         self.finish_pending(trainer)
         final = checkpoints.step_path(self.run_dir, step)

@@ -75,7 +75,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
                                                  int(cfg.tracking.get("straggler_window", 5)))
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
-                        *_profiling(cfg, run_dir, rank), *_watchdog(cfg, run_dir, rank, progress)]
+                        *_profiling(cfg, run_dir, rank), *_watchdog(cfg, run_dir, rank, progress, saver)]
         progress.phase = "building the trainer"
         trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
         progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
@@ -154,14 +154,14 @@ def _profiling(cfg: DictConfig, run_dir: Path, rank: int) -> list:
     return [Profiling(cfg, run_dir, rank, window)] if window else []
 
 
-def _watchdog(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress) -> list:
+def _watchdog(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress, saver) -> list:
     """hardware.hang_timeout_s (null: 80% of the collective timeout; 0: off): the hang watchdog."""
     from loom.worker.hang import HangWatchdog
 
     hw = cfg.hardware
     timeout = hw.get("hang_timeout_s")
     timeout = 0.8 * float(hw.get("timeout_train_s") or 300) if timeout is None else float(timeout)
-    return [HangWatchdog(run_dir, rank, timeout, progress)] if timeout > 0 else []
+    return [HangWatchdog(run_dir, rank, timeout, progress, busy=lambda: saver.writing)] if timeout > 0 else []
 
 
 def _phase_callback(progress: Progress):

@@ -3,7 +3,8 @@ making no progress, and says where each rank is before the collective timeout wo
 run with nothing but a torchrun traceback.
 
 Armed after the first step (compilation and start-up are not hangs); a finished training or
-validation batch is progress. When nothing progressed for the timeout, the rank writes every
+validation batch is progress, and so is a checkpoint still being written (a large model's save
+can outlast the timeout; a save that never ends still meets the collective timeout). When nothing progressed for the timeout, the rank writes every
 thread's Python stack (faulthandler) to `<run>/logs/hang-rank-N.txt` (on NCCL also the flight
 recorder's record of its collectives, `hang-rank-N.nccl.pkl`) and a failure record of type
 `hang` naming its main thread's frame (loom.rundir.hangs turns the ranks' records into one
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -35,8 +37,10 @@ GRACE_S = 3.0  # after its dump, how long a rank waits for its peers' dumps befo
 
 
 class HangWatchdog(pl.Callback):
-    def __init__(self, run_dir: Path, rank: int, timeout_s: float, progress: Progress) -> None:
+    def __init__(self, run_dir: Path, rank: int, timeout_s: float, progress: Progress,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self.run_dir, self.rank, self.timeout_s, self.progress = run_dir, rank, timeout_s, progress
+        self.busy = busy  # a checkpoint being written: slow is not hung (the collective timeout still applies)
         self.last = time.monotonic()
         self.armed = False
         self.stop = threading.Event()
@@ -61,6 +65,9 @@ class HangWatchdog(pl.Callback):
     def _watch(self) -> None:
         under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         while not self.stop.wait(1.0):
+            if self.busy():
+                self.beat()
+                continue
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
                 self._report(idle, record=under_torchrun)
