@@ -91,6 +91,19 @@ class Guarded:
                 "the rest of this run. Training, metrics.csv and summary.json continue."
             )
 
+    # Listed first in a Safe*Logger's bases, these wrap the Lightning logger's own methods.
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self._guarded("log_metrics", lambda: super(Guarded, self).log_metrics(metrics, step))
+
+    @rank_zero_only
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        self._guarded("log_hyperparams", lambda: super(Guarded, self).log_hyperparams(*args, **kwargs))
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._guarded("finalize", lambda: super(Guarded, self).finalize(status))
+
 
 class SafeWandbLogger(Guarded, WandbLogger):
     """A guarded WandbLogger. Also: `finalize` finishes the wandb run (an offline run left to
@@ -105,14 +118,6 @@ class SafeWandbLogger(Guarded, WandbLogger):
         self.disabled = False
 
     @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._guarded("log_metrics", lambda: super(SafeWandbLogger, self).log_metrics(metrics, step))
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any) -> None:
-        self._guarded("init/log_hyperparams", lambda: super(SafeWandbLogger, self).log_hyperparams(params))
-
-    @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         self._guarded("after_save_checkpoint",
                       lambda: super(SafeWandbLogger, self).after_save_checkpoint(checkpoint_callback))
@@ -120,7 +125,7 @@ class SafeWandbLogger(Guarded, WandbLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         def finish() -> None:
-            super(SafeWandbLogger, self).finalize(status)
+            WandbLogger.finalize(self, status)
             if self._experiment is not None:
                 self._experiment.finish(exit_code=0 if status in ("success", "finished") else 1)
 
@@ -180,18 +185,6 @@ class SafeTensorBoardLogger(Guarded, TensorBoardLogger):
     adds a file beside the first; TensorBoard reads them as one run)."""
 
     tracker = "tensorboard"
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._guarded("log_metrics", lambda: super(SafeTensorBoardLogger, self).log_metrics(metrics, step))
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any, metrics: Any = None) -> None:
-        self._guarded("log_hyperparams", lambda: super(SafeTensorBoardLogger, self).log_hyperparams(params, metrics))
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        self._guarded("finalize", lambda: super(SafeTensorBoardLogger, self).finalize(status))
 
 
 def build_tensorboard(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeTensorBoardLogger | None:

@@ -10,7 +10,6 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 from pytorch_lightning.loggers import MLFlowLogger
@@ -29,18 +28,6 @@ class SafeMLFlowLogger(Guarded, MLFlowLogger):
     """A guarded MLFlowLogger that can also record the run's summary after training."""
 
     tracker = "mlflow"
-
-    @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        self._guarded("log_metrics", lambda: super(SafeMLFlowLogger, self).log_metrics(metrics, step))
-
-    @rank_zero_only
-    def log_hyperparams(self, params: Any) -> None:
-        self._guarded("log_params", lambda: super(SafeMLFlowLogger, self).log_hyperparams(params))
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        self._guarded("finalize", lambda: super(SafeMLFlowLogger, self).finalize(status))
 
     def log_summary(self, summary: dict) -> None:
         """summary.json as the artifact `summary.json`; its numbers (nested keys joined by '/')
