@@ -29,32 +29,29 @@ SITE_ROOTS = ("torch", "numpy", "pytorch-lightning")
 pytestmark = pytest.mark.slow
 
 
-def _requires(dist: metadata.Distribution) -> list[str]:
-    out = []
-    for spec in dist.requires or []:
-        req = Requirement(spec)
-        if req.marker is None or req.marker.evaluate({"extra": ""}):
-            out.append(req.name)
-        elif any(req.marker.evaluate({"extra": e}) for e in ("http",)):  # Lightning's fsspec[http]
-            out.append(req.name)
-    return out
+def _requires(dist: metadata.Distribution, extras: frozenset[str]) -> list[Requirement]:
+    """What `dist` requires, with the extras it was asked for (Lightning's fsspec[http])."""
+    env_extras = {"", *extras}
+    return [req for req in map(Requirement, dist.requires or [])
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in env_extras)]
 
 
 def site_stack() -> list[metadata.Distribution]:
     """The installed distributions a PyTorch image would hold: SITE_ROOTS and what they require."""
-    seen: dict[str, metadata.Distribution] = {}
-    todo = list(SITE_ROOTS)
+    seen: dict[tuple[str, frozenset[str]], metadata.Distribution] = {}
+    todo = [(name, frozenset()) for name in SITE_ROOTS]
     while todo:
-        name = canonicalize_name(todo.pop())
-        if name in seen:
+        name, extras = todo.pop()
+        key = (canonicalize_name(name), extras)
+        if key in seen:
             continue
         try:
-            dist = metadata.distribution(name)
+            dist = metadata.distribution(key[0])
         except metadata.PackageNotFoundError:
             continue
-        seen[name] = dist
-        todo += _requires(dist)
-    return list(seen.values())
+        seen[key] = dist
+        todo += [(req.name, frozenset(req.extras)) for req in _requires(dist, extras)]
+    return list({canonicalize_name(d.metadata["Name"]): d for d in seen.values()}.values())
 
 
 def link_site(dest: Path) -> None:

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
+from loom.models import model_parts
 from loom.optim import state_slots
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
@@ -170,8 +171,6 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     m = cfg.model
     if "d_model" not in m:
         return 0.0
-    from loom.models import model_parts
-
     mode = mode or cfg.trainer.get("activation_checkpointing", "none")
     b, s, h, L = cfg.dataset.batch_size, cfg.dataset.seq_len, m.d_model, m.n_layer
     parts = model_parts(cfg)
