@@ -194,6 +194,30 @@ def test_an_edited_tokenizer_or_model_config_dir_is_refused_on_resume(tmp_path, 
     assert (first.run_dir / "config.yaml").is_file()
 
 
+@pytest.mark.parametrize("option", ["text_files", "hf"])
+def test_editing_a_corpus_file_changes_the_run_id(tmp_path, option):
+    """The run id covers the files each dataset option declares it reads (its registry entry's
+    `inputs`): appending to a corpus file is a new run, not a resume of the old one. Every option
+    of the registry declares its inputs (a file-based option with none would fail this test)."""
+    import os
+
+    from tests_helpers import write_json_corpus
+
+    from loom.data.registry import DATASETS
+
+    corpus = write_json_corpus(tmp_path / ("d.jsonl" if option == "hf" else "d.txt"))
+    data = ["dataset=hf", f"dataset.path={corpus}", "dataset.text_column=content"] if option == "hf" else \
+        ["dataset=text_files", f"dataset.paths=[{corpus}]", "dataset.val_every=0", "dataset.val_fraction=0.1"]
+    args = [*data, "strategy=single", "hardware=cpu", f"run.root={tmp_path}"]
+    cfg = resolve(args)
+    assert [str(f) for f in DATASETS[option].inputs(cfg.dataset).files] == [str(corpus.resolve())]
+    before = run_id(cfg)
+    with open(corpus, "a") as f:
+        f.write("one more document\n")
+    os.utime(corpus, ns=(corpus.stat().st_atime_ns, corpus.stat().st_mtime_ns + 10**9))
+    assert run_id(resolve(args)) != before
+
+
 def test_version_names_loom_python_torch_cuda_and_nccl():
     import torch
     from conftest import LOOM

@@ -71,7 +71,7 @@ def input_fingerprints(cfg: DictConfig) -> dict[str, str]:
     """The content of what the config only names, by the key that names it: the DeepSpeed JSON
     (its bytes), the dataset's files and tokenizer (list, sizes, mtimes), a local model config.
     Recipes need nothing here: their content is composed into the config itself."""
-    from loom.data.fingerprint import dataset_fingerprint
+    from loom.data import dataset_fingerprint
 
     out: dict[str, str] = {}
     files = {"strategy.deepspeed_config": cfg.strategy.get("deepspeed_config"),

@@ -13,11 +13,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.data.checks import check_common, check_val_split, normalize_tokenizer, tokenizer_vocab
+from loom.data.fingerprint import fingerprint_line
 from loom.data.registry import DATASETS
 from loom.layout import ParallelLayout
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in DATASETS.items()}
 
+
+def dataset_fingerprint(cfg: DictConfig) -> str | None:
+    """One line for the run id: the files the dataset option reads (its registry entry's
+    `inputs`) and its tokenizer's; None when the config alone fixes the data."""
+    return fingerprint_line(DATASETS[cfg.dataset.name].inputs(cfg.dataset), cfg.dataset)
 
 
 def is_token_data(ds: DictConfig) -> bool:

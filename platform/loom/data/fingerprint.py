@@ -2,39 +2,34 @@
 
 The run id and the resume check (`loom.freeze`) include it, so editing, adding or removing a
 corpus file starts a new run (auto run id) or is refused on resume (explicit run.id), instead
-of resuming with different data. File list, sizes and modification times (as the token cache's
-own key, `loom.data.tokens.fingerprint`); no file is read. No torch.
+of resuming with different data. Each dataset option declares what it reads in its registry
+entry (`DatasetOption.inputs`, required: a new file-based dataset cannot forget it); this module
+turns that into one line. File list, sizes and modification times (as the token cache's own
+key, `loom.data.tokens.fingerprint`); no file is read. No torch.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 
-def _hf_files(ds: DictConfig) -> list[Path] | None:
-    """A local source's files; None for a hub dataset (the library's cache fingerprints it)."""
-    if not ds.path:
-        return None
-    from loom.data import hf
+@dataclass(frozen=True)
+class DataInputs:
+    """What of a dataset lies outside its config: the files it reads, and a note standing for
+    files too many to list (tinycode: the standard library's version and path)."""
 
-    p = Path(ds.path).expanduser()
-    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else hf.data_files(ds.path)
+    files: list[Path] = field(default_factory=list)
+    note: str | None = None
 
 
-def dataset_files(cfg: DictConfig) -> list[Path] | None:
-    """The files the configured dataset reads (None: not file-based, or fixed by its name)."""
-    ds = cfg.dataset
-    if ds.name == "text_files":
-        from loom.data.text_files import corpus_files
-
-        return corpus_files(list(ds.paths), ds.max_bytes)
-    if ds.name == "hf":
-        return _hf_files(ds)
-    return None
+def no_inputs(ds: DictConfig) -> DataInputs:
+    """Data fixed by its config alone (synthetic, digits) or by a hub name the library's cache
+    fingerprints itself."""
+    return DataInputs()
 
 
 def _tokenizer_files(ds: DictConfig) -> list[Path]:
@@ -50,20 +45,13 @@ def _digest(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def dataset_fingerprint(cfg: DictConfig) -> str | None:
-    """One line naming the data's files and their digest; None when there are no files to
-    fingerprint (synthetic, digits, a hub dataset). tinycode is the running Python's standard
-    library: its version and path stand for it (listing ~1000 files would cost a second)."""
-    ds = cfg.dataset
-    parts = []
-    if ds.name == "tinycode":
-        from loom.data.tinycode import stdlib_dir
-
-        parts.append(f"Python {sys.version.split()[0]} standard library ({stdlib_dir()})")
-    files = dataset_files(cfg)
-    if files is not None:
-        size = sum(f.stat().st_size for f in files)
-        parts.append(f"{len(files)} files, {size:,} bytes, digest {_digest(files)}")
+def fingerprint_line(inputs: DataInputs, ds: DictConfig) -> str | None:
+    """One line naming the data's files and their digest, and the tokenizer's (every dataset
+    option with a `tokenizer` key shares this); None when there is nothing outside the config."""
+    parts = [inputs.note] if inputs.note else []
+    if inputs.files:
+        size = sum(f.stat().st_size for f in inputs.files)
+        parts.append(f"{len(inputs.files)} files, {size:,} bytes, digest {_digest(inputs.files)}")
     tok = _tokenizer_files(ds)
     if tok:
         parts.append(f"tokenizer {len(tok)} files, digest {_digest(tok)}")

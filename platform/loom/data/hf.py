@@ -22,6 +22,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from loom.data.fingerprint import DataInputs
+
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 
 
@@ -51,6 +53,14 @@ def data_files(path: str) -> list[Path]:
     if p.is_dir():
         return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
     return expand(path)
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    """A local source's files; none for a hub dataset (the library's cache fingerprints it)."""
+    if not ds.path:
+        return DataInputs()
+    p = Path(ds.path).expanduser()
+    return DataInputs(files=sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(ds.path))
 
 
 def _saved_split_dir(p: Path, split: str) -> tuple[Path | None, list[str]]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from loom.data import checks
+from loom.data import checks, hf, text_files, tinycode
+from loom.data.fingerprint import DataInputs, no_inputs
 from loom.data.schema import (
     DigitsDatasetConfig,
     HFDatasetConfig,
@@ -25,8 +26,6 @@ from loom.layout import ParallelLayout
 from loom.schema import no_check, nothing_to_fill
 
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8x8 digits
-
-
 
 
 def _always(value: bool) -> Callable[[DictConfig], bool]:
@@ -46,6 +45,9 @@ class DatasetOption:
     schema: type
     datasets: str                          # "module:function" (cfg) -> (train, val); imports torch
     tokens: Callable[[DictConfig], bool]   # yields (tokens, next tokens) rather than (features, label)
+    # what it reads outside its config (files, a stand-in note): part of the run id, so editing a
+    # corpus file starts a new run or is refused on resume. Required: no file-based option forgets it
+    inputs: Callable[[DictConfig], DataInputs]
     features: Callable[[DictConfig], tuple[int, int] | None] = _no_features  # (inputs, classes)
     tokenized: bool = False                # text tokenized into the cache by `prepare_data`
     check: Callable[[DictConfig, ParallelLayout], None] = no_check
@@ -53,15 +55,16 @@ class DatasetOption:
 
 
 DATASETS: dict[str, DatasetOption] = {
-    "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True), tokenized=True),
+    "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True),
+                              tinycode.inputs, tokenized=True),
     "text_files": DatasetOption(TextFilesDatasetConfig, "loom.data.text_files:datasets", _always(True),
-                                tokenized=True, check=checks.check_text_files,
+                                text_files.inputs, tokenized=True, check=checks.check_text_files,
                                 normalize=checks.normalize_text_files),
-    "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), tokenized=True,
+    "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, tokenized=True,
                         check=checks.check_hf, normalize=checks.normalize_hf),
-    "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False),
+    "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False), no_inputs,
                             features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),
     "synthetic": DatasetOption(SyntheticDatasetConfig, "loom.data.synthetic:datasets",
-                               lambda ds: ds.kind == "tokens", features=_synthetic_features,
+                               lambda ds: ds.kind == "tokens", no_inputs, features=_synthetic_features,
                                check=checks.check_synthetic),
 }

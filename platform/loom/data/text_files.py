@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.data.files import first_bytes
+from loom.data.fingerprint import DataInputs
 
 
 def expand(pattern: str) -> list[Path]:
@@ -22,6 +23,10 @@ def corpus_files(patterns: list[str], max_bytes: int | None = None) -> list[Path
     """Every file the patterns match, deduplicated, in sorted order, capped at `max_bytes`."""
     files = sorted({f.resolve() for pat in patterns for f in expand(pat)}, key=str)
     return first_bytes(files, max_bytes)
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    return DataInputs(files=corpus_files(list(ds.paths), ds.max_bytes))
 
 
 def window_split_every(ds: DictConfig, n_files: int) -> int | None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from loom.data.files import first_bytes
+from loom.data.fingerprint import DataInputs
 
 
 def stdlib_dir() -> Path:
@@ -38,6 +40,12 @@ def stdlib_sources(root: Path) -> tuple[Path, ...]:
 def corpus_files(max_bytes: int) -> list[Path]:
     """A fixed, sorted list of stdlib .py files, truncated at `max_bytes` in that order."""
     return first_bytes(list(stdlib_sources(stdlib_dir())), max_bytes)
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    """The running Python's standard library: its version and path stand for its files (listing
+    ~1000 files would cost the launcher a second)."""
+    return DataInputs(note=f"Python {sys.version.split()[0]} standard library ({stdlib_dir()})")
 
 
 def datasets(cfg: DictConfig):
