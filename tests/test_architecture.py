@@ -70,3 +70,32 @@ def test_every_config_group_has_schemas_normalize_and_check(group):
     # every option in conf/<group>/ has a schema (auto is resolved to a concrete profile first)
     missing = [o for o in group_options(group) if o not in schemas and "*" not in schemas and o != "auto"]
     assert missing == []
+
+
+def test_every_document_the_code_cites_exists():
+    """A docstring that says "see X.md" points at a file of this repository (docs/architecture.md
+    says where things are; a citation of a document the project lacks sends a reader nowhere)."""
+    import re
+
+    repo = PACKAGE.parents[1]
+    cited = {(str(p.relative_to(repo)), m) for p in [*PACKAGE.rglob("*.py"), *(repo / "scripts").rglob("*.py")]
+             for m in re.findall(r"\b(?:docs/[\w-]+|[A-Z][A-Z_]+)\.md\b", p.read_text())}  # not report.md (an output)
+    missing = sorted((where, doc) for where, doc in cited if not (repo / doc).is_file())
+    assert cited and missing == []
+
+
+def test_devices_are_multiplied_by_nodes_in_one_place():
+    """docs/architecture.md: the profile's world (devices x nodes) has one owner, layout.world_of;
+    a second product would drift from it (an elastic range, a resume at another world)."""
+    import re
+
+    product = re.compile(r"devices\)?\s*\*\s*[\w(.]*num_nodes|num_nodes\)?\s*\*\s*[\w(.]*devices|nodes \* hw\.devices")
+    found = sorted(f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py")
+                   for i, line in enumerate(p.read_text().splitlines(), 1) if product.search(line))
+    assert [f.split(":")[0] for f in found] == ["layout.py"], found  # world_of's own line, no other
+    from types import SimpleNamespace
+
+    from loom.layout import world_of
+
+    assert world_of(SimpleNamespace(devices=8, num_nodes=4)) == 32
+    assert world_of(SimpleNamespace(devices=8, num_nodes=4), nodes=3) == 24

@@ -175,6 +175,10 @@ def test_bad_strategy_input_fails_fast(loom, tmp_path):
     assert "strategy.tensor_parallel=3" in err and "hardware.devices=4" in err and "1, 2, 4" in err
     err = refused(tmp_path, "strategy=ddp", "strategy.comm_hook=zip")
     assert "strategy.comm_hook='zip'" in err and "powersgd" in err
+    from loom.strategies.ddp import HOOK_BUILDERS
+    from loom.strategies.schema import COMM_HOOKS
+
+    assert set(HOOK_BUILDERS) == set(COMM_HOOKS) - {None}  # every valid name builds a hook, no other does
     err = refused(tmp_path, "strategy=zero2", f"strategy.deepspeed_config={tmp_path / 'missing.json'}")
     assert "strategy.deepspeed_config" in err and "no such file" in err
     bad = tmp_path / "bad.json"

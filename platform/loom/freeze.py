@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
+from loom.layout import world_of
 from loom.plan import Plan
 from loom.rundir.config_file import frozen_container, frozen_yaml
 from loom.rundir.extension import extend, is_completed, max_steps_only
@@ -241,8 +242,8 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     check_elastic_range(cfg)
     ckpts = complete_checkpoints(run_dir)
     step = step_of(ckpts[0]) if ckpts else 0
-    before = int(old.hardware.devices) * int(old.hardware.num_nodes)
-    after = int(cfg.hardware.devices) * int(cfg.hardware.num_nodes)
+    before = world_of(old.hardware)
+    after = world_of(cfg.hardware)
     old_plan = _read_json(run_dir / "plan.json")
     changes = list(old_plan.get("world_changes") or [])
     entry = {"at_step": step, "from_world": before, "to_world": after}

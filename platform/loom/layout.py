@@ -13,8 +13,16 @@ data-parallel rank, so they read the same batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DP_MODES = ("replicate", "shard", "hybrid")
+
+
+def world_of(hw: Any, nodes: int | None = None) -> int:
+    """The ranks of a hardware profile: `hardware.devices` per node x `hardware.num_nodes` (or x
+    `nodes`, a smaller world an elastic run may form). The one place devices are multiplied by
+    nodes; a world torchrun actually formed comes from its environment instead."""
+    return int(hw.devices) * int(hw.num_nodes if nodes is None else nodes)
 
 
 @dataclass(frozen=True)

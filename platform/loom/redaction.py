@@ -6,7 +6,7 @@ Two rules, applied by `redact`:
      8 characters, so `token: "1"` style noise is not matched) is replaced wherever it sits,
      e.g. a key that ended up in an innocently named override.
 Hand-written because neither Hydra nor wandb redacts: wandb keys have leaked through
-`wandb.init(config=...)` of full argv and through Hydra's overrides (docs/LESSONS.md).
+`wandb.init(config=...)` of full argv and through Hydra's overrides (reported in Lightning's and wandb's issue trackers).
 No third-party imports: the CLI uses this before anything heavy is loaded.
 """
 

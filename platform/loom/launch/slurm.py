@@ -10,7 +10,7 @@ worker are the same code path everywhere. SIGUSR1 before the time limit reaches 
 stop ("preempted"), and the script runs `scontrol requeue`; the requeued job runs the same
 script on the same run dir and resumes from `checkpoints/last`.
 
-Why an sbatch script and not hydra-submitit-launcher (listed in DESIGN.md) or submitit:
+Why an sbatch script and not hydra-submitit-launcher (a dependency of the `sweeps` extra) or submitit:
 - hydra-submitit-launcher is a Hydra *launcher plugin*: it re-runs the `@hydra.main` task
   function inside the allocation, per job. Loom composes once with the compose API, freezes
   the config, and its ranks never re-run Hydra; the plugin has nothing to plug into.

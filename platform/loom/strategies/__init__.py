@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom.layout import ParallelLayout
+from loom.layout import ParallelLayout, world_of
 from loom.strategies.registry import STRATEGIES, StrategyOption
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in STRATEGIES.items()}
@@ -34,7 +34,7 @@ def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None
     hw, s = cfg.hardware, cfg.strategy
     name = name or s.name
     node: Any = s if name == s.name else {}
-    world = hw.devices * hw.num_nodes if world is None else world
+    world = world_of(hw) if world is None else world
     if STRATEGIES[name].degrees:  # pp, nd: the option's own degrees, the one -1 filled in
         from dataclasses import asdict
 

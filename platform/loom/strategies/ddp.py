@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig
@@ -9,22 +10,33 @@ from omegaconf import DictConfig
 from loom.layout import ParallelLayout
 
 
+def _fp16(rank: int, cpu: bool) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
+
+
+def _bf16(rank: int, cpu: bool) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {"ddp_comm_hook": _bf16_compress_on_gloo() if cpu else default_hooks.bf16_compress_hook}
+
+
+def _powersgd(rank: int, cpu: bool) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
+
+
+# strategy.comm_hook (its valid names: schema.COMM_HOOKS) -> (powersgd rank, on CPU) -> DDPStrategy kwargs
+HOOK_BUILDERS: dict[str, Callable[[int, bool], dict[str, Any]]] = {
+    "fp16_compress": _fp16, "bf16_compress": _bf16, "powersgd": _powersgd}
+
+
 def ddp_comm_hook(name: str | None, powersgd_rank: int, cpu: bool = False) -> dict[str, Any]:
     """DDPStrategy kwargs for a gradient-compression hook from torch's default hooks."""
-    if name is None:
-        return {}
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if name == "fp16_compress":
-        return {"ddp_comm_hook": default_hooks.fp16_compress_hook}
-    if name == "bf16_compress":
-        return {"ddp_comm_hook": _bf16_compress_on_gloo() if cpu else default_hooks.bf16_compress_hook}
-    if name == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
-        )
-        return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD_hook.powerSGD_hook}
-    raise ValueError(f"unknown comm hook {name}")
+    return {} if name is None else HOOK_BUILDERS[name](powersgd_rank, cpu)
 
 
 def _bf16_compress_on_gloo():

@@ -15,7 +15,7 @@ import copy
 from omegaconf import DictConfig, open_dict
 
 from loom.errors import ConfigError
-from loom.layout import ParallelLayout
+from loom.layout import ParallelLayout, world_of
 
 # Keys a resumed run may change (a world change), and what is derived from them.
 WORLD_KEYS = ("hardware.devices", "hardware.num_nodes", "hardware.min_nodes", "trainer.accumulate_grad_batches")
@@ -91,7 +91,7 @@ def derive_accumulation(cfg: DictConfig, global_batch: int, world: int | None = 
     """Set `trainer.global_batch_size` and the accumulation that keeps it at `world` (default: the
     profile's devices x nodes) in `cfg`, in place; ConfigError naming the usable sizes otherwise."""
     hw = cfg.hardware
-    world = hw.devices * hw.num_nodes if world is None else world
+    world = world_of(hw) if world is None else world
     accum, problem = accumulation_at(cfg, world, global_batch)
     if accum is None:
         what = f"hardware.devices={hw.devices} x hardware.num_nodes={hw.num_nodes}"
@@ -111,7 +111,7 @@ def check_elastic_range(cfg: DictConfig) -> None:
         return
     gbs = int(cfg.trainer.global_batch_size)
     for nodes in range(int(low), int(hw.num_nodes)):
-        world = nodes * hw.devices
+        world = world_of(hw, nodes)
         accum, problem = accumulation_at(cfg, world, gbs)
         if accum is None:
             what = (f"hardware.min_nodes={low} lets torchrun form {nodes} node(s) x hardware.devices="

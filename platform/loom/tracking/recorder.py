@@ -240,7 +240,7 @@ class Recorder(pl.Callback):
         return self.clock.span(step, self.samples_per_step, self.seq_len)
 
     def _row(self, trainer: pl.Trainer, gathered: torch.Tensor, rates: dict[str, float]) -> dict[str, float]:
-        """The metrics of one log step (metric names: DESIGN.md) from every rank's vector."""
+        """The metrics of one log step (metric names: README "Tracking and reports") from every rank's vector."""
         mean = gathered.mean(0)
         col = {name: i for i, name in enumerate(_FIELDS)}
         row: dict[str, float] = {

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom import data, models, strategies
-from loom.layout import ParallelLayout
+from loom.layout import ParallelLayout, world_of
 from loom.plan import Plan
 from loom.rundir import checkpoints
 from loom.worker import results
@@ -120,7 +120,7 @@ def _record_attempt(cfg: DictConfig, run_dir: Path, start_step: int, layout: Par
     from loom.rundir.world_history import record_attempt
 
     history = record_attempt(run_dir, start_step, layout.world, layout.num_nodes)
-    profile = int(cfg.hardware.devices) * int(cfg.hardware.num_nodes)
+    profile = world_of(cfg.hardware)
     within_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or layout.world != profile
     if history[-1]["reason"] == "world change" and within_launch:  # else loom.freeze said it
         tr = cfg.trainer
