@@ -11,7 +11,9 @@ one is also the test that activation checkpointing under FSDP2 trains like `sing
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,3 +84,84 @@ def test_compiled_losses_match_eager(compile_runs, strategy):
         assert "activation checkpointing (full): 2 of" in log
     final = load_file(str(r.run_dir / "final" / "model.safetensors"))
     assert final.keys() == load_file(str(ref.run_dir / "final" / "model.safetensors")).keys()
+
+
+# ----------------------------------------------------------------------------- compiles found
+
+
+def _stub_trainer(max_steps: int, world_size: int = 1) -> SimpleNamespace:
+    """What the Recorder reads of Lightning's Trainer (the Recorder is what is under test)."""
+    return SimpleNamespace(global_step=0, world_size=world_size, global_rank=0, max_steps=max_steps, optimizers=[],
+                           loggers=[], accumulate_grad_batches=1, sanity_checking=False, callback_metrics={})
+
+
+def test_a_recompile_is_found_at_its_step_and_only_its_window_leaves_the_steady_rate(caplog):
+    """The Recorder driven as Lightning drives it, around a real torch.compile'd step that
+    recompiles when its batch changes shape at step 5, and compiles again (eval, no_grad) in a
+    validation after step 3. Log windows of 2 steps: (0,2] warm-up with the first compile,
+    (2,4] steady (validation's compile is validation's time), (4,6] out (the recompile), (6,8]
+    steady. Catches: a fixed warm-up instead of the hooks (window (4,6] counted: 6 steady steps),
+    the old rule that restarted the steady window after a compile (2 steady steps, from step 6),
+    validation's compile counted as training's ((2,4] out), the first step's compile reported as a
+    recompile, a wrong step stamp, the guard's reason lost, no warning or a warning for step 1."""
+    from loom.tracking.recorder import Recorder
+
+    rec = Recorder(log_every=2, samples_per_step=4, seq_len=8, flops_per_token=None,
+                   peak_flops_per_device=None, world_size=1)
+    trainer, module = _stub_trainer(8), SimpleNamespace(device=torch.device("cpu"), automatic_optimization=True)
+    weight = torch.ones(8, requires_grad=True)
+    step_fn = torch.compile(lambda x, w: (x * w).square().mean(), backend="aot_eager")
+    rec.on_train_start(trainer, module)
+    with caplog.at_level(logging.INFO, logger="loom"):
+        for step in range(1, 9):
+            rec.on_train_batch_start(trainer, module, None, step - 1)
+            loss = step_fn(torch.ones(4 if step < 5 else 6, 8), weight)
+            loss.backward()
+            trainer.global_step = step
+            rec.on_train_batch_end(trainer, module, loss, None, step - 1)
+            if step == 3:
+                rec.on_validation_start(trainer, module)
+                with torch.no_grad():
+                    step_fn(torch.ones(4, 8), weight)
+                rec.on_validation_end(trainer, module)
+        rec.on_train_end(trainer, module)
+    span = rec.span(8)
+    assert (span["steady_steps"], rec.clock.steady_step) == (4, 2)
+    assert span["steady_samples"] == 4 * 4
+    window_s = {int(r["step"]): r["perf/step_time_ms"] * 2 / 1000 for r in rec.history}
+    assert span["steady_train_s"] == pytest.approx(window_s[4] + window_s[8], abs=2e-4)
+    [recompile] = span["recompiles"]
+    assert recompile["step"] == 5 and "size mismatch at index 0. expected 4, actual 6" in recompile["reason"]
+    assert 0 < recompile["seconds"] <= span["compile_s"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"torch recompiled at step 5 ({recompile['reason']}): steps 5-6 left out of the steady "
+                        "throughput"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [("compiling" in line) for line in lines] == [True, False, True, False]
+    from loom.tracking.compiles import summary_field
+
+    two_attempts = [{"recompiles": span["recompiles"]}, {"recompiles": [{**recompile, "step": 30}]}]
+    assert summary_field(two_attempts) == {"count": 2, "steps": [5, 30], "reasons": [recompile["reason"]]}
+    assert summary_field([{"end_step": 8}]) == {"count": 0, "steps": [], "reasons": []}
+
+
+def test_a_compile_on_another_rank_leaves_the_window_out(caplog):
+    """Rank 0 compiled nothing in (4,6], rank 1 did (a shape only its data had): rank 0 waited for
+    it in the next collective, so the window is out of the steady rate and the warning names rank 1."""
+    from loom.tracking.recorder import _FIELDS, Recorder
+
+    rec = Recorder(log_every=2, samples_per_step=4, seq_len=8, flops_per_token=None,
+                   peak_flops_per_device=None, world_size=2)
+    rec.clock.start(0)
+    rec.clock.loop_start = 1.0  # the clock's times below are given, not read
+    trainer = _stub_trainer(8, world_size=2)
+    col = _FIELDS.index("compile_s")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        for step, rank1_compile_s in ((2, 3.0), (4, 0.0), (6, 0.5), (8, 0.0)):
+            gathered = torch.zeros(2, len(_FIELDS), dtype=torch.float64)
+            gathered[1, col] = rank1_compile_s
+            rec._clock_window(trainer, gathered, step, 1.0 + step, [])
+            rec.last_log_step = step
+    assert (rec.clock.steady_steps, rec.clock.steady_train_s, rec.clock.compile_s) == (4, 4.0, 0.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch compiled on rank 1: steps 5-6 left out of the steady throughput"]

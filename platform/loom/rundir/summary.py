@@ -45,7 +45,8 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "steps_trained": 0,
         "time": {"compile_s": None, "first_step_s": None, "validation_s": None, "checkpoint_s": None,
                  "train_s": None, "wall_s": None},
-        # steady state (after tracking.warmup_steps / the first logged window and any compile),
+        # steady state (the log windows after tracking.warmup_steps / the first one, less any window
+        # in which a rank compiled),
         # the whole run's average in `overall` (loom.tracking.clock)
         "throughput": {"samples_per_sec": None, "tokens_per_sec": None, "tflops_per_device": None, "mfu": None,
                        "mfu_error": None, "steady": False, "steady_from_step": None,
@@ -60,6 +61,9 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
             "optim_state_bytes_per_rank": None,
         },
         "utilization": {"cpu_percent_mean": None, "gpu_util_mean": None},
+        # frames torch compiled in training after each attempt's first step (loom.tracking.compiles):
+        # their log windows are out of `throughput`, their seconds in time.compile_s; 0 when not compiled
+        "recompiles": {"count": 0, "steps": [], "reasons": []},
         # A failed run's root failure {type, message, rank, step, log, where} (loom.rundir.failures).
         "error": None,
     }

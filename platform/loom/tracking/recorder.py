@@ -12,7 +12,9 @@ Training time (`train_s`, the denominator of every rate) is the wall time of the
 loop, from `on_train_start` to `on_train_end`, minus the time spent in validation (as
 Lightning's ThroughputMonitor also does) and in checkpoint saves (`loom.tracking.clock`):
 tokens/s counts the tokens trained per second of training. The steady rates leave out the
-first logged window (or `tracking.warmup_steps`) and any window with a compile in it. Rank 0
+first logged window (or `tracking.warmup_steps`) and every window in which any rank compiled
+(torch's compile hooks: loom.tracking.compiles); a recompile after the first window is one
+WARNING line naming its step and the guard that failed. Rank 0
 writes the attempt's span into world_history.json at every log step (the run's totals add up
 every attempt's) and logs "training loop started at step N" and "training loop ended" lines,
 so the rank log's timestamps are an independent stopwatch.
@@ -32,6 +34,7 @@ import torch
 from lightning_fabric.utilities.throughput import Throughput
 
 from loom.hardware.peaks import mfu, mfu_error
+from loom.tracking import compiles
 from loom.tracking.clock import Clock
 from loom.tracking.stragglers import gather_hosts
 from loom.tracking.system import GpuStats
@@ -40,7 +43,7 @@ log = logging.getLogger("loom")
 
 # Order of the per-rank vector all-gathered at every log step.
 _FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
-           "gpu_power_w", "loss", "step1_loss", "compute_ms")
+           "gpu_power_w", "loss", "step1_loss", "compute_ms", "compile_s")
 
 
 class Recorder(pl.Callback):
@@ -73,10 +76,12 @@ class Recorder(pl.Callback):
         # State of this attempt (the run's totals add up every attempt's span: world_history).
         self.start_step = 0
         self.clock = Clock(warmup_steps=warmup_steps)
+        self.compiles = compiles.CompileWatch()
         self.checkpointing = None       # the saver (its `seconds`: time in checkpoint saves)
         self.on_log = on_log
         self.loop_time = 0.0            # training time so far (clock.train_s at the last log step)
         self.val_window = 0.0           # validation and checkpoint time in the current logging window
+        self.window_compile_s = 0.0     # the slowest rank's compile seconds in the last log window
         self.ckpt_at_log = 0.0
         self.val_start: float | None = None
         self.step1_loss: torch.Tensor | None = None
@@ -106,6 +111,7 @@ class Recorder(pl.Callback):
         self.proc.cpu_percent(None)
         self._sync(pl_module)
         self.clock.start(self.start_step, self._ckpt_seconds())
+        self.compiles.start()
         self.ckpt_at_log = self.clock.checkpoint_s
         self.last_log_time = self.batch_end = self.clock.loop_start
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
@@ -119,6 +125,7 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.forward_start = time.perf_counter()
         self.data_wait += self.forward_start - self.batch_end
+        self.compiles.step, self.compiles.phase = trainer.global_step + 1, "train"
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         """The end of this rank's forward: its own work before the gradients' collectives."""
@@ -143,6 +150,7 @@ class Recorder(pl.Callback):
         self.batch_end = time.perf_counter()
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        self.compiles.phase = "validation"
         if trainer.sanity_checking or not self.clock.loop_start:
             return
         self._sync(pl_module)
@@ -181,6 +189,7 @@ class Recorder(pl.Callback):
         window = now - self.last_log_time - self.val_window - ckpt
         gpu = self.gpu.sample(pl_module.device)
         loss = (self.loss_sum / max(1, self.loss_count)).float() if self.loss_sum is not None else None
+        compiled = compiles.training_compiles(self.compiles.drain())
         local = torch.tensor(
             [
                 1000 * window / steps,
@@ -193,15 +202,16 @@ class Recorder(pl.Callback):
                 loss.item() if loss is not None else float("nan"),
                 self.step1_loss.float().item() if self.step1_loss is not None else float("nan"),
                 1000 * self.compute / steps,
+                sum(e.seconds for e in compiled),
             ],
             dtype=torch.float64,
         )
         gathered = self._gather(trainer, local, pl_module.device)
         self.loss_sum, self.loss_count, self.data_wait, self.val_window, self.compute = None, 0, 0.0, 0.0, 0.0
         self.step1_loss = None
+        self._clock_window(trainer, gathered, step, now, compiled)
         self.last_log_step, self.last_log_time, self.ckpt_at_log = step, now, self.clock.checkpoint_s
         self.loop_time = self.clock.train_s(now)
-        self.clock.log_step(step, now)
 
         per_device_samples = (step - self.start_step) * self.samples_per_step // self.world_size
         per_device_tokens = per_device_samples * self.seq_len
@@ -223,6 +233,19 @@ class Recorder(pl.Callback):
         if self.on_log is not None:
             self.on_log(self.span(step))
         self._publish(trainer, step, self._row(trainer, gathered, rates))
+
+    def _clock_window(self, trainer: pl.Trainer, gathered: torch.Tensor, step: int, now: float,
+                      compiled: list[compiles.CompileEvent]) -> None:
+        """The window's compiles into the clock: one on any rank leaves the window out of the
+        steady rates (the others wait for it in the next collective). Rank 0 warns of one
+        after the attempt's first window, the step line shows the longest rank's seconds."""
+        per_rank = gathered[:, _FIELDS.index("compile_s")].tolist()
+        ranks = [r for r, seconds in enumerate(per_rank) if seconds > 0]
+        found = compiles.recompiles(compiled, self.start_step + 1)
+        begins, self.window_compile_s = self.last_log_step, max(per_rank)
+        self.clock.log_step(step, now, sum(e.seconds for e in compiled), compiled=bool(ranks), recompiles=found)
+        if ranks and begins > self.start_step and trainer.global_rank == 0:
+            log.warning(compiles.warning(begins, step, found, ranks))
 
     def _keep_peaks(self, gathered: torch.Tensor) -> None:
         """Rank 0: every rank's RSS at this log step, kept as a running max; and the first
@@ -296,7 +319,8 @@ class Recorder(pl.Callback):
         log.info(
             f"step {step}/{trainer.max_steps}  loss {row['train/loss']:.4f}  "
             f"{rate}  {row['perf/step_time_ms']:.1f} ms/step  "
-            f"ETA {int(eta_s // 60)}:{int(eta_s % 60):02d}",
+            f"ETA {int(eta_s // 60)}:{int(eta_s % 60):02d}"
+            + (f"  (compiling: {self.window_compile_s:.1f} s)" if self.window_compile_s > 0 else ""),
         )
 
     def _gather(self, trainer: pl.Trainer, local: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -312,10 +336,14 @@ class Recorder(pl.Callback):
         self._sync(pl_module)
         self.clock.step_done(trainer.global_step, self._ckpt_seconds())
         self.clock.stop()
+        self.compiles.stop()
         self.loop_time = self.clock.train_s()
         if trainer.global_rank == 0:
             log.info(f"training loop ended at step {trainer.global_step}: {self.loop_time:.3f} s training, "
                      f"{self.clock.validation_s:.3f} s validation, {self.clock.checkpoint_s:.3f} s checkpoints")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.compiles.stop()
 
     def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
         """This rank's peaks, for summary.json (gathered by the worker). GPU memory twice:

@@ -16,6 +16,7 @@ from loom.plan import Plan
 from loom.rundir import checkpoints
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, dtype_name
 from loom.rundir.summary import empty_summary, read_summary, write_summary
+from loom.tracking import compiles
 
 log = logging.getLogger("loom")
 
@@ -158,6 +159,7 @@ class RunResults:
             attempts=history,
             world_history=history,
             stragglers=self._stragglers(),
+            recompiles=compiles.summary_field(history),
         )
         self._sampled_memory()
         write_summary(self.run_dir, self.summary)
