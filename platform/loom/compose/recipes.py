@@ -2,8 +2,9 @@
 
 A recipe is a yaml file with `# @package _global_`, a header comment (what it is for, what
 to override, what it costs) and any keys of the run config, including `defaults:` with
-`override /group: option`. Recipes live in `recipes/` of this checkout and in every
-directory the user adds with `hydra.searchpath='[file://./my-recipes]'`. They are registered
+`override /group: option`. The built-in recipes are Loom's bundled `recipes` (`recipes/` of a
+checkout, package data of an installed wheel: compose/paths.py); the user's live in every
+directory they add with `hydra.searchpath='[file://./my-recipes]'`. They are registered
 in Hydra's ConfigStore under the group `recipe` because the directory is named `recipes/`,
 not `recipe/` as a search-path group would need.
 """
@@ -14,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.compose.paths import conf_dir
+from loom.compose.paths import bundled
 from loom.errors import ConfigError
 
 SEARCHPATH_KEY = "hydra.searchpath"
@@ -39,7 +40,8 @@ class Recipe:
 
 
 def builtin_dir() -> Path:
-    return conf_dir().parent / "recipes"
+    """Loom's own recipes (whatever `$LOOM_CONF_DIR` says: that replaces the config groups only)."""
+    return bundled("recipes")
 
 
 def split_searchpath(overrides: list[str]) -> tuple[list[str], list[Path]]:

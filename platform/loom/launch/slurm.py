@@ -1,7 +1,8 @@
 """SLURM: render an sbatch script from the hardware profile and submit it.
 
 `loom train hardware=slurm ...` on a login node validates and plans as usual, freezes the run
-dir, renders `<run>/slurm/job.sbatch` from `scripts/slurm/job.sbatch` and the profile's
+dir, renders `<run>/slurm/job.sbatch` from Loom's bundled template (`scripts/slurm/job.sbatch` of a
+checkout, package data of a wheel: compose/paths.py) and the profile's
 `hardware.slurm` block, and submits it with `sbatch` (`--dry-run`: only writes it). In the
 allocation, `srun --ntasks-per-node=1` starts one torchrun agent per node, the same torchrun
 command `loom.launch` runs on one machine, so ranks, elastic restarts (`max_restarts`) and the
@@ -39,6 +40,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.atomic import atomic_write_text
+from loom.compose.paths import bundled
 from loom.errors import EXIT_OK, ConfigError
 from loom.launch import gpu_env, multi_node, torchrun_command
 
@@ -49,7 +51,7 @@ ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEU
 
 def template_path() -> Path:
     env = os.environ.get("LOOM_SLURM_TEMPLATE")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "scripts" / "slurm" / "job.sbatch"
+    return Path(env) if env else bundled("slurm") / "job.sbatch"
 
 
 def cpus_per_task(cfg: DictConfig) -> int:
