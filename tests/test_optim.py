@@ -170,3 +170,36 @@ def test_fp16_loss_scaling_with_clipping_keeps_auto_off_fused():
     params = [torch.nn.Parameter(torch.ones(2))]
     assert use_fused("auto", params) and not use_fused("auto", params, scaled_clipping=True)
     assert use_fused(True, params, scaled_clipping=True)  # as asked (validation refuses it with fp16 + clip)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_lr_zero_is_accepted_with_a_warning_and_leaves_the_weights(name, tmp_path, monkeypatch):
+    """optim.lr=0 (a frozen evaluation, a save/load round trip) is planned with one warning line
+    naming it, not refused; a negative rate still is. The optimizer and schedule the worker builds
+    then leave every weight as it was, weight decay included (it is scaled by the rate). Mutations
+    caught: the old `> 0` rule (exit 2), the warning dropped, a schedule that adds a floor to lr."""
+    import contextlib
+    import io
+
+    from loom import cli, pipeline
+    from loom.optim.build import build_optimizer
+
+    monkeypatch.setattr(pipeline, "_WARNED", set())  # a warning is printed once per process (command)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(tmp_path), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert cli.main(["plan", "hardware=cpu", f"optim={name}", "optim.lr=0"]) == 0, err.getvalue()
+        assert cli.main(["plan", "hardware=cpu", f"optim={name}", "optim.lr=-0.1"]) == 2
+    lines = err.getvalue().splitlines()
+    assert sum(ln.startswith("warning: optim.lr=0: the optimizer never changes the weights") for ln in lines) == 1
+    assert "Invalid config: optim.lr=-0.1: must be >= 0" in err.getvalue()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    built = build_optimizer(list(model.named_parameters()), _optim(name, lr=0.0, warmup_steps=2, min_lr_ratio=0.1), 5)
+    opt, sched = built["optimizer"], built["lr_scheduler"]["scheduler"]
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

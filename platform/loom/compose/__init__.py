@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.compose import hydra_options, recipes, removal
-from loom.compose.groups import GROUP_PACKAGES, valid_keys
+from loom.compose.groups import GROUP_PACKAGES, open_dicts, valid_keys
 from loom.compose.paths import conf_dir, group_options
 from loom.errors import ConfigError
 from loom.hardware.derive import rederive_for_cpu
@@ -99,8 +99,21 @@ def _schema_keys_settable(overrides: list[str]) -> list[str]:
     from loom.schema import field_names
 
     fields = set(field_names(HardwareConfig))
-    return [f"++{o}" if o.partition("=")[0].removeprefix("hardware.") in fields and o.startswith("hardware.")
-            and "=" in o else o for o in overrides]
+    overrides = [f"++{o}" if o.partition("=")[0].removeprefix("hardware.") in fields and o.startswith("hardware.")
+                 and "=" in o else o for o in overrides]
+    return [_into_open_dict(o) for o in overrides]
+
+
+def _into_open_dict(override: str) -> str:
+    """`model.overrides={k: v}`, `model.overrides.k=v` and `+model.overrides.k=v` alike set the key
+    (`++`): a field typed `dict[str, Any]` (`groups.open_dicts`) takes any key, which Hydra's struct
+    mode refuses where the YAML has none (`overrides: {}`), naming no valid key. A `++` merge of a
+    dict is what Hydra's plain `key={...}` does. The option's check names the keys it accepts."""
+    key, eq, _ = override.partition("=")
+    bare = key.lstrip("+")
+    if eq and not key.startswith(("~", "++")) and any(bare == d or bare.startswith(d + ".") for d in open_dicts()):
+        return f"++{bare}{override[len(key):]}"
+    return override
 
 
 def hydra_compose(overrides: list[str]) -> DictConfig:

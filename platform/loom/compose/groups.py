@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from types import ModuleType
+from typing import Any
 
 from loom import data, hardware, models, optim, strategies, tracking
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names
@@ -28,3 +31,17 @@ def valid_keys(parent: str) -> list[str]:
             names.update((f.name, None) for f in dataclasses.fields(schema))
         return list(names)
     return []
+
+
+@functools.cache
+def open_dicts() -> frozenset[str]:
+    """`group.field` of every option schema field typed `dict[str, Any]` (model.overrides,
+    model.module, model.loss): its keys are the user's (an architecture's config, a class's
+    arguments), so any key may be set there, with or without `+`; the option's own check names
+    the valid ones. Hydra's struct mode would refuse a key its YAML lacks (`overrides: {}`)."""
+    out: set[str] = set()
+    for group, package in GROUP_PACKAGES.items():
+        for schema in package.SCHEMAS.values():
+            hints = typing.get_type_hints(schema)
+            out.update(f"{group}.{f.name}" for f in dataclasses.fields(schema) if hints.get(f.name) == dict[str, Any])
+    return frozenset(out)

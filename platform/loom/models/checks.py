@@ -20,12 +20,14 @@ VOCAB_MULTIPLE = 64  # a tokenizer-sized vocabulary is padded to it: matmul-frie
 TENSOR_HINT = "feature datasets: digits, synthetic (dataset.kind=tensors)"
 
 
-def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size") -> None:
+def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size", also: str = "") -> None:
+    """The model's vocabulary covers the data's token ids; `also`: what the advice needs besides
+    the size (a model whose weights are loaded with it: model.random_init=true)."""
     need = data_vocab_size(cfg)
     if need is not None and have < need:
         src = (f"dataset.tokenizer={cfg.dataset.tokenizer} has {need} tokens" if cfg.dataset.get("tokenizer")
                else f"dataset={cfg.dataset.name} has token ids up to {need - 1}")
-        _fail(key, have, f"is smaller than the data's vocabulary ({src}); set model.vocab_size={need}")
+        _fail(key, have, f"is smaller than the data's vocabulary ({src}); set model.vocab_size={need}{also}")
 
 
 def size_vocab_to_tokenizer(cfg: DictConfig) -> None:
@@ -171,18 +173,23 @@ def check_mlp(cfg: DictConfig, layout: ParallelLayout) -> None:
 
 
 def normalize_hf(cfg: DictConfig) -> None:
-    """A local config dir is frozen absolute: ranks and resumes may start elsewhere."""
+    """A local config dir is frozen absolute: ranks and resumes may start elsewhere; an alias
+    key of `model.overrides` is frozen as the config's own key."""
     from pathlib import Path
+
+    from loom.models.hf_checks import canonical_overrides
 
     m = cfg.model
     if m.config:
         p = Path(str(m.config)).expanduser()
         if p.exists():
             m.config = str(p.resolve())
+    canonical_overrides(cfg)  # an alias (num_hidden_layers) -> its config's key (GPT-2: n_layer)
 
 
 def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
-    from loom.models import hf
+    """config.json read as JSON first (torch-free refusals), then against transformers' class."""
+    from loom.models import hf, hf_checks
 
     m = cfg.model
     _require(bool(m.config), "model.config", m.config,
@@ -196,14 +203,29 @@ def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
               "cache); Loom does not download models: save one with "
               "transformers.AutoConfig...save_pretrained(dir) and pass the directory")
     _needs_tokens(cfg)
-    ctx = hf.context_length(data)
-    if ctx is not None:
-        _require(cfg.dataset.seq_len <= ctx, "dataset.seq_len", cfg.dataset.seq_len,
-                 f"exceeds the model's context ({ctx}, from model.config={m.config}); lower "
-                 "dataset.seq_len or raise it with model.overrides")
+    loaded = not m.random_init and not m.get("init_from") and hf.has_local_weights(str(m.config))
+    _hf_context(cfg, data, loaded)
     vocab = data.get("vocab_size")
     if isinstance(vocab, int):
-        _vocab(cfg, vocab, "model.vocab_size" if m.vocab_size is not None else "model.config.vocab_size")
+        also = (" model.random_init=true (the weights in model.config have a smaller vocabulary: "
+                "its new rows cannot come from them)") if loaded else ""
+        _vocab(cfg, vocab, "model.vocab_size" if m.vocab_size is not None else "model.config.vocab_size", also)
+    hf_checks.check_architecture(cfg)  # overrides, the build, the implicit weights (transformers)
+
+
+def _hf_context(cfg: DictConfig, data: dict, loaded: bool) -> None:
+    """dataset.seq_len within the config's context; the advice raises the config's own key, and
+    adds model.random_init=true where that key sizes a position table the loaded weights hold."""
+    from loom.models import hf, hf_checks
+
+    key, seq = hf.context_key(data), cfg.dataset.seq_len
+    if key is None or seq <= data[key]:
+        return
+    raise_it = f"model.overrides.{key}={seq}"
+    if loaded and not hf_checks.fits_weights(cfg, {**hf.overrides_of(cfg.model), key: seq}):
+        raise_it += " model.random_init=true (a longer position table than the weights hold)"
+    _fail("dataset.seq_len", seq, f"exceeds the model's context ({key}={data[key]}, from model.config="
+          f"{cfg.model.config}); lower dataset.seq_len to {data[key]} or set {raise_it}")
 
 
 def normalize_custom(cfg: DictConfig) -> None:

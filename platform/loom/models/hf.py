@@ -25,23 +25,33 @@ def _local_file(name: str, filename: str) -> Path | None:
     return _cached_file(name, filename)
 
 
+def overrides_of(m: DictConfig) -> dict[str, Any]:
+    """`model.overrides` as a plain dict (Hydra gives a DictConfig; a test may give a dict)."""
+    if isinstance(m.overrides, DictConfig):
+        return OmegaConf.to_container(m.overrides)  # type: ignore[return-value]
+    return dict(m.overrides or {})
+
+
 def config_dict(m: DictConfig) -> dict[str, Any]:
     """config.json of `model.config` with `model.overrides` and `model.vocab_size` applied."""
     f = _local_file(str(m.config), "config.json")
     if f is None:
         raise FileNotFoundError(m.config)
     data = json.loads(f.read_text())
-    data.update(OmegaConf.to_container(m.overrides) if isinstance(m.overrides, DictConfig) else dict(m.overrides))
+    data.update(overrides_of(m))
     if m.vocab_size is not None:
         data["vocab_size"] = int(m.vocab_size)
     return data
 
 
+def context_key(data: dict[str, Any]) -> str | None:
+    """The config.json key holding the model's longest sequence."""
+    return next((key for key in CONTEXT_KEYS if isinstance(data.get(key), int)), None)
+
+
 def context_length(data: dict[str, Any]) -> int | None:
-    for key in CONTEXT_KEYS:
-        if isinstance(data.get(key), int):
-            return data[key]
-    return None
+    key = context_key(data)
+    return data[key] if key else None
 
 
 def has_local_weights(name: str) -> bool:
@@ -66,19 +76,43 @@ def _source(m: DictConfig) -> str:
     return str(p) if p.is_dir() else str(m.config)
 
 
-def auto_config(m: DictConfig):
+def base_config(m: DictConfig):
+    """transformers' config of `model.config` as saved (its class's defaults + config.json),
+    before Loom's overrides: the keys `model.overrides` may set (imports transformers)."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(_source(m), local_files_only=True)
-    overrides = OmegaConf.to_container(m.overrides) if isinstance(m.overrides, DictConfig) else dict(m.overrides)
-    for k, v in overrides.items():
+    return AutoConfig.from_pretrained(_source(m), local_files_only=True)
+
+
+def auto_config(m: DictConfig):
+    """The config the model is built from: `base_config` + `model.overrides` + `model.vocab_size`."""
+    config = base_config(m)
+    for k, v in overrides_of(m).items():
         setattr(config, k, v)
     if m.vocab_size is not None:
         config.vocab_size = int(m.vocab_size)
     return config
+
+
+def config_keys(config: Any) -> tuple[list[str], dict[str, str]]:
+    """(the keys of the config class: config.json's and the class's defaults, its aliases ->
+    the key each stands for), e.g. GPT-2's num_hidden_layers -> n_layer."""
+    keys = sorted(k for k in config.to_dict() if not k.startswith("_"))
+    return keys, dict(sorted(getattr(config, "attribute_map", {}).items()))
+
+
+def parameter_shapes(m: DictConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape (a tied one once, under its first name, as the weights are
+    filled), from the model built on the meta device (imports torch)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(auto_config(m))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def build(m: DictConfig):

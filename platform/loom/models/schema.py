@@ -60,7 +60,8 @@ class MLPModelConfig:
 class HFCausalLMModelConfig:
     name: str = "hf_causal_lm"
     config: str | None = None         # a local dir with config.json, or a name in the HF cache
-    overrides: dict[str, Any] = field(default_factory=dict)  # set on the AutoConfig, e.g. {n_layer: 2}
+    # set on the AutoConfig: any key of its class, checked before launch (models.hf_checks), e.g. {n_layer: 2}
+    overrides: dict[str, Any] = field(default_factory=dict)
     vocab_size: int | None = None     # null: the config's
     random_init: bool = False         # false: load the weights when they are local, else random
     init_from: str | None = None      # a run dir (its final weights) or a .safetensors file

@@ -50,9 +50,18 @@ def state_slots(optim: DictConfig | None) -> int:
     raise ValueError(f"optim.name={optim.name!r} has no state model")
 
 
+def run_warnings(cfg: DictConfig) -> list[str]:
+    """What the run will do that is allowed but rarely meant (`loom plan` / `loom train` print
+    each once): optim.lr=0 is a frozen evaluation or a save/load round trip, not a refusal."""
+    if cfg.optim.lr == 0:
+        return ["optim.lr=0: the optimizer never changes the weights (a frozen evaluation or a round "
+                "trip); the loss is still computed and logged every step."]
+    return []
+
+
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     o = cfg.optim
-    require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    require(o.lr >= 0, "optim.lr", o.lr, "must be >= 0 (0: a frozen evaluation; the weights never change)")
     require(isinstance(o.fused, bool) or o.fused == "auto", "optim.fused", o.fused,
             "valid choices: auto, true, false (auto: torch's fused kernel where it has one)")
     require(not (o.fused is True and cfg.hardware.precision == "16-mixed" and cfg.trainer.gradient_clip_val),

@@ -20,6 +20,7 @@ from loom.hardware.peaks import peak_flops, precision_key
 from loom.layout import ParallelLayout
 from loom.models import model_spec
 from loom.models.spec import ModelSpec
+from loom.optim import run_warnings as optim_warnings
 from loom.plan.memory import (
     GB,
     HOST_USABLE,
@@ -217,7 +218,7 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
                    + (f" (`loom train` refuses more than {4 * cores})" if hw.devices > 4 * cores else "") + ".")
     if zero_stage(cfg.strategy.name):  # e.g. a JSON scheduler whose shape is not Loom's schedule
         out += resolve_deepspeed(cfg, strategies.layout_of(cfg)).warnings
-    return out
+    return out + optim_warnings(cfg)  # e.g. optim.lr=0: accepted, said once
 
 
 Fix = tuple[str, list[str]]  # (strategy, the overrides that select it and its checkpointing)

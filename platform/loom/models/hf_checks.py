@@ -1,0 +1,210 @@
+"""`model=hf_causal_lm` checked against its architecture before launch: `model.overrides`' keys
+and types against the config class (config.json + the class's defaults), the model built on the
+meta device, and the weights `model.config`'s directory brings implicitly (its safetensors,
+loaded unless `model.random_init=true`) against the model's shapes, read from the files'
+headers. These need transformers (which imports torch), so they run for this option only and
+after its torch-free checks: every other option keeps the CLI's first second torch-free.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from loom.errors import ConfigError
+from loom.errors import fail as _fail
+from loom.models import hf
+
+Shapes = dict[str, tuple[int, ...]]
+MAX_REASON = 300  # characters of a transformers exception quoted in a refusal
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:MAX_REASON]}"
+
+
+def _key(m: DictConfig) -> str:
+    """The model node as a cache key (config.json's mtime too: a rewritten file is another model)."""
+    f = hf._local_file(str(m.config), "config.json")
+    stamp = f.stat().st_mtime_ns if f is not None else None
+    return json.dumps([OmegaConf.to_container(m) if isinstance(m, DictConfig) else m, stamp], default=str)
+
+
+@functools.lru_cache(maxsize=32)
+def _base(key: str) -> Any:
+    return hf.base_config(OmegaConf.create(json.loads(key)[0]))
+
+
+@functools.lru_cache(maxsize=32)
+def _shapes(key: str) -> Shapes:
+    return hf.parameter_shapes(OmegaConf.create(json.loads(key)[0]))
+
+
+def base_config(m: DictConfig) -> Any:
+    """transformers' config of `model.config`; unreadable: exit 2 naming model.config."""
+    try:
+        return _base(_key(m))
+    except Exception as e:  # an unknown model_type, a malformed file: transformers' words
+        _fail("model.config", m.config, f"transformers cannot read its config.json ({_reason(e)}); "
+              "name a directory saved by save_pretrained of an architecture this transformers knows")
+
+
+def canonical_overrides(cfg: DictConfig) -> None:
+    """An alias in `model.overrides` (GPT-2's num_hidden_layers) becomes the key it stands for
+    (n_layer), so config.json's reading (`hf.config_dict`: context, vocabulary, widths) and the
+    run id see one key; a key given both ways keeps the real key's value."""
+    m = cfg.model
+    overrides = hf.overrides_of(m) if m.config else {}
+    if not overrides:
+        return
+    try:
+        aliases = hf.config_keys(_base(_key(m)))[1]
+    except Exception:
+        return  # the check names model.config
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        out.setdefault(aliases.get(k, k), v)
+        if k not in aliases:
+            out[k] = v
+    m.overrides = out
+
+
+def _type_problem(default: Any, value: Any) -> str | None:
+    """What `value` should be, where the config's own value says a type (None: no type known)."""
+    if default is None or value is None:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "a boolean (true/false)"
+    if isinstance(default, int):
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if isinstance(default, float):
+        return None if isinstance(value, int | float) and not isinstance(value, bool) else "a number"
+    for typ, what in ((str, "a string"), (list, "a list"), (dict, "a mapping")):
+        if isinstance(default, typ):
+            return None if isinstance(value, typ) else what
+    return None
+
+
+def check_overrides(m: DictConfig, config: Any) -> None:
+    """Every key of `model.overrides` is one of the config class's (or an alias of one), of the
+    type the config's own value has."""
+    keys, aliases = hf.config_keys(config)
+    cls = type(config).__name__
+    for k, v in hf.overrides_of(m).items():
+        if k not in keys and k not in aliases:
+            alias_list = ", ".join(f"{a} (= {t})" for a, t in aliases.items())
+            raise ConfigError(
+                f"Invalid config: unknown key model.overrides.{k}={v}. Valid keys under model.overrides "
+                f"({cls}'s: model.config's config.json and the class's defaults): {', '.join(keys)}"
+                + (f"; aliases: {alias_list}" if alias_list else "") + ".")
+        default = getattr(config, k, None)
+        want = _type_problem(default, v)
+        if want:
+            _fail(f"model.overrides.{k}", v, f"{cls}.{aliases.get(k, k)} is {want} (model.config's value: "
+                  f"{default!r})")
+
+
+def model_shapes(m: DictConfig) -> Shapes:
+    """The parameters' shapes of the model built on the meta device; a config transformers cannot
+    build (say, heads that do not divide the width): exit 2 naming the overrides or model.config."""
+    try:
+        return _shapes(_key(m))
+    except Exception as e:
+        overrides = hf.overrides_of(m)
+        key, value = ("model.overrides", overrides) if overrides else ("model.config", m.config)
+        arch = ", ".join(base_config(m).architectures or []) or "a causal LM"
+        _fail(key, value, f"transformers cannot build {arch} from model.config={m.config}"
+              + (" with these overrides" if overrides else "") + f" ({_reason(e)}); "
+              + ("change or remove the overrides" if overrides else "fix its config.json"))
+    raise AssertionError  # unreachable: _fail raises
+
+
+def file_shapes(path: Path) -> Shapes:
+    """Names and shapes of the tensors in a directory's safetensors (headers only, no torch)."""
+    from loom.models.init_from import read_header, tensor_files
+
+    shapes: Shapes = {}
+    for f in sorted(set(tensor_files(path).values())):
+        shapes |= {k: tuple(v["shape"]) for k, v in read_header(f).items()}
+    return shapes
+
+
+def _misfits(expected: Shapes, found: Shapes) -> list[str]:
+    """Shape mismatches and parameters missing from the file (tensors the model lacks are not
+    read: a model with fewer layers than its file is a choice)."""
+    from loom.models.init_from import mismatches
+
+    return mismatches(expected, {k: v for k, v in found.items() if k in expected})
+
+
+def fits_weights(cfg: DictConfig, overrides: dict[str, Any]) -> bool:
+    """Whether `model.config`'s own weights fit the model built with these overrides."""
+    path = hf.safetensors_dir(cfg.model)
+    try:
+        return path is None or not _misfits(_shapes(_key(_with(cfg.model, overrides=overrides))), file_shapes(path))
+    except Exception:
+        return False
+
+
+def check_weights(cfg: DictConfig, shapes: Shapes) -> None:
+    """`model.config`'s own safetensors, which the worker loads unless model.random_init=true (or
+    model.init_from names other weights), fit the model: else exit 2 naming what changed them and
+    the settings that fit."""
+    m = cfg.model
+    path = None if m.get("init_from") else hf.safetensors_dir(m)
+    if path is None:
+        return
+    try:
+        found = file_shapes(path)
+    except (OSError, ValueError) as e:
+        _fail("model.config", m.config, f"its weights are not readable safetensors ({e}); set "
+              "model.random_init=true to start from random weights")
+    problems = _misfits(shapes, found)
+    if not problems:
+        return
+    key, value, cause, fixes = _culprit(cfg, found)
+    raise ConfigError(
+        f"Invalid config: {key}={value!r}: the weights in model.config={m.config} (loaded because "
+        f"model.random_init=false) do not fit the model{cause}: {'; '.join(problems)}. "
+        f"{'; or '.join(['Set model.random_init=true to start from random weights', *fixes])}.")
+
+
+def _culprit(cfg: DictConfig, found: Shapes) -> tuple[str, Any, str, list[str]]:
+    """(the key that made the shapes differ, its value, why, the other settings under which the
+    weights fit), found by building the model again with the config's vocabulary, or without
+    the overrides."""
+    from loom.data import data_vocab_size
+
+    m = cfg.model
+    overrides = hf.overrides_of(m)
+    base_vocab = int(getattr(base_config(m), "vocab_size", 0) or 0)
+    if m.vocab_size is not None and int(m.vocab_size) != base_vocab:
+        need = data_vocab_size(cfg)
+        fixes = []
+        if (need is None or need <= base_vocab) and not _misfits(model_shapes(_with(m, vocab_size=None)), found):
+            fixes.append(f"leave model.vocab_size unset (null: the weights' {base_vocab} tokens)")
+        cause = (f" (the vocabulary changes from the weights' {base_vocab} tokens to {int(m.vocab_size)}: "
+                 "new rows have no pretrained values)")
+        return "model.vocab_size", int(m.vocab_size), cause, fixes
+    if overrides and not _misfits(model_shapes(_with(m, overrides={})), found):
+        return "model.overrides", overrides, " (the overrides change its shapes)", [
+            f"remove model.overrides ({', '.join(overrides)}): model.config's own shapes fit its weights"]
+    return "model.config", m.config, "", []
+
+
+def _with(m: DictConfig, **values: Any) -> DictConfig:
+    out = OmegaConf.create(OmegaConf.to_container(m))
+    for k, v in values.items():
+        out[k] = v
+    return out
+
+
+def check_architecture(cfg: DictConfig) -> None:
+    """The overrides against the config class, the build, then the implicit weights."""
+    m = cfg.model
+    check_overrides(m, base_config(m))
+    check_weights(cfg, model_shapes(m))
