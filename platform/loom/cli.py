@@ -24,8 +24,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.compare:
         return _compare(translate(args.overrides), args.json, args.rehearse)
-    cfg = resolve(translate(args.overrides))
-    plan = plan_run(cfg, show=True)
+    overrides = translate(args.overrides)
+    cfg = resolve(overrides)
+    plan = plan_run(cfg, show=True, overrides=overrides)
     data, rc = plan.to_dict(), EXIT_OK
     if args.rehearse:  # loom.rehearse: build and step ranks of this layout over a fake process group
         from loom.rehearse import rehearse_into

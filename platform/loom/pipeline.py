@@ -21,7 +21,8 @@ from loom.freeze import freeze
 from loom.hardware.machine import check_machine
 from loom.launch import launch, multi_node
 from loom.plan import Plan, make_plan
-from loom.plan.compare import auto_choice_of, choose
+from loom.plan.assumptions import assumptions
+from loom.plan.auto import auto_choice_of, choose
 from loom.plan.render import infeasible_message, render
 from loom.rundir.checkpoints import UnsafeCheckpoint, newest_checkpoint
 from loom.rundir.lock import run_lock
@@ -44,12 +45,14 @@ def resolve(overrides: list[str]) -> DictConfig:
 _WARNED: set[str] = set()  # plan warnings already printed by this command (a sweep plans every trial)
 
 
-def plan_run(cfg: DictConfig, show: bool) -> Plan:
+def plan_run(cfg: DictConfig, show: bool, overrides: list[str] | None = None) -> Plan:
     """The plan; its table when asked (`loom plan`) or when the run cannot fit; warnings
     (e.g. MFU null for a device without a known peak) as one line each on stderr, once per
-    command: a sweep's trials share them."""
+    command: a sweep's trials share them. `overrides` (the command's) name the user's keys in
+    plan.json `assumptions` (where seq_len and the batch came from)."""
     plan = make_plan(cfg)
     plan.auto_choice = auto_choice_of(cfg)
+    plan.assumptions = assumptions(cfg, overrides or [], plan.auto_choice)
     if show or not plan.fits:
         render(plan.to_dict())
     for w in plan.warnings:
@@ -81,13 +84,13 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
     launcher_debug(lambda: "composed config (before freeze):\n" + OmegaConf.to_yaml(cfg, resolve=False))
     tracking_checks(cfg)
     check_machine(cfg, dry_run=dry_run)
-    plan = plan_run(cfg, show=False)
+    plan = plan_run(cfg, show=False, overrides=overrides)
     launcher_debug(lambda: f"plan inputs: {plan_inputs(cfg)}")
     if not plan.fits:
         return refuse_infeasible(plan), None, "plan infeasible"
     frozen = freeze(cfg, plan)
     if frozen.state == "completed":
-        print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\n"
+        print(frozen.message or f"Run {frozen.run_id} already completed: {frozen.run_dir}\n"
               "Nothing to do. Change an override or set run.id=<new id> to train a new run.")
         return EXIT_OK, frozen.run_dir, None
     cfg.run.id = frozen.run_id

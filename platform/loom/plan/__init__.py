@@ -103,8 +103,12 @@ class Plan:
     # pp > 1: {schedule, microbatches, stages_per_rank, bubble_fraction, stages: [per pipeline
     # rank: stages, blocks, params, microbatches_in_flight, memory_bytes]} (plan.pipeline)
     pipeline: dict[str, Any] | None = None
-    # strategy=auto: {strategy, degrees, overrides, predicted_step_s, candidates_considered, ...}
+    # strategy=auto: {strategy, degrees, overrides, predicted_step_s, candidates_considered,
+    # candidates_fitting, tied_with, runner_up, runner_up_slower_by, reason, ...} (plan/auto.py)
     auto_choice: dict[str, Any] | None = None
+    # {seq_len, micro_batch, accumulate_grad_batches, global_batch}: each {value, key, source,
+    # detail}, where the value came from (plan/assumptions.py; filled by pipeline.plan_run)
+    assumptions: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,5 +1,6 @@
 """`loom plan --compare` and `strategy=auto` (no torch import): every layout of the world that
-validation accepts, with its plan's memory, fit and a predicted step time, best first.
+validation accepts, with its plan's memory, fit and a predicted step time, best first
+(`plan/auto.py` takes the first that fits and says why).
 
 Every layout trains the same global batch, dataset.batch_size x accumulate_grad_batches x the
 world (as pure data parallelism would): a layout whose replica spans tp x pp ranks takes a
@@ -42,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom.compose import conf_dir, group_options
 from loom.errors import ConfigError
+from loom.layout import world_of
 from loom.plan import Plan, make_plan
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
@@ -95,7 +97,7 @@ class Comparison:
 def compare(composed: DictConfig) -> Comparison:
     """Every layout of `composed`'s world that validates, best first (fits, then predicted time)."""
     hw = composed.hardware
-    world = int(hw.devices) * int(hw.num_nodes)
+    world = world_of(hw)
     listed: list[Candidate] = []
     refused: list[tuple[list[str], str]] = []
     seen: set[tuple[int, ...]] = set()
@@ -120,7 +122,7 @@ def compare(composed: DictConfig) -> Comparison:
     if not listed and refused:
         raise ConfigError(refused[0][1])
     order = {id(c): i for i, c in enumerate(listed)}  # ties: PRESETS order, then nd's
-    listed.sort(key=lambda c: (*_rank(c), order[id(c)]))
+    listed.sort(key=lambda c: (*rank_key(c), order[id(c)]))
     return Comparison(listed, refused, _rate(composed.hardware, None)[1], _bandwidth(composed.hardware)[1])
 
 
@@ -149,7 +151,7 @@ def _model_parallel(node: DictConfig, world: int) -> int:
     return 1
 
 
-def _rank(c: Candidate) -> tuple[bool, float]:
+def rank_key(c: Candidate) -> tuple[bool, float]:
     """Fits first, then the predicted step time (to 3 significant figures: closer is a tie)."""
     t = c.predicted_step_s if c.predicted_step_s is not None else float("inf")
     return (not c.fits, float(f"{t:.3g}"))
@@ -304,42 +306,6 @@ def _bandwidth(hw: DictConfig) -> tuple[float, str]:
             return gbps, f"{part.strip()} = {gbps:g} GB/s"
     gbps = FALLBACK_GBPS.get(str(hw.accelerator), FALLBACK_GBPS["gpu"])
     return gbps, f"assumed {gbps:g} GB/s (interconnect {text or 'unknown'} names no figure)"
-
-
-# ------------------------------------------------------------------ strategy=auto
-
-_CHOICES: dict[int, tuple[DictConfig, dict[str, Any]]] = {}  # id(cfg) -> (cfg, plan.json's auto_choice)
-
-
-def choose(composed: DictConfig) -> DictConfig:
-    """strategy=auto: the validated config of the best layout that fits (its concrete strategy
-    and degrees in place of auto). None fits: `PlanInfeasible` naming the closest."""
-    from loom.errors import PlanInfeasible
-
-    result = compare(composed)
-    best = result.candidates[0] if result.candidates else None
-    if best is None or not best.fits:
-        closest = min(result.candidates, key=lambda c: c.memory_per_device_bytes - (c.capacity_per_device_bytes or 0),
-                      default=None)
-        where = (f"; the closest is {' '.join(closest.overrides)} needing {closest.memory_per_device_bytes / GB:,.1f}"
-                 f" GB of {(closest.capacity_per_device_bytes or 0) / GB:,.1f} GB per device") if closest else ""
-        raise PlanInfeasible(
-            f"Plan infeasible: strategy=auto found no layout of the {composed.hardware.devices * composed.hardware.num_nodes}"
-            f" devices of hardware={composed.hardware.name} that fits model={composed.model.name}"
-            f" ({len(result.candidates)} valid layouts considered){where}. Use more devices, a smaller"
-            " dataset.batch_size or trainer.activation_checkpointing=full; `loom plan --compare` lists them.")
-    choice = {"strategy": best.strategy, "degrees": best.degrees, "overrides": best.overrides,
-              "predicted_step_s": best.predicted_step_s, "candidates_considered": len(result.candidates),
-              "candidates_fitting": sum(c.fits for c in result.candidates),
-              "rate_source": result.rate_source, "bandwidth_source": result.bandwidth_source}
-    _CHOICES[id(best.cfg)] = (best.cfg, choice)
-    return best.cfg
-
-
-def auto_choice_of(cfg: DictConfig) -> dict[str, Any] | None:
-    """plan.json's `auto_choice` of a config `choose` returned (None: not chosen by auto)."""
-    held = _CHOICES.get(id(cfg))
-    return held[1] if held and held[0] is cfg else None
 
 
 def render_comparison(result: Comparison, hardware: str, model: str) -> None:

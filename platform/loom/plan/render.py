@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom.plan.assumptions import phrase
 from loom.plan.memory import GB, HOST_USABLE
 
 
@@ -14,20 +15,22 @@ def render(plan: dict[str, Any]) -> None:
 
     mem = plan["memory_per_device_bytes"]
     bpp = plan["bytes_per_param"]
-    t = Table(title=f"loom plan: {plan['strategy']} on {plan['hardware']}", show_header=False)
+    auto = plan.get("auto_choice")
+    chosen = " (chosen by strategy=auto)" if auto else ""
+    t = Table(title=f"loom plan: {plan['strategy']}{chosen} on {plan['hardware']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
     hw = f"{plan['device_name']}, {plan['accelerator']}, {plan['backend']}, {plan['interconnect']}"
     if plan.get("resolved_from"):
         hw += f" (resolved from {plan['resolved_from']})"
-    rows = [
+    rows = [("strategy", f"{plan['strategy']}, chosen by strategy=auto: {auto['reason']}")] \
+        if auto and auto.get("reason") else []
+    rows += [
         ("hardware", hw),
         ("world size", f"{plan['world_size']} ({plan['num_nodes']} node(s) x {plan['devices_per_node']}), "
                        f"dp={plan['data_parallel']} tp={plan['tensor_parallel']}"
                        + (f" pp={plan['parallel']['pp']}" if plan.get("parallel", {}).get("pp", 1) > 1 else "")),
-        ("batch", f"micro {plan['micro_batch']} x accum {plan['accumulate_grad_batches']} x dp "
-                  f"{plan['data_parallel']} = global {plan['global_batch']} "
-                  f"({plan['tokens_per_step']:,} tokens/step)"),
+        *_batch_rows(plan),
         ("model", (f"{plan['params'] / 1e6:,.1f}M params, " if plan["params"] is not None else "params unknown, ")
                   + (f"{plan['flops_per_token'] / 1e9:,.3f} GFLOP/token, {plan['flops_per_step'] / 1e12:,.2f} "
                      "TFLOP/step" if plan["flops_per_token"] is not None else "FLOPs unknown")),
@@ -70,6 +73,24 @@ def render(plan: dict[str, Any]) -> None:
         t.add_row(k, v)
     Console().print(t)
 
+
+
+def _batch_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """seq_len, micro and global batch, each with where it came from (plan.json `assumptions`);
+    one "batch" row for a plan.json from before they were recorded."""
+    product = f"micro {plan['micro_batch']} x accum {plan['accumulate_grad_batches']} x dp {plan['data_parallel']}"
+    tokens = f"{plan['tokens_per_step']:,} tokens/step"
+    given = plan.get("assumptions") or {}
+    if not given:
+        return [("batch", f"{product} = global {plan['global_batch']} ({tokens})")]
+    seq, micro, accum, glob = (given.get(k) or {} for k in
+                               ("seq_len", "micro_batch", "accumulate_grad_batches", "global_batch"))
+    line = f"{plan['global_batch']} = {product}, {tokens} ({phrase(glob)}"
+    if accum.get("source") not in (None, "default"):  # accumulation set, or derived from the global batch
+        line += f"; accum: {phrase(accum)}"
+    return [("seq_len", f"{seq['value']} ({phrase(seq)})" if seq.get("value") is not None else phrase(seq)),
+            ("micro batch", f"{plan['micro_batch']} per device ({phrase(micro)})"),
+            ("global batch", line + ")")]
 
 
 def _comm_rows(plan: dict) -> list[tuple[str, str]]:
