@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 fail() { echo "setup: $*" >&2; exit 2; }
-stamp="$VENV/.loom-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)${OFFLINE:+-offline}"
+stamp="$VENV/.loom-setup-$(cat pyproject.toml setup.py scripts/setup.sh | sha1sum | cut -c1-12)${OFFLINE:+-offline}"
 [ -f "$stamp" ] && exit 0
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 TORCH_MIN=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -55,6 +55,18 @@ if sys.prefix != sys.base_prefix:
 PYEOF
 }
 
+# The wheelhouse was resolved for one torch (manifest.json "torch"): say so when the venv has another.
+same_torch_as_wheelhouse() {
+  "$VENV/bin/python" - "$OFFLINE/manifest.json" <<'PYEOF' >&2
+import json, sys
+from importlib.metadata import version
+want, have = json.load(open(sys.argv[1])).get("torch"), version("torch")
+if want and want.split("+")[0] != have.split("+")[0]:
+    print(f"setup: warning: {sys.argv[1]} was resolved for torch {want}, this venv has torch {have}: a package "
+          f"there may need another torch; rebuild it with scripts/wheelhouse.sh DIR --torch {have}")
+PYEOF
+}
+
 offline_install() {
   [ -f "$OFFLINE/manifest.json" ] || fail "$OFFLINE has no manifest.json: build it with scripts/wheelhouse.sh $OFFLINE --python <the target's X.Y>"
   local state
@@ -71,6 +83,7 @@ offline_install() {
   fi
   state=$(torch_state "$VENV/bin/python")
   [ "$state" = ok ] || fail "the new venv $VENV cannot use torch (found: $state)"
+  same_torch_as_wheelhouse
   local extras
   extras=$("$VENV/bin/python" -c "import json, sys; m = json.load(open(sys.argv[1])); print(','.join(sorted({w['group'] for w in m['wheels']} - {'core', 'build', 'lightning'})))" "$OFFLINE/manifest.json")
   "$VENV/bin/python" -c "import setuptools, wheel" 2>/dev/null || pip install -q --no-index --find-links "$OFFLINE" "setuptools>=64" wheel

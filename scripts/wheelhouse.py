@@ -12,11 +12,18 @@ DS_BUILD_OPS=0 (its ops are built just in time on the GPU machine).
 The site stack is torch and what it requires, numpy, and PyTorch Lightning with what it
 requires: a CUDA PyTorch image ships them. `--with lightning` adds Lightning's stack and
 numpy for a machine that has only torch.
+
+The resolution runs against the torch the site serves (`--torch VERSION`, default this
+interpreter's), as a metadata-only stub wheel of that version given to pip by path: so a site's
+pip constraint (PIP_CONSTRAINT, or `constraint` in pip.conf) that allows that torch resolves, pip
+picks releases that support it, and a package that needs a newer torch stops the build with one
+paragraph naming the package, its requirement and the target torch (never packed to fail later).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -30,6 +37,7 @@ import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parent.parent
 SDIST_ONLY = {"antlr4-python3-runtime": "4.9.3"}
@@ -37,18 +45,42 @@ DEEPSPEED_DEFAULT = "0.19.8"
 BUILD = ["setuptools>=64", "wheel"]  # `pip install -e .` with no index builds Loom with these
 SITE_ROOTS = ("torch", "numpy", "pytorch-lightning")
 EXTRAS = ("tracking", "hf", "data", "sweeps", "lightning")
-STUB_TORCH = "9999"
+
+
+class WheelhouseError(Exception):
+    """A build that cannot succeed as asked: one paragraph for the user, exit 2."""
 
 
 def pip(py: str, *args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([py, "-m", "pip", "--disable-pip-version-check", *args], check=True, **kw)
 
 
+def project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def target_torch(given: str | None) -> str:
+    """The torch version to resolve against, checked against Loom's own torch range."""
+    version = given or installed_version("torch")
+    if version is None:
+        raise WheelhouseError("this interpreter has no torch to take the version from: pass the site's with "
+                              "--torch VERSION (e.g. --torch 2.13.0+cu128).")
+    try:
+        Version(version)
+    except InvalidVersion:
+        raise WheelhouseError(f"--torch {version} is not a version (e.g. --torch 2.13.0).") from None
+    loom = next(Requirement(r) for r in project()["dependencies"] if canonicalize_name(Requirement(r).name) == "torch")
+    if not loom.specifier.contains(version, prereleases=True):
+        raise WheelhouseError(f"torch {version} is outside Loom's supported range ({loom}, pyproject.toml): "
+                              "the site's torch must be in it; pass the site's version with --torch VERSION.")
+    return version
+
+
 def requirements(extras: list[str]) -> dict[str, list[str]]:
     """pyproject.toml's requirement strings by group: "core" and each chosen extra."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    optional = project["optional-dependencies"]
-    groups = {"core": [r for r in project["dependencies"] if canonicalize_name(Requirement(r).name) != "torch"]}
+    meta = project()
+    optional = meta["optional-dependencies"]
+    groups = {"core": [r for r in meta["dependencies"] if canonicalize_name(Requirement(r).name) != "torch"]}
     for extra in extras:
         if extra != "lightning":
             groups[extra] = [r for r in optional[extra] if not r.startswith("loom[")]
@@ -67,29 +99,60 @@ def build_sdists(py: str, out: Path, deepspeed: str) -> None:
         pip(py, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), f"{name}=={version}", env=env)
 
 
-def stub_torch(where: Path) -> None:
-    """A metadata-only `torch` wheel (version 9999, no requirements) for the resolution: the
-    site provides torch, and resolving PyPI's would fetch the metadata of its CUDA libraries
-    (17 s of the 21 s this script took)."""
-    info = f"torch-{STUB_TORCH}.dist-info"
-    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {STUB_TORCH}\n",
+def stub_torch(where: Path, version: str) -> Path:
+    """A metadata-only `torch` wheel of the target's version with no requirements: the site
+    provides torch, and resolving PyPI's would fetch the metadata of its CUDA libraries (17 s of
+    the 21 s this script took)."""
+    info = f"torch-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: loom-wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(where / f"torch-{STUB_TORCH}-py3-none-any.whl", "w") as z:
+    path = where / f"torch-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
         for name, text in files.items():
             z.writestr(name, text)
         z.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"]))
+    return path
 
 
-def resolve(py: str, out: Path, reqs: list[str], target: list[str]) -> list[dict]:
+def resolve(py: str, links: Path, reqs: list[str], target: list[str], torch: str) -> list[dict]:
     """pip's own resolution for the target Python/platform, from wheel metadata only, with torch
-    pinned to the stub (torch's own requirements are the site's, like torch)."""
+    the stub of the target's version, named by path so that no index's torch can stand in for it
+    (torch's own requirements are the site's, like torch). Site constraints apply as to any pip."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        stub_torch(Path(tmp))
-        pip(py, "install", "-q", "--dry-run", "--ignore-installed", "--report", str(report), "--only-binary=:all:",
-            *target, "--target", str(Path(tmp) / "t"), "--find-links", str(out), "--find-links", tmp,
-            *reqs, f"torch=={STUB_TORCH}")
+        stub = stub_torch(Path(tmp), torch)
+        r = subprocess.run([py, "-m", "pip", "--disable-pip-version-check", "install", "--dry-run",
+                            "--ignore-installed", "--report", str(report), "--only-binary=:all:", *target,
+                            "--target", str(Path(tmp) / "t"), "--find-links", str(links), *reqs,
+                            f"torch @ {stub.as_uri()}"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise WheelhouseError(explain(r.stdout + r.stderr, torch))
         return json.loads(report.read_text())["install"]
+
+
+def explain(pip_output: str, torch: str) -> str:
+    """pip's failed resolution as one paragraph: who needs another torch, or which constraint
+    excludes the target's."""
+    lines = pip_output.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("The conflict is caused by")), len(lines))
+    caused = list(dict.fromkeys(line.strip() for line in itertools.takewhile(str.strip, lines[start:])))
+    needs = [m.groups() for line in caused if (m := re.match(r"(\S+) (\S+) depends on (torch\b.*)", line))
+             and not Requirement(m[3]).specifier.contains(torch, prereleases=True)]  # pip lists those it meets too
+    constraints = [line.split("(constraint) ", 1)[1] for line in caused if "(constraint) " in line]
+    target = f"torch {torch}, the torch this wheelhouse is built for (--torch; default: this interpreter's)"
+    if needs:
+        who = "; ".join(f"{name} {version} requires {spec}" for name, version, spec in needs)
+        return (f"{who}: no release that fits {target}. Pick a release that supports it (deepspeed: --deepspeed "
+                "VERSION; another package: pin it lower in pyproject.toml), or build for the site's newer torch "
+                "with --torch VERSION.")
+    if constraints:
+        return (f"pip's constraints ({', '.join(constraints)}; from PIP_CONSTRAINT or `constraint` in pip.conf: "
+                f"`pip config list` shows it) exclude {target}. Build for a torch they allow, the one the site "
+                "serves: --torch VERSION.")
+    if caused:
+        return f"pip found no set of versions that fits {target}: " + "; ".join(caused) + "."
+    errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR: ")]
+    return f"pip could not resolve Loom's requirements for {target}: " + " ".join(errors or lines[-3:])
 
 
 def marker_env(python: str, platform: str) -> dict[str, str]:
@@ -131,21 +194,33 @@ def main() -> int:
     ap.add_argument("--python", default=f"{sys.version_info[0]}.{sys.version_info[1]}")
     ap.add_argument("--platform", default="manylinux2014_x86_64")
     ap.add_argument("--with", dest="extras", default="", help=f"comma-separated: {', '.join(EXTRAS)}, all")
+    ap.add_argument("--torch", default=None, help="the site's torch version (default: this interpreter's)")
     ap.add_argument("--deepspeed", default=None, help="deepspeed version (default: this interpreter's)")
     args = ap.parse_args()
     extras = [e for e in args.extras.split(",") if e]
     extras = list(EXTRAS) if "all" in extras else extras
     unknown = sorted(set(extras) - set(EXTRAS))
-    if unknown:
-        print(f"wheelhouse: unknown --with {','.join(unknown)}; valid: {', '.join(EXTRAS)}, all", file=sys.stderr)
+    try:
+        if unknown:
+            raise WheelhouseError(f"unknown --with {','.join(unknown)}; valid: {', '.join(EXTRAS)}, all")
+        args.torch = target_torch(args.torch)
+        build(args, extras)
+    except WheelhouseError as e:
+        print(f"wheelhouse: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def build(args: argparse.Namespace, extras: list[str]) -> None:
+    """Resolve, sort into groups (what the site has, what each extra adds), download, list."""
     py, out = sys.executable, args.dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     target = ["--python-version", args.python, "--platform", args.platform]
-    build_sdists(py, out, args.deepspeed or installed_version("deepspeed") or DEEPSPEED_DEFAULT)
+    deepspeed = args.deepspeed or installed_version("deepspeed") or DEEPSPEED_DEFAULT
+    build_sdists(py, out, deepspeed)
     groups = requirements(extras)
-    all_reqs = [r for rs in groups.values() for r in rs] + BUILD
-    items = {canonicalize_name(i["metadata"]["name"]): i for i in resolve(py, out, all_reqs, target)}
+    all_reqs = [r for rs in groups.values() for r in rs] + BUILD + [f"deepspeed=={deepspeed}"]
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in resolve(py, out, all_reqs, target, args.torch)}
     env = marker_env(args.python, args.platform)
     site_roots = ["torch"] if "lightning" in extras else list(SITE_ROOTS)
     site = closure(items, [Requirement(r) for r in site_roots], env)
@@ -158,7 +233,6 @@ def main() -> int:
             group_of[name] = "lightning" if group_of.get(name, "core") == "core" else group_of[name]
     download(py, out, items, group_of, target)
     write_manifest(out, items, group_of, site, args)
-    return 0
 
 
 def installed_version(name: str) -> str | None:
@@ -197,11 +271,11 @@ def write_manifest(out: Path, items: dict[str, dict], group_of: dict[str, str], 
     totals: dict[str, int] = {}
     for r in rows:
         totals[r["group"]] = totals.get(r["group"], 0) + r["bytes"]
-    manifest = {"python": args.python, "platform": args.platform, "wheels": rows, "bytes_by_group": totals,
+    manifest = {"python": args.python, "platform": args.platform, "torch": args.torch, "wheels": rows, "bytes_by_group": totals,
                 "bytes": sum(totals.values()), "site_stack": sorted(site),
                 "site_roots": ["torch"] if "lightning" in (args.extras or "") else list(SITE_ROOTS)}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    lines = [f"# Loom wheelhouse for Python {args.python} on {args.platform}",
+    lines = [f"# Loom wheelhouse for Python {args.python} on {args.platform}, resolved for torch {args.torch}",
              f"# left to the site (must be installed there): {', '.join(manifest['site_roots'])} and what they require",
              *(f"{r['group']:<10} {r['name']:<32} {r['version']:<14} {r['bytes'] / 2**20:7.2f} MiB" for r in rows),
              *(f"# {g}: {b / 2**20:.2f} MiB" for g, b in totals.items()),

@@ -5,9 +5,12 @@
 #
 #   scripts/wheelhouse.sh DIR [--python 3.12] [--platform manylinux2014_x86_64]
 #                             [--with tracking,hf,data,sweeps,lightning|all] [--deepspeed 0.19.8]
+#                             [--torch 2.13.0+cu128]
 #
 # Left out: torch and what it requires, numpy, and PyTorch Lightning's stack (a CUDA PyTorch
 # image has them; `--with lightning` adds Lightning and numpy for a machine that has only torch).
+# Resolved for the site's torch (--torch; default: the interpreter's), under this machine's pip
+# constraints; a package that needs a newer torch is named and the build stops (exit 2).
 # The core set (no --with) is what `loom train ... tracking=csv` needs. DIR/manifest.txt lists
 # every wheel with its version, size and the group that needs it; DIR/manifest.json the same.
 # Building deepspeed's wheel (DS_BUILD_OPS=0) runs its setup.py, which wants torch: the
@@ -15,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
