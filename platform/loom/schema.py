@@ -106,6 +106,15 @@ SECTIONS: dict[str, type] = {
 TOP_LEVEL = {"experiment": str, "seed": int}
 
 
+def load(ref: str) -> Any:
+    """The object a registry entry names as "module:attribute": imported only when a worker builds
+    it, so the registries (and the launcher reading them) stay free of torch."""
+    import importlib
+
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def no_check(cfg: DictConfig, layout: object) -> None:
     """The default `check` of a config group option: nothing beyond its schema's types."""
 

@@ -18,7 +18,6 @@ is wrapped to note each index it serves, in order), matched to trained batches b
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections import deque
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
+from loom.schema import load
 
 RECORD_ENV = "LOOM_RECORD_SAMPLE_IDS"
 log = logging.getLogger("loom")
@@ -66,8 +66,7 @@ class LoomDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ building the sets
     def _build(self) -> tuple[Dataset, Dataset | None]:
-        module, _, function = DATASETS[self.cfg.dataset.name].datasets.partition(":")
-        return getattr(importlib.import_module(module), function)(self.cfg)
+        return load(DATASETS[self.cfg.dataset.name].datasets)(self.cfg)
 
     def prepare_data(self) -> None:
         """Local rank 0: tokenize into the cache (a no-op when it is there)."""

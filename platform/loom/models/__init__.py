@@ -7,7 +7,6 @@ launcher); `build_module` imports torch and Lightning.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from omegaconf import DictConfig
@@ -17,6 +16,7 @@ from loom.layout import ParallelLayout
 from loom.models import init_from
 from loom.models.registry import MODELS
 from loom.models.spec import ModelSpec, Parts
+from loom.schema import load
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items()}
 
@@ -71,5 +71,4 @@ def splittable(how: str) -> str:
 
 def build_module(cfg: DictConfig) -> Any:
     """The run's LightningModule, built from the frozen config (seeded by the caller)."""
-    module, _, function = MODELS[cfg.model.name].build.partition(":")
-    return getattr(importlib.import_module(module), function)(cfg)
+    return load(MODELS[cfg.model.name].build)(cfg)

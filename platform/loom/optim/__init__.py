@@ -3,6 +3,7 @@ here (torch-free); `build.py` builds the optimizer and its schedule in the worke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,17 +38,37 @@ class SGDConfig:
     fused: Any = "auto"
 
 
-SCHEMAS: dict[str, type] = {"adamw": AdamWConfig, "sgd": SGDConfig}
+def _check_adamw(o: DictConfig) -> None:
+    require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
+            "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+
+
+def _check_sgd(o: DictConfig) -> None:
+    require(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0 (0: no momentum)")
+    require(not o.nesterov or o.momentum > 0, "optim.nesterov", o.nesterov,
+            "Nesterov momentum needs optim.momentum > 0")
+
+
+@dataclass(frozen=True)
+class OptimizerOption:
+    schema: type
+    check: Callable[[DictConfig], None]          # the option's own fields
+    state_slots: Callable[[DictConfig | None], int]  # per-parameter state tensors (plan's optimizer bytes)
+    build: str                                   # "loom.optim.build:function" (param groups, cfg, fused); torch
+
+
+# AdamW keeps m and v; SGD its momentum buffer, none without momentum.
+OPTIMIZERS: dict[str, OptimizerOption] = {
+    "adamw": OptimizerOption(AdamWConfig, _check_adamw, lambda o: 2, "loom.optim.build:adamw"),
+    "sgd": OptimizerOption(SGDConfig, _check_sgd, lambda o: 1 if o.momentum > 0 else 0, "loom.optim.build:sgd"),
+}
+SCHEMAS: dict[str, type] = {name: option.schema for name, option in OPTIMIZERS.items()}
 
 
 def state_slots(optim: DictConfig | None) -> int:
-    """Per-parameter state tensors the optimizer keeps (the plan's optimizer bytes follow):
-    AdamW m and v; SGD its momentum buffer, none without momentum. None: AdamW."""
-    if optim is None or optim.name == "adamw":
-        return 2
-    if optim.name == "sgd":
-        return 1 if optim.momentum > 0 else 0
-    raise ValueError(f"optim.name={optim.name!r} has no state model")
+    """Per-parameter state tensors the optimizer keeps (the plan's optimizer bytes follow). None: AdamW."""
+    return OPTIMIZERS["adamw" if optim is None else optim.name].state_slots(optim)
 
 
 def run_warnings(cfg: DictConfig) -> list[str]:
@@ -71,11 +92,4 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be between 0 and 1")
-    if o.name == "adamw":
-        require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-                "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
-        require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
-    if o.name == "sgd":
-        require(o.momentum >= 0, "optim.momentum", o.momentum, "must be >= 0 (0: no momentum)")
-        require(not o.nesterov or o.momentum > 0, "optim.nesterov", o.nesterov,
-                "Nesterov momentum needs optim.momentum > 0")
+    OPTIMIZERS[o.name].check(o)

@@ -10,6 +10,9 @@ import torch
 from omegaconf import DictConfig
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from loom.optim import OPTIMIZERS
+from loom.schema import load
+
 
 def _ndim(p: torch.Tensor) -> int:
     """Dimensions of the full parameter: a ZeRO-3 partition is flat, its shape is `ds_shape`."""
@@ -47,12 +50,15 @@ def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: Di
     """The torch optimizer `optim.name` names (adamw | sgd), fused per `optim.fused`."""
     groups = _groups(named_params, optim.weight_decay)
     fused = use_fused(optim.fused, [p for g in groups for p in g["params"]], scaled_clipping)
-    if optim.name == "adamw":
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
-    if optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov,
-                               fused=fused)
-    raise ValueError(f"optim.name={optim.name!r}: valid choices: adamw, sgd")
+    return load(OPTIMIZERS[optim.name].build)(groups, optim, fused)
+
+
+def adamw(groups: list[dict], optim: DictConfig, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused)
+
+
+def sgd(groups: list[dict], optim: DictConfig, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum, nesterov=optim.nesterov, fused=fused)
 
 
 def build_optimizer(

@@ -13,12 +13,12 @@ Every strategy class also answers Loom's two questions about its states (`base.L
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout, world_of
+from loom.schema import load
 from loom.strategies.registry import STRATEGIES, StrategyOption
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in STRATEGIES.items()}
@@ -77,5 +77,4 @@ def lightning_precision(cfg: DictConfig) -> str:
 
 def build_strategy(cfg: DictConfig, layout: ParallelLayout) -> Any:
     """The Lightning strategy object of this run (imports torch, Lightning and the strategy's library)."""
-    module, _, function = STRATEGIES[cfg.strategy.name].build.partition(":")
-    return getattr(importlib.import_module(module), function)(cfg, layout)
+    return load(STRATEGIES[cfg.strategy.name].build)(cfg, layout)

@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from loom.atomic import atomic_path
 from loom.rundir.config_file import frozen_container
+from loom.schema import load
 
 log = logging.getLogger("loom")
 
@@ -199,14 +200,12 @@ def build_tensorboard(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeTensor
 def build_loggers(cfg: DictConfig, run_dir: Path, run_id: str) -> list:
     """One Lightning logger per tracker the config turns on (a builder may return None on ranks
     that log nothing)."""
-    import importlib
 
     from loom.tracking.registry import TRACKERS, enabled_trackers
 
     loggers: list = []
     for name in enabled_trackers(cfg.tracking):
-        module, _, function = TRACKERS[name].builder.partition(":")
-        logger = getattr(importlib.import_module(module), function)(cfg, run_dir, run_id)
+        logger = load(TRACKERS[name].builder)(cfg, run_dir, run_id)
         if logger is not None:
             loggers.append(logger)
     return loggers
