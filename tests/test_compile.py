@@ -12,6 +12,7 @@ one is also the test that activation checkpointing under FSDP2 trains like `sing
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,8 +83,27 @@ def test_compiled_losses_match_eager(compile_runs, strategy):
     assert "recompile_limit" not in (r.err + log)  # compiled for real, no fallback to eager
     if strategy == "fsdp":
         assert "activation checkpointing (full): 2 of" in log
+    _assert_compiled_at_step_1_only(r, log)
+    assert ref.summary()["recompiles"] == {"count": 0, "steps": [], "reasons": []}
     final = load_file(str(r.run_dir / "final" / "model.safetensors"))
     assert final.keys() == load_file(str(ref.run_dir / "final" / "model.safetensors")).keys()
+
+
+def _assert_compiled_at_step_1_only(r, log: str) -> None:
+    """A compiled run's compile is step 1's, seen by torch's hooks: its seconds are time.compile_s
+    (within the first step's), only step 1's line says so, no recompile or warning, and every
+    later window (log_every_n_steps=1) is steady. Catches a compile that goes undetected (compile_s
+    0, step 1 counted as steady), a validation compile counted as training's (a recompile at step
+    10, its window out), and the step-1 compile reported as a recompile."""
+    s = r.summary()
+    assert s["recompiles"] == {"count": 0, "steps": [], "reasons": []}
+    span = s["attempts"][-1]
+    assert span["recompiles"] == [] and span["steady_steps"] == STEPS - 1
+    assert s["throughput"]["steady"] and s["throughput"]["steady_from_step"] == 1
+    assert 0 < s["time"]["compile_s"] < s["time"]["first_step_s"] == span["first_step_s"]
+    steps = re.findall(r"\] loom INFO: step (\d+)/\d+ .*?(\(compiling: [\d.]+ s\))?$", log, re.M)
+    assert [(int(n), bool(c)) for n, c in steps] == [(n, n == 1) for n in range(1, STEPS + 1)]
+    assert "torch recompiled" not in log and "torch compiled on rank" not in log
 
 
 # ----------------------------------------------------------------------------- compiles found

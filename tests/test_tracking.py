@@ -149,6 +149,8 @@ def test_tokens_per_sec_is_over_this_attempts_training_loop(ddp_run):
     t_ = s["time"]
     assert t_["train_s"] == pytest.approx(train_time, abs=0.001) and t_["checkpoint_s"] > 0  # saves at 5, 10, 12
     assert 0 < t_["first_step_s"] < train_time and t_["compile_s"] == 0.0 and t_["validation_s"] > 0
+    # not compiled: no compile seen, so every window after the first is steady (test_compile: compiled runs)
+    assert s["recompiles"] == {"count": 0, "steps": [], "reasons": []} and span["steady_steps"] == STEPS - 1
 
     rows = [r for r in ddp_run.result.metrics() if r.get("perf/step_time_ms")]
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # log_every_n_steps=1
