@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -118,6 +119,11 @@ def test_sigkill_under_async_checkpoints_resumes_bit_identical(shared, tmp_path)
     run_dir = ckpts.parent
     victims = worker_pids(run_dir)
     assert len(victims) == 4
+    # ps / pgrep -f tell the run's processes apart: each rank, its forkserver, the agent, the launcher
+    parents = [_parent(victims[0]), _parent(_parent(victims[0])), _parent(_parent(_parent(victims[0])))]
+    assert [_title(pid) for pid in victims + parents] == [*(f"loom[a] rank {r}/4" for r in range(4)),
+                                                          "loom[a] forkserver", "loom[a] agent", "loom[a] launcher"]
+    assert parents[2] == proc.pid and victims[3] in _pgrep(r"^loom\[a\] rank 3/4$")
     for pid in victims:  # the ranks themselves: SIGKILL (the launcher's group would only
         os.kill(pid, signal.SIGKILL)  # SIGTERM them, via PDEATHSIG: a graceful preemption)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -145,6 +151,19 @@ def test_sigkill_under_async_checkpoints_resumes_bit_identical(shared, tmp_path)
     done = re.findall(r"^checkpoint step-(\d+)\.ckpt complete: [\d.]+ s from the start of its save$", r.out, re.M)
     assert saves and sorted(map(int, saves)) == sorted(map(int, done)), r.out
     assert os.readlink(ckpts / "last.ckpt") == f"step-{STEPS:07d}.ckpt"  # the last save was awaited
+
+
+def _title(pid: int) -> str:
+    """A process's command line as ps shows it (loom.process.set_title)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _pgrep(pattern: str) -> list[int]:
+    return [int(x) for x in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -143,7 +143,16 @@ def node_banner(cfg: DictConfig) -> str:
 
 
 def launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
-    """Run all ranks to the end; returns the exit code of the training."""
+    """Run all ranks to the end; returns the exit code of the training. Meanwhile the launcher
+    is titled `loom[<run id>] launcher` (ps, `pgrep -f`; an in-process run's `..., rank 0/1`)."""
+    from loom import process
+
+    role = "launcher" if layout.world > 1 else "launcher, rank 0/1"
+    with process.titled(process.title(str(cfg.run.id), role), "loom-launcher"):
+        return _launch(cfg, layout, run_dir)
+
+
+def _launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     from loom.compose.hydra_options import launcher_debug
 
     env = worker_env(cfg, run_dir)

@@ -11,16 +11,34 @@ same forkserver, the agent's SIGTERM reaches each rank, and a rank's exit code i
 
 A rank's parent is the forkserver, which exits with the agent (once the ranks let go of the
 agent's liveness pipe: `loom.worker.preload.leave_agents_pipe`), so a rank's parent-death signal
-(loom.worker.main.die_with_parent) still follows the agent. Its command line is the
-forkserver's: a rank's pid is in its log (`logs/rank-N.log`, "rank N (pid P) started") and its
-process name (`ps -o comm`) is `loom-rank-N`.
+(loom.worker.main.die_with_parent) still follows the agent. A forked rank's command line would
+be the forkserver's: each process titles itself instead (loom.process.set_title), `loom[<run id>]
+agent`, `... forkserver` and `... rank R/W` (comm names loom-agent, loom-forkserver, loom-rank-R);
+a rank's pid is also in its log (`logs/rank-N.log`, "rank N (pid P) started").
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 PRELOAD = ["loom.worker.preload"]
+RUN_ID_ENV = "LOOM_RUN_ID"  # the forkserver's title (loom.worker.preload)
+
+
+def name_agent(run_dir: str) -> None:
+    """Title this agent `loom[<run id>] agent` and hand the run id to the forkserver."""
+    import os
+
+    from loom import process
+    from loom.rundir.config_file import load_frozen
+
+    try:
+        run_id = str(load_frozen(Path(run_dir) / "config.yaml").run.id)
+    except Exception:  # a title must not stop a run: torchrun reports a missing run dir itself
+        run_id = Path(run_dir).name
+    os.environ[RUN_ID_ENV] = run_id
+    process.set_title(process.title(run_id, "agent"), "loom-agent")
 
 
 def start_forkserver() -> None:
@@ -59,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[-1].startswith("-"):
         sys.exit("usage: python -m loom.worker.agent <torchrun options> <run_dir>")
+    name_agent(argv[-1])
     start_forkserver()
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -98,8 +98,18 @@ def die_with_parent(death: signal.Signals = signal.SIGTERM) -> None:
     from loom import process
 
     process.die_with_parent(death)
-    # `ps -o comm`, top, pgrep: a forked rank's command line is its forkserver's (loom.worker.agent)
-    process.set_process_name(f"loom-rank-{os.environ.get('RANK', '?')}")
+
+
+def name_rank(run_id: str) -> None:
+    """Under torchrun, this rank's title `loom[<run id>] rank R/W` (ps, top, nvidia-smi, `pgrep -f`)
+    and comm name `loom-rank-R`: a forked rank's command line is otherwise its forkserver's. An
+    in-process rank is the launcher, which titles itself (loom.launch)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    from loom import process
+
+    rank = os.environ.get("RANK", "?")
+    process.set_title(process.title(run_id, f"rank {rank}/{os.environ.get('WORLD_SIZE', '?')}"), f"loom-rank-{rank}")
 
 
 def run(run_dir: Path) -> int:
@@ -109,6 +119,7 @@ def run(run_dir: Path) -> int:
     run_dir = Path(run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")
     die_with_parent(signal.SIGKILL if elastic(cfg.hardware) else signal.SIGTERM)
+    name_rank(str(cfg.run.id))
     rank = int(os.environ.get("RANK", 0))
     setup_logging(run_dir, rank)
     quiet_progress_bars()
