@@ -33,7 +33,7 @@ def normalize(cfg: DictConfig) -> None:
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     MODELS[cfg.model.name].check(cfg, layout)
-    init_from.check(cfg)  # the source's tensors against the model's, before launch
+    init_from.check(cfg, MODELS[cfg.model.name].shapes)  # the source's tensors against the model's, before launch
     _check_export_format(cfg)
 
 

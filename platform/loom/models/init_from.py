@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError
 from loom.errors import fail as _fail
 from loom.models import llama_hf
-from loom.models.schema import GPT_SIZES, LLAMA_OPTIONS
+from loom.models.schema import LLAMA_OPTIONS
 
 FINAL = Path("final") / "model.safetensors"
 HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"  # a Hugging Face dir's weights
@@ -128,42 +129,36 @@ def mlp_shapes(m: DictConfig) -> Shapes:
     return out
 
 
-def meta_shapes(cfg: DictConfig) -> Shapes:
-    """An hf_causal_lm or custom nn.Module class, built on the meta device (imports torch)."""
-    import torch
-
-    with torch.device("meta"):
-        if cfg.model.name == "hf_causal_lm":
-            from transformers import AutoModelForCausalLM
-
-            from loom.models import hf
-
-            model = AutoModelForCausalLM.from_config(hf.auto_config(cfg.model))
-        else:
-            from loom.models.custom import instantiate
-
-            model = instantiate(cfg.model.module)
+def _state_shapes(model: Any) -> Shapes:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def expected_shapes(cfg: DictConfig) -> Shapes:
-    name = cfg.model.name
-    if name in GPT_SIZES:
-        return gpt_shapes(cfg.model)
-    if name in LLAMA_OPTIONS:
-        return llama_hf.llama_shapes(cfg.model)
-    if name == "mlp":
-        return mlp_shapes(cfg.model)
-    if name == "custom":
-        from loom.models import custom
+def hf_shapes(cfg: DictConfig) -> Shapes:
+    """A transformers architecture's state dict, built on the meta device (imports torch)."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-        target = cfg.model.module.get("_target_")
-        kind = custom.kind_of(custom.locate(str(target)))
-        if kind != "module":
-            _fail("model.init_from", cfg.model.init_from,
-                  f"needs a model Loom builds; model.module._target_={target} is a {kind}, which "
-                  "builds its own weights: load them in it, or wrap an nn.Module class instead")
-    return meta_shapes(cfg)
+    from loom.models import hf
+
+    with torch.device("meta"):
+        return _state_shapes(AutoModelForCausalLM.from_config(hf.auto_config(cfg.model)))
+
+
+def custom_shapes(cfg: DictConfig) -> Shapes:
+    """A user's nn.Module class, built on the meta device (imports torch); a factory or a module
+    instance builds its own weights, so loading into it is refused."""
+    import torch
+
+    from loom.models import custom
+
+    target = cfg.model.module.get("_target_")
+    kind = custom.kind_of(custom.locate(str(target)))
+    if kind != "module":
+        _fail("model.init_from", cfg.model.init_from,
+              f"needs a model Loom builds; model.module._target_={target} is a {kind}, which "
+              "builds its own weights: load them in it, or wrap an nn.Module class instead")
+    with torch.device("meta"):
+        return _state_shapes(custom.instantiate(cfg.model.module))
 
 
 def file_shapes(path: Path) -> Shapes:
@@ -223,15 +218,20 @@ def _llama_problems(m: DictConfig, path: Path, found: Shapes) -> list[str]:
 
 
 def _hint(name: str, path: Path) -> str:
+    """The option that fits a Hugging Face dir: Loom's Llama for its architectures, else
+    hf_causal_lm, which loads the dir's weights itself (model.config, not model.init_from)."""
     if not path.is_dir():
         return "change the model overrides to match the source run's config.yaml"
-    if name in LLAMA_OPTIONS:
+    data = llama_hf.read_config(path) or {}
+    if (data.get("architectures") or [None])[0] in llama_hf.SUPPORTED:
         return "use model=llama, which takes every field from the directory's config.json"
-    return "use model=llama (Llama, Qwen2) or model=hf_causal_lm for a Hugging Face dir"
+    return (f"use model=hf_causal_lm model.config={path} without model.init_from (it loads that "
+            "directory's weights itself)")
 
 
-def check(cfg: DictConfig) -> None:
-    """Refuse (exit 2) a source whose tensors do not fit the configured model, before launch."""
+def check(cfg: DictConfig, expected_shapes: Callable[[DictConfig], Shapes]) -> None:
+    """Refuse (exit 2) a source whose tensors do not fit the configured model (`expected_shapes`:
+    its registry entry's `shapes`), before launch."""
     m = cfg.model
     if not m.get("init_from"):
         return

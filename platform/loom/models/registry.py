@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import checks, hf, llama_hf, spec
+from loom.models import checks, hf, init_from, llama_hf, spec
 from loom.models.schema import (
     GPT_SIZES,
     LLAMA_OPTIONS,
@@ -33,6 +33,8 @@ class ModelOption:
     check: Callable[[DictConfig, ParallelLayout], None]
     spec: Callable[[DictConfig], ModelSpec]
     build: str        # "loom.models.build:function" (cfg) -> LightningModule; imports torch
+    # its state dict's names and shapes (model.init_from is checked against them before launch)
+    shapes: Callable[[DictConfig], init_from.Shapes]
     normalize: Callable[[DictConfig], None] = nothing_to_fill
     # Whether Loom's code can split the model over ranks beyond data parallelism, for validation
     # (torch-free); the how is the worker's: the LightningModule's `tensor_parallel_plan`, the
@@ -45,22 +47,35 @@ class ModelOption:
     hf_config: Callable[[DictConfig], dict] | None = None
     # where a layered decoder's parameters sit (the plan's pipeline stages and TP); None: not one
     parts: Callable[[DictConfig], spec.Parts] | None = None
+    # elements of its largest parameter (initialization materializes one whole, in fp32; the plan's
+    # build memory); 0: unknown. Whether it is built whole on the host instead of on meta.
+    largest: Callable[[DictConfig], float] = lambda cfg: 0.0
+    built_on_host: Callable[[DictConfig], bool] = lambda cfg: False
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
-                   normalize=checks.size_vocab_to_tokenizer, tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model))
+                   lambda cfg: init_from.gpt_shapes(cfg.model), normalize=checks.size_vocab_to_tokenizer,
+                   tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model),
+                   largest=lambda cfg: float(spec.gpt_parts(cfg.model).largest))
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
-                     normalize=checks.normalize_llama, tensor_parallel=True, pipeline=True, family="llama*",
+                     lambda cfg: llama_hf.llama_shapes(cfg.model), normalize=checks.normalize_llama,
+                     tensor_parallel=True, pipeline=True, family="llama*",
                      hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),
-                     parts=lambda cfg: spec.llama_parts(cfg.model))
+                     parts=lambda cfg: spec.llama_parts(cfg.model),
+                     largest=lambda cfg: float(spec.llama_parts(cfg.model).largest))
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},
     **{option: _LLAMA for option in LLAMA_OPTIONS},
     "mlp": ModelOption(MLPModelConfig, checks.check_mlp, spec.mlp_spec, "loom.models.build:mlp",
-                       normalize=checks.normalize_mlp),
+                       lambda cfg: init_from.mlp_shapes(cfg.model), normalize=checks.normalize_mlp,
+                       largest=spec.mlp_largest),
     "hf_causal_lm": ModelOption(HFCausalLMModelConfig, checks.check_hf, spec.hf_spec, "loom.models.build:hf",
-                                normalize=checks.normalize_hf, hf_config=lambda cfg: hf.config_dict(cfg.model)),
+                                init_from.hf_shapes, normalize=checks.normalize_hf,
+                                hf_config=lambda cfg: hf.config_dict(cfg.model), largest=spec.hf_largest,
+                                built_on_host=lambda cfg: not cfg.model.random_init
+                                and hf.has_local_weights(str(cfg.model.config))),
     "custom": ModelOption(CustomModelConfig, checks.check_custom, spec.custom_spec, "loom.models.build:custom",
-                          normalize=checks.normalize_custom),
+                          init_from.custom_shapes, normalize=checks.normalize_custom,
+                          built_on_host=lambda cfg: True),  # its own __init__ allocates
 }

@@ -153,6 +153,22 @@ def mlp_spec(cfg: DictConfig) -> ModelSpec:
     return ModelSpec(params, params, float(6 * weights), len(widths) - 1, max(widths[1:-1] or widths[-1:]), 1)
 
 
+def mlp_largest(cfg: DictConfig) -> float:
+    """Elements of the MLP's widest weight."""
+    m = cfg.model
+    widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
+    return float(max(a * b for a, b in zip(widths, widths[1:], strict=False)))
+
+
+def hf_largest(cfg: DictConfig) -> float:
+    """A transformers decoder's largest parameter from its config: max(4*d*d, vocab*d)."""
+    from loom.models.hf import config_dict
+
+    c = config_dict(cfg.model)
+    d = next((c[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(c.get(k), int)), 0)
+    return float(max(4 * d * d, int(c.get("vocab_size") or 0) * d))
+
+
 def hf_spec(cfg: DictConfig) -> ModelSpec:
     from loom.models import hf
 

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
-from loom.models import model_parts
+from loom.models import MODELS, model_parts
 from loom.optim import state_slots
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
@@ -295,39 +295,15 @@ def fits(cfg: DictConfig, mem: MemoryEstimate, capacity: float | None) -> bool:
 
 def largest_param(cfg: DictConfig) -> float:
     """Elements of the model's largest single parameter: what initialization materializes
-    whole (in fp32) before it is sharded. Loom's GPT and Llama: models.spec.Parts.largest; the
-    MLP: its widest weight; a transformers model: max(4*d*d, vocab*d) from its config; 0 when
-    unknown."""
-    from loom.models import model_parts
-
-    m = cfg.model
-    parts = model_parts(cfg)
-    if parts is not None:
-        return float(parts.largest)
-    if "hidden" in m:
-        widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
-        return float(max(a * b for a, b in zip(widths, widths[1:], strict=False)))
-    if m.name == "hf_causal_lm":
-        from loom.models.hf import config_dict
-
-        c = config_dict(m)
-        d = next((c[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(c.get(k), int)), 0)
-        return float(max(4 * d * d, int(c.get("vocab_size") or 0) * d))
-    return 0.0
+    whole (in fp32) before it is sharded (the model registry's `largest`; 0 when unknown)."""
+    return MODELS[cfg.model.name].largest(cfg)
 
 
 def built_on_host(cfg: DictConfig) -> bool:
     """Whether the model is built whole on the host instead of on the meta device: a user's
     module (`model=custom`: its own __init__ allocates) or a transformers model loaded from
-    local weights (`from_pretrained`)."""
-    m = cfg.model
-    if m.name == "custom":
-        return True
-    if m.name == "hf_causal_lm" and not m.random_init:
-        from loom.models.hf import has_local_weights
-
-        return has_local_weights(str(m.config))
-    return False
+    local weights (`from_pretrained`); the model registry's `built_on_host`."""
+    return MODELS[cfg.model.name].built_on_host(cfg)
 
 
 def build_host_bytes(cfg: DictConfig, name: str, layout: ParallelLayout, params: float) -> tuple[float, str]:
