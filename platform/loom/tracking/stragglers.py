@@ -60,11 +60,12 @@ class StragglerWatch:
                 self._name(rank, slowdown, "data" if data_excess > compute_excess else "compute", steps[0])
 
     def _name(self, rank: int, slowdown: float, cause: str, first_step: int) -> None:
+        """The console line says the summary's (rounded) slowdown, so the two never disagree."""
         entry = {"rank": rank, "host": self.host(rank), "slowdown": round(slowdown, 3), "cause": cause,
                  "first_step": first_step}
         self.found.append(entry)
         what = "its data loader (data wait)" if cause == "data" else "its own compute (forward)"
-        log.warning(f"Straggler: rank {rank} on {entry['host']} spends {100 * slowdown:.0f}% of a step more than "
+        log.warning(f"Straggler: rank {rank} on {entry['host']} spends {100 * entry['slowdown']:.0f}% of a step more than "
                     f"the median rank in {what} since step {first_step}; every rank waits for it "
                     f"(summary.json stragglers, `loom report` heatmap)")
 
