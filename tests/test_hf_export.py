@@ -74,6 +74,33 @@ def test_llama_exports_a_directory_transformers_loads_with_the_same_logits(tmp_p
     _same_logits(model, tmp_path / "final", int(cfg.model.vocab_size))
 
 
+def test_the_config_carries_integer_fields_as_integers_and_loads_without_a_type_warning(tmp_path):
+    """The model schema holds llama3 rotary scaling as floats; config.json wrote
+    `original_max_position_embeddings: 8192.0` and transformers warned on every load. Every field
+    LlamaConfig holds as an integer is one in the file, and from_pretrained logs no type warning."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg, model = _built("model=llama_tiny")
+    _export(model, tmp_path / "final", config_from_fields(cfg.model), 1e9)
+    config = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert type(config["rope_scaling"]["original_max_position_embeddings"]) is int, config["rope_scaling"]
+    defaults = LlamaConfig().to_dict()
+    ints = sorted(k for k in config if type(defaults.get(k)) is int)
+    assert {"hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"} <= set(ints)
+    assert [k for k in ints if type(config[k]) is not int] == []
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in logged if "must be an integer" in m or "must be a float" in m], logged
+
+
 def test_hf_causal_lm_exports_its_own_architecture_and_the_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, PreTrainedTokenizerFast

@@ -1,6 +1,6 @@
 """`loom`: the command line. Each verb parses its arguments and hands over to a stage:
-`train` to the pipeline (or a sweep of pipelines), `plan` to the plan, `report`, `probe`
-and `recipes` to their modules.
+`train` to the pipeline (or a sweep of pipelines), `plan` to the plan, `report`, `probe`,
+`export` and `recipes` to their modules.
 
 Nothing here imports torch or Lightning before the config is valid and the plan feasible:
 a bad config is refused within the first second.
@@ -73,6 +73,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from loom.report import report
 
     return report(args.paths, out=args.out)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A finished or checkpointed run's weights as Loom's model.safetensors or a Hugging Face
+    directory, without training (torch is imported only once the request is valid)."""
+    from loom.export import export
+
+    return export(args.run_dir, args.format, out=args.out, step=args.step, dtype=args.dtype)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -236,6 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where a comparison's report.md and scaling.png go "
                          "(default: the sweep dir; for run dirs given one by one, the current directory)")
     rp.set_defaults(func=cmd_report)
+    ex = sub.add_parser("export", help="write a finished or checkpointed run's weights (hf | loom) without training")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (`loom train` prints it after 'run dir:')")
+    ex.add_argument("--format", required=True, metavar="hf|loom",
+                    help="hf: the Hugging Face directory from_pretrained loads (Llama family, hf_causal_lm); "
+                         "loom: model.safetensors as in final/")
+    ex.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/<format>-step-<N>)")
+    ex.add_argument("--step", type=int, metavar="N",
+                    help="the checkpoint of step N (default: the final weights of a completed run, else "
+                         "the newest checkpoint)")
+    ex.add_argument("--dtype", metavar="fp32|bf16|fp16",
+                    help="floating tensors' dtype (default: the run's checkpoint.export_dtype)")
+    ex.set_defaults(func=cmd_export)
     rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
     rc.add_argument("action", choices=["list", "show", "copy"])
     rc.add_argument("name", nargs="?")

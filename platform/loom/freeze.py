@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         world = [line for line in diff if world_change_only([line])]
         rest = [line for line in diff if line not in world]
         if world and not rest and is_completed(run_dir, cfg):
-            return Frozen(run_dir, rid, "completed")  # nothing left to train at any world
+            return Frozen(run_dir, rid, "completed", export_hint(old, cfg, run_dir))  # nothing left to train
         if diff and (not rest or max_steps_only(rest)):  # a raised max_steps and/or another world
             record = {**plan.to_dict(), "inputs": inputs}
             message = extend(old, cfg, record, run_dir) if rest else None
@@ -181,7 +182,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
                 "Use the original overrides to resume, or set run.id=<new id> for a new run."
             )
         if is_completed(run_dir, cfg):
-            return Frozen(run_dir, rid, "completed")
+            return Frozen(run_dir, rid, "completed", export_hint(old, cfg, run_dir))
         return Frozen(run_dir, rid, "resume", None if _has_progress(run_dir) else
                       f"Starting run {rid} in {run_dir} (from step 0: no checkpoint yet; another node "
                       "of this run, or an earlier launch, froze it)")
@@ -203,6 +204,22 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         ) from None
     note = continuable_sibling(run_dir, cfg) if auto_id else None
     return Frozen(run_dir, rid, "new", f"Starting run {rid} in {run_dir}\n{note}" if note else None)
+
+
+def export_hint(old: DictConfig, cfg: DictConfig, run_dir: Path) -> str | None:
+    """What a completed run re-run with another `checkpoint.export_format` / `export_dtype` is told
+    (volatile keys: the same run, so nothing trains and final/ stays as it was): the `loom export`
+    command that writes that export from the run's weights. None when the export is unchanged."""
+    was, now = old.get("checkpoint") or {}, cfg.checkpoint
+    fmt, dtype = str(now.get("export_format", "loom")), str(now.get("export_dtype", "fp32"))
+    old_fmt, old_dtype = str(was.get("export_format", "loom")), str(was.get("export_dtype", "fp32"))
+    if (fmt, dtype) == (old_fmt, old_dtype):
+        return None
+    command = f"loom export {shlex.quote(str(run_dir))} --format {fmt}" + (f" --dtype {dtype}" if dtype != old_dtype else "")
+    return (f"Run {run_dir.name} already completed: {run_dir}\nIts final weights were exported with "
+            f"checkpoint.export_format={old_fmt} checkpoint.export_dtype={old_dtype}; a completed run does not "
+            f"train again to export them another way. Nothing to train. To write this export from the run's "
+            f"weights, use:\n  {command}")
 
 
 def _has_progress(run_dir: Path) -> bool:

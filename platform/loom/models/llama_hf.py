@@ -20,7 +20,11 @@ from loom.errors import ConfigError
 
 # architecture (config.json "architectures"[0]) -> whether its q/k/v projections carry biases
 SUPPORTED = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# llama3 rotary scaling: each key with its JSON type (transformers warns on every load of a config.json
+# whose original_max_position_embeddings is not an integer; the model schema holds them all as floats)
+ROPE_SCALING_TYPES: dict[str, type] = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,
+                                       "original_max_position_embeddings": int}
+ROPE_SCALING_KEYS = tuple(ROPE_SCALING_TYPES)
 # fields that shape no tensor, compared between a sized option and the config.json of its source
 BEHAVIOUR_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 # module classes of loom.models.llama (strategy.shard_units names them before torch is imported)
@@ -147,7 +151,7 @@ def config_from_fields(m: DictConfig, dtype: str = "float32") -> dict[str, Any]:
         "num_key_value_heads": int(m.n_kv_heads), "head_dim": int(m.d_model) // heads,
         "vocab_size": int(m.vocab_size), "max_position_embeddings": int(m.block_size),
         "rms_norm_eps": float(m.rms_norm_eps), "rope_theta": float(m.rope_theta),
-        "rope_scaling": ({"rope_type": "llama3", **{k: float(scaling[k]) for k in ROPE_SCALING_KEYS}}
+        "rope_scaling": ({"rope_type": "llama3", **{k: kind(scaling[k]) for k, kind in ROPE_SCALING_TYPES.items()}}
                          if scaling else None),
         "tie_word_embeddings": bool(m.tie_embeddings), "hidden_act": "silu",
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,

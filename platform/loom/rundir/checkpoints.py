@@ -162,7 +162,13 @@ def write_final_weights(run_dir: Path, specs: list[Spec], tensors: Iterable[tupl
     when whole: loadable with plain `safetensors.torch.load_file`, no Loom needed.
 
     `specs` announces every (key, shape, dtype) up front; `tensors` yields them in that order."""
-    out = run_dir / "final"
+    return write_weights_file(run_dir / "final", specs, tensors, metadata)
+
+
+def write_weights_file(out: Path, specs: list[Spec], tensors: Iterable[tuple[str, Any]],
+                       metadata: dict[str, str]) -> Path:
+    """`out`/model.safetensors as `write_final_weights` lays it out (`loom export --format loom`
+    writes the same file elsewhere)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
     with atomic_path(path) as tmp, SafetensorsStream(tmp, specs, metadata) as stream:

@@ -1,0 +1,169 @@
+"""What `loom export` reads and where it writes, decided torch-free: a wrong run dir, format,
+step or output is refused (exit 2, one paragraph) before torch is imported.
+
+The weights come from the run's final weights (`final/`, as training wrote them: Loom's
+`model.safetensors` or a Hugging Face dir) or from one checkpoint (`checkpoints/step-N.ckpt`,
+any strategy's: loom.export.sources reads each kind). Without `--step`: a completed run's final
+weights, else the newest complete checkpoint. `--step N`: the checkpoint of step N (the final
+weights when N is the final step and no checkpoint of it was kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from loom.errors import ConfigError
+from loom.models.registry import MODELS
+from loom.rundir import checkpoints
+from loom.rundir.config_file import load_frozen
+from loom.rundir.safetensors_stream import EXPORT_DTYPES
+from loom.rundir.summary import read_summary
+
+FORMATS = {"hf": "the Hugging Face directory from_pretrained loads (config.json, safetensors shards + index, "
+                 "the tokenizer)",
+           "loom": "Loom's own layout, model.safetensors as in a run's final/"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The weights one export reads: the run's final weights or one checkpoint."""
+
+    kind: str  # "final" | "checkpoint"
+    path: Path  # final/model.safetensors, final/ (a Hugging Face dir) or checkpoints/step-N.ckpt
+    step: int
+
+    def describe(self, run_dir: Path) -> str:
+        return f"{self.path.relative_to(run_dir)} (step {self.step})"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One `loom export`, checked: everything the writer needs."""
+
+    run_dir: Path
+    cfg: DictConfig
+    fmt: str
+    source: Source
+    out: Path
+    dtype: str  # a key of EXPORT_DTYPES
+
+
+def _usage(what: str) -> ConfigError:
+    return ConfigError(f"Invalid usage: loom export {what}.")
+
+
+def _choice(flag: str, value: str | None, choices: dict[str, str] | tuple[str, ...]) -> str:
+    if value in choices:
+        return str(value)
+    listed = "; ".join(f"{k}: {v}" for k, v in choices.items()) if isinstance(choices, dict) else ", ".join(choices)
+    raise _usage(f"{flag} {value}: valid choices: {listed}")
+
+
+def run_dir_of(run: str) -> Path:
+    """The run dir `run` names (a directory holding the frozen config.yaml)."""
+    path = Path(run).expanduser().resolve()
+    if not (path / "config.yaml").is_file():
+        why = "does not exist" if not path.exists() else "has no config.yaml"
+        raise _usage(f"{run}: not a run dir ({path} {why}); name the directory `loom train` printed after "
+                     "'run dir:', e.g. runs/<experiment>/<run id>")
+    return path
+
+
+def final_weights(run_dir: Path) -> Source | None:
+    """A completed run's final weights as its summary.json names them, when they are on disk."""
+    summary = read_summary(run_dir) or {}
+    named = summary.get("final_weights")
+    if summary.get("status") != "completed" or not named or summary.get("global_step") is None:
+        return None
+    path = run_dir / str(named)
+    whole = path.is_file() or (path / "config.json").is_file()
+    return Source("final", path, int(summary["global_step"])) if whole else None
+
+
+def _available(ckpts: dict[int, Path], final: Source | None) -> str:
+    steps = sorted({*ckpts, *([final.step] if final else [])})
+    if not steps:
+        return "it has neither (checkpoint.every_n_steps=0 and the run did not complete)"
+    final_note = f" ({final.step}: the final weights)" if final and final.step not in ckpts else ""
+    return f"available steps: {', '.join(map(str, steps))}{final_note}"
+
+
+def _checkpoint(run_dir: Path, path: Path, step: int) -> Source:
+    issue = checkpoints.problem(path)
+    if issue is not None:
+        kind, why = issue
+        raise _usage(f"{run_dir} --step {step}: checkpoint {path.name} is {kind} ({why}); "
+                     + ("loading it would run code, it is never read" if kind == "unsafe" else "pick another step"))
+    return Source("checkpoint", path, step)
+
+
+def pick_source(run_dir: Path, step: int | None, prefer_checkpoint: bool = False) -> Source:
+    """The weights to export (see the module docstring); `prefer_checkpoint`: the checkpoint
+    of the final step over final/ when both exist (final/ holds a narrower dtype)."""
+    ckpts = {checkpoints.step_of(p): p for p in checkpoints.complete_checkpoints(run_dir)}
+    final = final_weights(run_dir)
+    if step is not None:
+        if step in ckpts:
+            return _checkpoint(run_dir, ckpts[step], step)
+        if final is not None and step == final.step:
+            return final
+        raise _usage(f"{run_dir} --step {step}: the run has no checkpoint of step {step} nor final weights of "
+                     f"it; {_available(ckpts, final)}")
+    if final is not None:
+        if prefer_checkpoint and final.step in ckpts:
+            return _checkpoint(run_dir, ckpts[final.step], final.step)
+        return final
+    try:
+        newest = checkpoints.newest_checkpoint(run_dir)
+    except checkpoints.UnsafeCheckpoint as e:
+        raise _usage(f"{run_dir}: {e}") from None
+    if newest is None:
+        raise _usage(f"{run_dir}: the run has no final weights and no complete checkpoint to export; "
+                     f"{_available(ckpts, None)}")
+    return Source("checkpoint", newest, int(checkpoints.step_of(newest)))
+
+
+def _check_hf(cfg: DictConfig, run_dir: Path) -> None:
+    """--format hf needs a transformers architecture that holds the run's model."""
+    if MODELS[cfg.model.name].hf_config is not None:
+        return
+    able = ", ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.hf_config is not None))
+    raise _usage(f"{run_dir} --format hf: model={cfg.model.name} has no Hugging Face architecture to export to "
+                 f"(models that have one: {able}); use --format loom (model.safetensors)")
+
+
+def output_dir(run_dir: Path, out: str | None, fmt: str, step: int, dtype: str, run_dtype: str) -> Path:
+    """--out, or <run>/export/<format>-step-<N>[-<dtype>]: never final/ or checkpoints/ (the
+    run's own record, which summary.json and a resume read)."""
+    if out is None:
+        return run_dir / "export" / f"{fmt}-step-{step}{'' if dtype == run_dtype else '-' + dtype}"
+    path = Path(out).expanduser().resolve()
+    for kept in (run_dir / "final", checkpoints.checkpoint_dir(run_dir)):
+        if path == kept or kept in path.parents:
+            raise _usage(f"{run_dir} --out {out}: {kept.name}/ is the run's own record (summary.json and a resume "
+                         "read it); choose a directory outside it, or leave --out out for "
+                         f"{run_dir / 'export'}/<format>-step-<N>")
+    if path.exists() and not path.is_dir():
+        raise _usage(f"{run_dir} --out {out}: {path} is a file; name a directory")
+    return path
+
+
+def request(run: str, fmt: str | None, out: str | None = None, step: int | None = None,
+            dtype: str | None = None) -> Request:
+    """Everything `loom export` was asked, checked against the run dir (ConfigError: exit 2)."""
+    fmt = _choice("--format", fmt, FORMATS)
+    run_dir = run_dir_of(run)
+    cfg = load_frozen(run_dir / "config.yaml")
+    if fmt == "hf":
+        _check_hf(cfg, run_dir)
+    run_dtype = str(cfg.checkpoint.get("export_dtype", "fp32"))
+    dtype = _choice("--dtype", dtype, tuple(EXPORT_DTYPES)) if dtype is not None else run_dtype
+    if step is not None and step < 0:
+        raise _usage(f"{run_dir} --step {step}: a step is a non-negative integer")
+    # final/ in a narrower dtype than asked: the final step's checkpoint keeps what training held
+    narrower = EXPORT_DTYPES[run_dtype] != "float32" and dtype != run_dtype
+    source = pick_source(run_dir, step, prefer_checkpoint=narrower)
+    return Request(run_dir, cfg, fmt, source, output_dir(run_dir, out, fmt, source.step, dtype, run_dtype), dtype)
