@@ -69,8 +69,8 @@ def test_wheel_ships_the_bundled_files_and_runs_from_another_directory(source: P
     (wheel,) = (tmp_path / "dist").glob("loom-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for folder, packaged in BUNDLED.items():  # every file of each bundled folder, under the package
-        assert {f"{packaged}/{f}" for f in _files(REPO / folder)} <= names, folder
-    assert {f"loom/{f}" for f in _files(REPO / "platform/loom")} <= names  # every module
+        assert {f"{packaged}/{f}" for f in _files(source / folder)} <= names, folder
+    assert {f"loom/{f}" for f in _files(source / "platform/loom")} <= names  # every module
 
     python, purelib = _venv(tmp_path / "venv")
     _pip(python, "install", "--no-deps", "--ignore-installed", str(wheel), cwd=tmp_path)
@@ -84,7 +84,7 @@ def test_wheel_ships_the_bundled_files_and_runs_from_another_directory(source: P
     loom = tmp_path / "venv/bin/loom"
     listed = _run(loom, "recipes", "list", cwd=elsewhere)
     assert listed.returncode == 0, listed.stderr
-    assert all(p.stem in listed.stdout for p in (REPO / "recipes").glob("*.yaml"))
+    assert all(p.stem in listed.stdout for p in (source / "recipes").glob("*.yaml"))
     job = _run(loom, "train", "--cfg", "job", cwd=elsewhere)
     assert job.returncode == 0, job.stderr
     cfg = yaml.safe_load(job.stdout)
