@@ -44,26 +44,47 @@ def test_every_rank_writes_a_trace_of_exactly_the_window(profiled):
 
 def test_rank0_summary_splits_the_step_time_and_the_report_shows_it(profiled):
     """profile/summary.json: the window's steps, compute + communication + data wait = the step
-    time (DDP all-reduces every step: communication > 0), top operators with the matmuls among
-    them, the CPU allocator's peak per phase; `loom report` renders it in report.md."""
+    time (DDP all-reduces every step: communication > 0), top operators by self time with both
+    matmuls among them, each op's calls those of rank 0's trace, the CPU allocator's peak per
+    phase; `loom report` renders exactly these figures in report.md."""
     p = json.loads((profiled.run_dir / "profile" / "summary.json").read_text())
     assert p["window"] == list(PROFILED) and p["steps"] == list(range(*PROFILED))
-    t = p["time_ms"]
+    t, share = p["time_ms"], p["share"]
     assert t["step"] > 0 and t["communication"] > 0 and t["compute"] > 0
     assert t["compute"] + t["communication"] + t["data_wait"] == pytest.approx(t["step"], abs=0.01)
-    assert sum(p["share"].values()) == pytest.approx(1.0, abs=1e-3)
-    names = [o["name"] for o in p["top_ops"]]
-    assert any(n in ("aten::mm", "aten::addmm") for n in names[:5]), names
-    assert all(a["self_ms"] >= b["self_ms"] for a, b in zip(p["top_ops"], p["top_ops"][1:], strict=False))
+    assert sum(share.values()) == pytest.approx(1.0, abs=1e-3)
+    assert p["self_time"] == "cpu" and p["trace"] == "rank-0.pt.trace.json.gz"
+    ops = p["top_ops"]
+    assert len(ops) == 15 and all(a["self_ms"] >= b["self_ms"] for a, b in zip(ops, ops[1:], strict=False))
+    # the forward's biased Linears run aten::addmm, their backward and the head aten::mm
+    assert {"aten::mm", "aten::addmm"} <= {o["name"] for o in ops}, ops
+    trace = _trace(profiled.run_dir / "profile" / "rank-0.pt.trace.json.gz")
+    for o in ops:  # the same window as the trace's: every op's calls are its events there
+        calls = sum(e.get("ph") == "X" and e.get("name") == o["name"] for e in trace)  # ops and annotations
+        assert o["calls"] == calls, (o, calls)
+        assert o["share"] == pytest.approx(o["self_ms"] / t["step"], abs=1e-4)
     peaks = p["memory_peak_bytes_per_phase"]
-    assert set(peaks) == {"forward", "backward", "optimizer"} and peaks["forward"]["cpu"] > 0
+    assert set(peaks) == {"forward", "backward", "optimizer"} and all(set(v) == {"cpu"} for v in peaks.values())
+    assert peaks["forward"]["cpu"] > 0
     assert p["memory_snapshot"] is None  # a CUDA snapshot on a GPU only
 
     r = run_loom("report", str(profiled.run_dir), root=profiled.run_dir.parents[1])
     assert r.rc == 0, r.out + r.err
     md = (profiled.run_dir / "report.md").read_text()
-    assert "## Profile" in md and "Rank 0, steps 3-4" in md
-    assert f"| {names[0]} |" in md and "| communication |" in md and "| forward |" in md
+    expected = [
+        "## Profile", "",
+        f"Rank 0, steps 3-4 ({t['step']:,.1f} ms): traces for every rank in `profile/` (open them in "
+        "https://ui.perfetto.dev or TensorBoard's profiler plugin).", "",
+        "| time in | ms | share |", "|---|---|---|",
+        *(f"| {k.replace('_', ' ')} | {t[k]:,.1f} | {100 * share[k]:.1f}% |"
+          for k in ("compute", "communication", "data_wait")), "",
+        "Top operators by cpu self time:", "",
+        "| operator | self ms | calls | share of step time |", "|---|---|---|---|",
+        *(f"| {o['name']} | {o['self_ms']:,.2f} | {o['calls']} | {100 * o['share']:.1f}% |" for o in ops), "",
+        "Allocator peak per phase (above the window's start):", "",
+        "| phase | cpu |", "|---|---|",
+        *(f"| {ph} | {peaks[ph]['cpu'] / 2**20:,.1f} MiB |" for ph in ("forward", "backward", "optimizer")), ""]
+    assert "\n".join(expected) in md, md
 
 
 def test_summary_and_metrics_are_those_of_a_full_run(profiled):
