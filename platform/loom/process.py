@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+RUN_ID_ENV = "LOOM_RUN_ID"  # the agent hands its run id to the forkserver's title (loom.worker.preload)
 
 
 def _libc():

@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 PRELOAD = ["loom.worker.preload"]
-RUN_ID_ENV = "LOOM_RUN_ID"  # the forkserver's title (loom.worker.preload)
 
 
 def name_agent(run_dir: str) -> None:
@@ -37,7 +36,7 @@ def name_agent(run_dir: str) -> None:
         run_id = str(load_frozen(Path(run_dir) / "config.yaml").run.id)
     except Exception:  # a title must not stop a run: torchrun reports a missing run dir itself
         run_id = Path(run_dir).name
-    os.environ[RUN_ID_ENV] = run_id
+    os.environ[process.RUN_ID_ENV] = run_id
     process.set_title(process.title(run_id, "agent"), "loom-agent")
 
 

@@ -40,10 +40,10 @@ def _die_with_agent() -> None:
     """In the forkserver: SIGKILL when the agent dies; titled `loom[<run id>] forkserver`."""
     import signal
 
-    from loom.process import die_with_parent, set_title, title
+    from loom.process import RUN_ID_ENV, die_with_parent, set_title, title
 
     die_with_parent(signal.SIGKILL)
-    set_title(title(os.environ.get("LOOM_RUN_ID", "?"), "forkserver"), "loom-forkserver")
+    set_title(title(os.environ.get(RUN_ID_ENV, "?"), "forkserver"), "loom-forkserver")
 
 
 IN_FORKSERVER = _in_forkserver()
