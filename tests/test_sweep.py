@@ -189,3 +189,56 @@ def test_a_failed_trial_is_told_to_optuna_as_failed(tmp_path, monkeypatch):
     states = [t.state for t in study.trials]
     assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
     assert [t.value for t in study.trials] == [1.0, None, 3.0]
+
+
+# ------------------------------------------------------------------ what a sweep ranks by
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["strategy=ddp,fsdp,zero2"], ("throughput.tokens_per_sec", "maximize")),
+    (["hardware.devices=1,2"], ("throughput.tokens_per_sec", "maximize")),
+    (["dataset.batch_size=4,8", "strategy.tensor_parallel=1,2", "strategy=fsdp_tp"],
+     ("throughput.tokens_per_sec", "maximize")),
+    (["dataset=digits", "model=mlp", "strategy=ddp,fsdp"], ("throughput.samples_per_sec", "maximize")),
+    (["strategy=ddp,fsdp", "sweep.objective=final_loss"], ("final_loss", "minimize")),  # said explicitly
+    (["strategy=ddp,fsdp", "hydra.sweeper.direction=minimize"], ("final_loss", "minimize")),
+    (["strategy=ddp,fsdp", "optim.lr=1e-3,1e-2"], ("final_loss", "minimize")),  # lr changes the losses
+    (["recipe=scaling-study"], ("throughput.tokens_per_sec", "maximize")),  # sweep.params: strategy, devices
+    (["recipe=lr-search"], ("final_loss", "minimize")),  # the recipe sets its objective
+])
+def test_a_sweep_over_layouts_ranks_by_throughput_unless_told(overrides, expected, capsys):
+    """Strategies, hardware, batch size (and below them: strategy.tensor_parallel) change speed and
+    memory, not the losses: such a sweep's objective defaults to throughput, maximized; an
+    objective or direction the command or recipe sets, or any other swept key, keeps sweep.*."""
+    from loom.pipeline import resolve
+    from loom.sweep import split_sweep, sweep_objective, translate
+
+    overrides = translate(["hardware=cpu", *overrides])
+    fixed, sweeps = split_sweep(overrides)
+    base = resolve(fixed)
+    keys = [s.key_or_group for s in sweeps] + list(base.sweep.params or {})
+    assert sweep_objective(base, keys, overrides) == expected
+    said = capsys.readouterr().out
+    assert (f"[sweep] objective: {expected[0]} (maximize): the swept keys (" in said) == (expected[1] == "maximize")
+
+
+def test_a_strategy_sweep_records_and_ranks_throughput(tmp_path):
+    """The real sweep loop (each trial's training replaced by a summary.json): the manifest's
+    objective is throughput, and each trial's objective value is its summary's tokens/s."""
+    from loom.pipeline import resolve
+    from loom.sweep import run_sweep, split_sweep, translate
+
+    rates = iter([900.0, 1200.0])
+
+    def run_trial(overrides):
+        run_dir = tmp_path / next(o for o in overrides if o.startswith("strategy="))
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "final_loss": 4.2,
+                                                          "throughput": {"tokens_per_sec": next(rates)}}))
+        return 0, run_dir, None
+
+    overrides = translate(["strategy=ddp,fsdp", "hardware=cpu", f"run.root={tmp_path}"])
+    _, manifest = run_sweep(overrides, resolve(split_sweep(overrides)[0]), resolve, run_trial)
+    saved = json.loads(manifest.path.read_text())
+    assert (saved["objective"], saved["direction"]) == ("throughput.tokens_per_sec", "maximize")
+    assert [(t["params"], t["objective"]) for t in saved["trials"]] == [({"strategy": "ddp"}, 900.0),
+                                                                        ({"strategy": "fsdp"}, 1200.0)]

@@ -215,3 +215,171 @@ def test_periodic_validation_over_an_empty_split_is_refused(loom, tmp_path):
     err = refused(tmp_path, "dataset=text_files", _corpus(corpus), "dataset.val_every=0", "trainer.val_every_n_steps=5")
     assert "trainer.val_every_n_steps=5" in err and "validation split is empty" in err
     assert "dataset.val_every=0 turns it off" in err
+
+
+# ------------------------------------------------------------------ sweeps that say what differs
+# Trial run dirs written here as the worker writes them (summary.json from rundir.summary's own
+# template, metrics.csv with the recorder's columns) under a sweep dir whose manifest is the
+# sweep's own Manifest: the report's tie rule, ranking, titles and plots, in-process.
+
+
+def _trial(sweep_dir: Path, name: str, losses: list[float], rate: float, mem_gb: float,
+           resumed_from: int | None = None, strategy: str = "ddp") -> Path:
+    """A completed 2-rank trial whose train/loss was `losses` at steps 1..n (one per log step)."""
+    from loom.pipeline import resolve
+    from loom.rundir.summary import empty_summary
+    from loom.strategies import layout_of
+
+    cfg = resolve(["hardware=cpu", "hardware.devices=2"])
+    run = sweep_dir / name
+    run.mkdir(parents=True)
+    s = empty_summary(cfg, name, layout_of(cfg))
+    s.update(status="completed", global_step=len(losses), final_loss=losses[-1], resumed_from_step=resumed_from,
+             strategy=strategy)
+    s["throughput"].update(tokens_per_sec=rate, samples_per_sec=rate / 64, steady=True)
+    s["memory"]["peak_rss_gb_per_rank"] = [mem_gb, mem_gb - 0.01]
+    (run / "summary.json").write_text(json.dumps(s))
+    rows = ["step,train/loss,perf/tokens_per_sec,val/loss"]
+    rows += [f"{i},{loss!r},{rate!r}," for i, loss in enumerate(losses, 1)]
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+    return run
+
+
+def _sweep_of(sweep_dir: Path, trials: dict[str, Path], objective: str = "final_loss") -> None:
+    """manifest.json, written by the sweep's own Manifest: one completed trial per swept value."""
+    from loom.sweep import Manifest, Trial
+
+    m = Manifest(sweep_dir / "manifest.json", "t", ["-m"], objective, "minimize")
+    for i, (override, run) in enumerate(trials.items()):
+        key, _, value = override.partition("=")
+        m.trials.append(Trial(i, [override], "completed", run.name, str(run), 0, None, None, {key: value}))
+    m.save()
+
+
+def _curve(final: float, scatter: float, n: int = 10) -> list[float]:
+    """A loss falling 0.1 per step to `final`, each step `scatter` above or below the trend."""
+    return [final + 0.1 * (n - i) + (scatter if i % 2 else -scatter) for i in range(1, n + 1)]
+
+
+def _noise(curve: list[float]) -> float:
+    """The tie rule's noise of a trial: its last 8 values' successive differences, std / sqrt(2)."""
+    import statistics
+
+    tail = curve[-8:]
+    return statistics.stdev([b - a for a, b in zip(tail, tail[1:], strict=False)]) / 2 ** 0.5
+
+
+def _report(sweep_dir: Path, capsys, monkeypatch) -> tuple[str, str]:
+    from loom.report import report
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert report([str(sweep_dir)]) == 0
+    return capsys.readouterr().out, (sweep_dir / "report.md").read_text()
+
+
+def test_a_strategy_sweep_whose_losses_tie_stars_none_and_ranks_by_throughput(tmp_path, capsys, monkeypatch):
+    """ddp, fsdp and zero2 end 3e-7 apart (summation order), well inside their step-to-step
+    noise: no ★, the report says they tie, ranks them by tokens/s then memory, titles them by
+    their overrides, marks the resumed one and draws throughput and memory per trial."""
+    curve = _curve(4.9, 0.02)
+    runs = {"strategy=ddp": _trial(tmp_path, "aaa", curve, 6000.0, 0.90),
+            "strategy=fsdp": _trial(tmp_path, "bbb", [*curve[:-1], curve[-1] + 2e-7], 5000.0, 0.60, strategy="fsdp"),
+            "strategy=zero2": _trial(tmp_path, "ccc", [*curve[:-1], curve[-1] - 1e-7], 5500.0, 0.70, resumed_from=4,
+                                     strategy="zero2")}
+    _sweep_of(tmp_path, runs)
+    out, md = _report(tmp_path, capsys, monkeypatch)
+
+    noise = _noise(curve)
+    assert 0.02 < noise < 0.04  # the scatter, not the trend (a plain std of the values would be ~0.25)
+    line = (f"no best trial: all 3 completed trials tie on final_loss (spread 3e-07, within {2 * noise:.2g}: "
+            f"2 x the trials' step-to-step noise {noise:.2g}); ranked by throughput, then peak memory: "
+            "1. strategy=ddp (6,000 tokens/s, 0.90 GB RSS), 2. strategy=zero2 ↻ (5,500 tokens/s, 0.70 GB RSS), "
+            "3. strategy=fsdp (5,000 tokens/s, 0.60 GB RSS)")
+    assert line in out.splitlines() and line in md
+    assert "★" not in out and "★" not in md
+    assert not [x for x in out.splitlines() if x.startswith("best trial:")]
+    header = _table_header(out)
+    rows = {r[0]: r for r in ([c.strip() for c in x.split("│")[1:-1]] for x in out.splitlines() if x.startswith("│"))
+            if len(r) == len(header)}
+    assert set(rows) == {"strategy=ddp", "strategy=fsdp", "strategy=zero2 ↻"}  # overrides, not run ids
+    best, rank = header.index("best"), header.index("rank")
+    assert {k: (r[best], r[rank]) for k, r in rows.items()} == {
+        "strategy=ddp": ("tied", "1"), "strategy=zero2 ↻": ("tied", "2"), "strategy=fsdp": ("tied", "3")}
+    assert "↻: strategy=zero2 resumed from step 4." in md
+    assert "No objective plot: the trials tie on final_loss." in md
+    assert not (tmp_path / "objective_vs_strategy.png").exists()  # a flat row of dots is not drawn
+    assert (tmp_path / "trials.png").read_bytes()[:8] == PNG_SIGNATURE and "![trials](trials.png)" in md
+    assert "- strategy=zero2 ↻: [ccc](ccc/report.md)" in md
+
+
+def test_trials_png_draws_each_trials_throughput_and_memory_under_its_overrides(tmp_path):
+    from loom.report import collect
+    from loom.report.compare import comparison_report, read_sweep, trial_bars
+    from loom.report.sweep_plots import RESUMED_HATCH, trials_figure
+
+    runs = {"strategy=ddp": _trial(tmp_path, "aaa", _curve(4.9, 0.0), 6000.0, 0.90),
+            "strategy=zero2": _trial(tmp_path, "ccc", _curve(4.9, 0.0), 5500.0, 0.70, resumed_from=4)}
+    _sweep_of(tmp_path, runs)
+    found, sweep_dir, _ = collect([tmp_path])
+    sweep = read_sweep(sweep_dir)
+    comparison_report(found, tmp_path, [], sweep)  # sorts the runs as the table shows them
+    bars, unit, kind = trial_bars(found, sweep)
+    fig = trials_figure(bars, unit, kind)
+    rate_ax, mem_ax = fig.axes
+    for ax, values in ((rate_ax, [6000.0, 5500.0]), (mem_ax, [0.90, 0.70])):
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["strategy=ddp", "strategy=zero2 (resumed)"]
+        assert [p.get_height() for p in ax.patches[:2]] == pytest.approx(values)
+        assert [p.get_hatch() or "" for p in ax.patches[:2]] == ["", RESUMED_HATCH]
+    assert (rate_ax.get_ylabel(), mem_ax.get_ylabel()) == ("tokens/s", "GB (RSS)")
+
+
+def test_losses_apart_beyond_their_noise_keep_the_star(tmp_path, capsys, monkeypatch):
+    """0.03 apart (0.75%, beyond the 0.1% summation-order floor): a tie when each trial's loss
+    scatters 0.05 from step to step, a winner when the curves are smooth."""
+    noisy, smooth = tmp_path / "noisy", tmp_path / "smooth"
+    for root, scatter in ((noisy, 0.05), (smooth, 0.0)):
+        _sweep_of(root, {"optim.lr=0.001": _trial(root, "aaa", _curve(4.03, scatter), 6000.0, 0.9),
+                         "optim.lr=0.01": _trial(root, "bbb", _curve(4.00, scatter), 6000.0, 0.9)})
+    out, _ = _report(noisy, capsys, monkeypatch)
+    noise = _noise(_curve(4.0, 0.05))
+    assert (f"no best trial: all 2 completed trials tie on final_loss (spread 0.03, within {2 * noise:.2g}: "
+            f"2 x the trials' step-to-step noise {noise:.2g}); ranked by throughput") in out
+    out, md = _report(smooth, capsys, monkeypatch)
+    assert f"best trial: optim.lr=0.01 (final_loss 4.0000, the lowest): {smooth / 'bbb'}" in out
+    assert (smooth / "objective_vs_optim.lr.png").exists() and "No objective plot" not in md
+
+
+def test_without_a_noise_estimate_only_summation_order_ties(tmp_path, capsys, monkeypatch):
+    """A 3-step trial logs too few losses to measure its noise: 0.1% of the value decides."""
+    _sweep_of(tmp_path, {"strategy=ddp": _trial(tmp_path, "aaa", [5.0, 4.5, 4.0], 6000.0, 0.9),
+                         "strategy=fsdp": _trial(tmp_path, "bbb", [5.0, 4.5, 4.003], 7000.0, 0.8)})
+    out, _ = _report(tmp_path, capsys, monkeypatch)
+    assert ("no best trial: all 2 completed trials tie on final_loss (spread 0.003, within 0.004: 0.1% of the "
+            "value: float summation order); ranked by throughput, then peak memory: 1. strategy=fsdp") in out
+    (tmp_path / "bbb" / "summary.json").write_text((tmp_path / "bbb" / "summary.json").read_text().replace(
+        "4.003", "4.005"))
+    out, _ = _report(tmp_path, capsys, monkeypatch)
+    assert "best trial: strategy=ddp (final_loss 4.0000, the lowest)" in out
+
+
+@pytest.mark.slow
+def test_three_strategies_parity_runs_tie_when_ranked_by_final_loss(shared, tmp_path, capsys, monkeypatch):
+    """The real files: the shared 2-rank parity runs of ddp, fsdp and zero2 (test_strategies'; no
+    new launch), gathered as a sweep ranked by final_loss, tie (their losses agree far inside
+    their step-to-step noise) and are ranked by the tokens/s and memory the runs measured."""
+    from conftest import strategy_args
+
+    runs: dict[str, Path] = {}
+    for s in ("ddp", "fsdp", "zero2"):
+        r = shared.get(*strategy_args(s))
+        assert r.rc == 0, r.out + r.err
+        runs[f"strategy={s}"] = Path(shutil.copytree(r.run_dir, tmp_path / s, ignore=shutil.ignore_patterns(
+            "checkpoints", "final", "wandb", "profile")))
+    _sweep_of(tmp_path, runs)
+    out, md = _report(tmp_path, capsys, monkeypatch)
+    summaries = {k: json.loads((p / "summary.json").read_text()) for k, p in runs.items()}
+    fastest = max(summaries, key=lambda k: summaries[k]["throughput"]["tokens_per_sec"])
+    line = next(x for x in out.splitlines() if x.startswith("no best trial: "))
+    assert line.startswith("no best trial: all 3 completed trials tie on final_loss (spread "), line
+    assert f"ranked by throughput, then peak memory: 1. {fastest} (" in line
+    assert "★" not in md and (tmp_path / "trials.png").is_file()

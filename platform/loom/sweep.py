@@ -32,6 +32,11 @@ ALIASES = {
 SUMMARY_METRICS = ("final_loss", "validation.loss", "validation.acc", "throughput.tokens_per_sec",
                    "throughput.samples_per_sec", "throughput.mfu", "throughput.tflops_per_device",
                    "train_time_s", "wall_time_s")
+# Swept keys that change what a run costs, not what it learns: every strategy and hardware profile
+# trains the same losses by design (the parity tests), activation checkpointing and compile are the
+# same math, and a batch-size sweep is a throughput and memory study. A sweep of these alone
+# defaults its objective to throughput (its losses tie; the report says so).
+SPEED_KEYS = ("strategy", "hardware", "dataset.batch_size", "trainer.activation_checkpointing", "trainer.compile")
 
 
 def translate(overrides: list[str]) -> list[str]:
@@ -155,13 +160,14 @@ def run_sweep(
         )
     if base.sweep.direction not in ("minimize", "maximize"):
         raise ConfigError(f"Invalid config: sweep.direction={base.sweep.direction!r}: valid choices: minimize, maximize.")
+    objective, direction = sweep_objective(base, [s.key_or_group for s in sweeps], overrides)
     key = json.dumps({"fixed": sorted(fixed), "sweep": sorted(s.input_line for s in sweeps),
                       "sampler": sampler, "n": base.sweep.n_trials if sampler == "optuna" else None,
                       "seed": base.sweep.seed})
     sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
     sweep_dir = (Path(base.run.root) / base.experiment / "sweeps" / sweep_id).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides, base.sweep.objective, base.sweep.direction)
+    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides, objective, direction)
     pin = [f"run.sweep_dir={sweep_dir}"]
 
     def own_id(i: int) -> list[str]:
@@ -176,10 +182,33 @@ def run_sweep(
             params = dict(o.partition("=")[::2] for o in trial_overrides)  # the swept values
             t = manifest.trial(i, [*fixed, *trial_overrides, *own_id(i)], params)
             t.params = t.params or params  # a manifest written before params were recorded
-            _run(t, manifest, pin, run_trial, base.sweep.objective)
+            _run(t, manifest, pin, run_trial, objective)
     else:
         _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)
     return sweep_dir, manifest
+
+
+def speed_only(keys: list[str]) -> bool:
+    """Every swept key is one of SPEED_KEYS (or below one: strategy.tensor_parallel, hardware.devices)."""
+    return bool(keys) and all(any(k == p or k.startswith(p + ".") for p in SPEED_KEYS) for k in keys)
+
+
+def sweep_objective(base: DictConfig, keys: list[str], overrides: list[str]) -> tuple[str, str]:
+    """(objective, direction) of the sweep: `sweep.objective` and `sweep.direction`, unless neither
+    was set (by the command or the recipe) and every swept key is a SPEED_KEY: then throughput,
+    maximized (tokens/s; samples/s for a classifier)."""
+    from loom.plan.assumptions import set_by
+
+    chosen = (str(base.sweep.objective), str(base.sweep.direction))
+    if not speed_only(keys) or set_by(overrides, "sweep.objective") or set_by(overrides, "sweep.direction"):
+        return chosen
+    from loom.models import model_spec
+
+    unit = "tokens_per_sec" if model_spec(base).items_per_sample > 1 else "samples_per_sec"
+    objective = f"throughput.{unit}"
+    print(f"[sweep] objective: {objective} (maximize): the swept keys ({', '.join(dict.fromkeys(keys))}) change "
+          "speed and memory, not the losses; set sweep.objective to rank by another metric", flush=True)
+    return objective, "maximize"
 
 
 def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, objective: str) -> None:
@@ -235,7 +264,7 @@ def _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial) -> None:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     dists = {s.get_key_element(): create_optuna_distribution_from_override(s) for s in sweeps}
-    study = optuna.create_study(direction=base.sweep.direction,
+    study = optuna.create_study(direction=manifest.direction,
                                 sampler=optuna.samplers.TPESampler(seed=base.sweep.seed))
     for t in manifest.trials:  # replay what an earlier, interrupted sweep already learned
         if t.state == "completed" and t.objective is not None and t.params:
@@ -254,7 +283,7 @@ def _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial) -> None:
         trial_overrides = [*fixed, *(f"{k}={v}" for k, v in params.items())]
         resolve([*trial_overrides, *pin])
         t = manifest.trial(i, trial_overrides, params)
-        _run(t, manifest, pin, run_trial, base.sweep.objective)
+        _run(t, manifest, pin, run_trial, manifest.objective)
         if t.state == "completed" and t.objective is not None:
             study.tell(trial, t.objective)
         else:  # a failed trial is a failure for the study, not a number

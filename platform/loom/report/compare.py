@@ -1,15 +1,19 @@
 """A comparison of several runs (a sweep dir, runs/<experiment>/, or run dirs given one by one).
 
 One row per run: status, and for a sweep (a dir with the manifest.json `loom train -m` writes)
-one column per swept parameter, the final train and validation losses, the sweep's objective
-and a ★ on the best trial; then strategy, hardware, world size, throughput in the task's unit
-(tokens/s, or samples/s for classifiers), MFU and peak memory.
+one column per swept parameter, the final train and validation losses, the sweep's objective,
+a ★ on the best trial and each trial's rank; then strategy, hardware, world size, throughput in
+the task's unit (tokens/s, or samples/s for classifiers), MFU and peak memory. A sweep's rows are
+titled by their swept values ("strategy=fsdp", not the run id), ↻ marking a resumed or restarted
+trial. When every completed trial's objective is equal within its noise (`tie.py`: Loom's
+strategies train the same losses), no trial is starred: the report says so and ranks them by
+throughput, then peak memory, and `trials.png` draws both per trial (`sweep_plots.py`).
 
 Scaling efficiency, only when the world sizes differ: a run's tokens/s (samples/s) per device /
 the baseline's, where the baseline is a run at the smallest world size in the set: the one with
 the same strategy if there is one, else the fastest per device at that size (1.0 is linear
 scaling); `scaling.png` plots throughput against world size. A sweep also plots its objective
-against each swept parameter (`objective_vs_<param>.png`).
+against each swept parameter (`objective_vs_<param>.png`; not for a tie: a flat row of dots).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.atomic import atomic_path
 from loom.report.runs import Run, _md_table, _num, _pct, _write, error_text
+from loom.report.sweep_plots import TrialBar, scaling_plot, trials_plot
+from loom.report.tie import REL_TOL, Tie, tie_of
 
 
 @dataclass
@@ -74,25 +79,78 @@ def objective_of(summary: dict[str, Any], name: str) -> float | None:
     return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
 
 
-def best_run(runs: list[Run], sweep: Sweep) -> Run | None:
-    """The completed run with the best objective (None: no completed run has a value)."""
+def _scored(runs: list[Run], sweep: Sweep) -> list[tuple[float, Run]]:
+    """(objective value, run) of the completed runs that have a finite one."""
     scored = [(objective_of(r.summary, sweep.objective), r) for r in runs if r.summary.get("status") == "completed"]
-    scored = [(v, r) for v, r in scored if v is not None and math.isfinite(v)]
-    if not scored:
-        return None
-    pick = max if sweep.direction == "maximize" else min
-    return pick(scored, key=lambda vr: vr[0])[1]
+    return [(v, r) for v, r in scored if v is not None and math.isfinite(v)]
+
+
+def ranking(runs: list[Run], sweep: Sweep) -> tuple[list[Run], Tie | None]:
+    """The completed runs with an objective value, best first, and the tie when they tie (then
+    in the tie's order: throughput, then peak memory)."""
+    scored = _scored(runs, sweep)
+    tie = tie_of(scored, sweep.objective)
+    if tie is not None:
+        return tie.order, tie
+    scored.sort(key=lambda vr: -vr[0] if sweep.direction == "maximize" else vr[0])
+    return [r for _, r in scored], None
+
+
+def best_run(runs: list[Run], sweep: Sweep) -> Run | None:
+    """The completed run with the best objective (None: no completed run has a value, or they tie)."""
+    order, tie = ranking(runs, sweep)
+    return order[0] if order and tie is None else None
+
+
+def title(r: Run, sweep: Sweep | None) -> str:
+    """A trial by its swept values ("strategy=fsdp"; the run id when none are known), ↻ if resumed."""
+    params = (sweep.params.get(r.path) if sweep is not None else None) or {}
+    text = " ".join(f"{k}={v}" for k, v in params.items()) or r.path.name
+    return f"{text} ↻" if resumed(r) else text
+
+
+def resumed(r: Run) -> str | None:
+    """How the run did not train in one go ("resumed from step 4", "restarted 1x"), or None."""
+    s = r.summary
+    if s.get("resumed_from_step") is not None:
+        return f"resumed from step {s['resumed_from_step']}"
+    return f"restarted {s['restarts']}x" if s.get("restarts") else None
+
+
+def _value(v: float, objective: str) -> str:
+    return f"{v:,.1f}" if objective.startswith("throughput.") and "mfu" not in objective else f"{v:.4f}"
 
 
 def best_line(runs: list[Run], sweep: Sweep) -> str:
-    best = best_run(runs, sweep)
-    if best is None:
+    order, tie = ranking(runs, sweep)
+    if tie is not None:
+        return tie_line(tie, sweep)
+    if not order:
         return f"best trial: none (no completed trial has {sweep.objective})"
-    params = sweep.params.get(best.path) or {}
+    best = order[0]
     value = objective_of(best.summary, sweep.objective)
-    what = " ".join(f"{k}={v}" for k, v in params.items()) or best.path.name
     extreme = "highest" if sweep.direction == "maximize" else "lowest"
-    return f"best trial: {what} ({sweep.objective} {value:.4f}, the {extreme}): {best.path}"
+    return f"best trial: {title(best, sweep)} ({sweep.objective} {_value(value, sweep.objective)}, the {extreme}): " \
+           f"{best.path}"
+
+
+def tie_line(tie: Tie, sweep: Sweep) -> str:
+    """No best trial: the objective's spread, the tolerance it is within and why, then the ranking."""
+    why = (f"{tie.tolerance / tie.noise:g} x the trials' step-to-step noise {tie.noise:.2g}" if tie.by_noise
+           else f"{REL_TOL:.1%} of the value: float summation order")
+    ranked = ", ".join(f"{i}. {title(r, sweep)} ({_rate(r)}, {_mem(r)})" for i, r in enumerate(tie.order, 1))
+    return (f"no best trial: all {len(tie.order)} completed trials tie on {tie.objective} (spread {tie.spread:.2g}, "
+            f"within {tie.tolerance:.2g}: {why}); ranked by {tie.ranked_by}: {ranked}")
+
+
+def _rate(r: Run) -> str:
+    unit = "samples/s" if r.classifier else "tokens/s"
+    return f"{r.rate:,.0f} {unit}" if r.rate is not None else f"{unit} unknown"
+
+
+def _mem(r: Run) -> str:
+    mem, kind = r.peak_memory()
+    return f"{mem:.2f} GB {kind}" if mem is not None else "peak memory unknown"
 
 
 def _order(v: Any) -> tuple[int, float, str]:
@@ -132,7 +190,7 @@ def columns(runs: list[Run], sweep: Sweep | None, short: bool) -> list[str]:
     head = ["run", "status"]
     if sweep is not None:
         arrow = "↑" if sweep.direction == "maximize" else "↓"
-        head += [*sweep.keys, "train loss", "val loss", f"{sweep.objective} {arrow}", "best"]
+        head += [*sweep.keys, "train loss", "val loss", f"{sweep.objective} {arrow}", "best", "rank"]
     head += ["strategy", "hardware", "world" if short else "world size", unit, per_dev]
     if worlds_differ(runs):
         head.append("eff." if short else "scaling eff.")
@@ -143,7 +201,8 @@ def columns(runs: list[Run], sweep: Sweep | None, short: bool) -> list[str]:
 
 
 def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> list[list[str]]:
-    best = best_run(runs, sweep) if sweep is not None else None
+    order, tie = ranking(runs, sweep) if sweep is not None else ([], None)
+    rank = {id(r): i for i, r in enumerate(order, 1)}
     rows = []
     for r in runs:
         mem, kind = r.peak_memory()
@@ -152,11 +211,12 @@ def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> 
         except ValueError:
             name = r.path.name  # the run id; the full paths are listed under the table
         losses = [_num(r.summary.get("final_loss"), ".4f"), _num(r.val_loss, ".4f")]
-        row = [name, str(r.summary.get("status"))]
+        row = [title(r, sweep) if sweep is not None else name, str(r.summary.get("status"))]
         if sweep is not None:
             params = sweep.params.get(r.path) or {}
             row += [str(params.get(k, "")) for k in sweep.keys]
-            row += [*losses, _num(objective_of(r.summary, sweep.objective), ".4f"), "★" if r is best else ""]
+            best = "tied" if tie is not None and id(r) in rank else "★" if rank.get(id(r)) == 1 else ""
+            row += [*losses, _num(objective_of(r.summary, sweep.objective), ".4f"), best, str(rank.get(id(r), ""))]
         rate = r.rate
         row += [str(r.summary.get("strategy")), str(r.summary.get("hardware")), str(r.world),
                 _num(rate, ",.1f" if r.classifier else ",.0f"),
@@ -168,37 +228,13 @@ def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> 
     return rows
 
 
-def scaling_plot(runs: list[Run], path: Path) -> Path | None:
-    measured = [r for r in runs if r.rate]
-    if not measured:
-        return None
-    from matplotlib.figure import Figure
-
-    unit = "samples/s" if all(r.classifier for r in measured) else "tokens/s"
-
-    fig = Figure(figsize=(7, 4.5), dpi=100, layout="constrained")
-    ax = fig.subplots()
-    by_strategy: dict[str, list[Run]] = {}
-    for r in measured:
-        by_strategy.setdefault(str(r.summary.get("strategy")), []).append(r)
-    for name, group in sorted(by_strategy.items()):
-        group.sort(key=lambda r: r.world)
-        ax.plot([r.world for r in group], [r.rate for r in group], "o-", label=name)
-    worlds = sorted({r.world for r in measured})
-    smallest = worlds[0]
-    base = max((r for r in measured if r.world == smallest), key=lambda r: r.rate / r.world)
-    ax.plot(worlds, [base.rate / base.world * w for w in worlds], "--", color="gray",
-            label=f"linear from world size {smallest}")
-    ax.set_xlabel("world size (devices)")
-    ax.set_ylabel(unit)
-    ax.set_xticks(worlds)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax.set_title("throughput vs world size")
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return path
+def trial_bars(runs: list[Run], sweep: Sweep) -> tuple[list[TrialBar], str, str]:
+    """(one bar per trial in the table's order, the throughput unit, the memory kind) for trials.png."""
+    unit = "samples/s" if all(r.classifier for r in runs) else "tokens/s"
+    kinds = {kind for r in runs if (kind := r.peak_memory()[1])}
+    bars = [TrialBar(title(r, sweep).removesuffix(" ↻"), r.rate, r.peak_memory()[0], resumed(r) is not None)
+            for r in runs]
+    return bars, unit, "/".join(sorted(kinds))
 
 
 def objective_plots(runs: list[Run], sweep: Sweep, out: Path) -> list[Path]:
@@ -237,9 +273,16 @@ def comparison_report(runs: list[Run], out: Path, skipped: list[Path],
                      "size (same strategy if there is one, else the fastest per device); 1.00 is linear scaling.")
     notes.append("Peak memory: the most loaded rank (GPU memory on GPUs, process RSS on CPUs). "
                  "MFU is n/a where the device's peak FLOP/s is unknown.")
+    if sweep is not None and any(resumed(r) for r in runs):
+        notes.append("↻: " + "; ".join(f"{title(r, sweep).removesuffix(' ↻')} {resumed(r)}" for r in runs
+                                       if resumed(r)) + ".")
+    if sweep is not None and ranking(runs, sweep)[1] is not None:
+        notes.append(f"No objective plot: the trials tie on {sweep.objective}.")
     parts += [" ".join(notes), ""]
     if sweep is not None:
-        plots += objective_plots(runs, sweep, out)
+        tie = ranking(runs, sweep)[1]
+        plots += [] if tie is not None else objective_plots(runs, sweep, out)
+        plots += [p for p in [trials_plot(*trial_bars(runs, sweep), out / "trials.png")] if p is not None]
     if worlds_differ(runs) and scaling_plot(runs, out / "scaling.png"):
         plots.append(out / "scaling.png")
     parts += [f"![{p.stem}]({p.name})\n" for p in plots]
@@ -248,7 +291,8 @@ def comparison_report(runs: list[Run], out: Path, skipped: list[Path],
     parts += ["## Runs", ""]
     for r in runs:
         rel = os.path.relpath(r.path, out)
-        parts.append(f"- [{rel}]({rel}/report.md)" if (r.path / "report.md").is_file() else f"- {rel}")
+        link = f"[{rel}]({rel}/report.md)" if (r.path / "report.md").is_file() else rel
+        parts.append(f"- {title(r, sweep)}: {link}" if sweep is not None else f"- {link}")
     if skipped:
         parts += ["", "Not included (no summary.json yet: running, or stopped before the end): "
                   + ", ".join(os.path.relpath(p, out) for p in skipped)]
