@@ -142,10 +142,12 @@ def _check_llama_layout(cfg: DictConfig, layout: ParallelLayout) -> None:
     if layout.pp > 1:
         _require(layout.pp <= m.n_layer, "strategy.pp", layout.pp,
                  f"exceeds model.n_layer={m.n_layer} (a pipeline stage holds at least one layer)")
+        # pp=1 alone leaves the preset's degrees short of the world: another degree takes its ranks
+        unpiped = "strategy=fsdp" if s.name == "pp" else "strategy.pp=1 strategy.dp_shard=-1"
         _require(not m.tie_embeddings, "model.tie_embeddings", m.tie_embeddings,
                  f"strategy.pp={layout.pp} puts model.embed_tokens on the first pipeline stage and the head "
                  "on the last, so a head tied to the embedding cannot be shared between them; set "
-                 "model.tie_embeddings=false (the head gets a matrix of its own), or strategy.pp=1 "
+                 f"model.tie_embeddings=false (the head gets a matrix of its own), or {unpiped} "
                  "(tensor parallelism and FSDP keep a tied head)")
 
 

@@ -88,7 +88,8 @@ def optimizer_block(block: Any, cfg: DictConfig, same, problems: list[str]) -> d
     kind = str(block.get("type", ""))
     described = _OPTIMIZER_TYPES.get(kind.lower())
     if described != cfg.optim.name:
-        fix = f"set optim={described} to match it" if described else "only AdamW/Adam describe one (optim=adamw)"
+        fix = (f"set optim={described} to match it" if described
+               else "change its type to AdamW with optim=adamw (only an AdamW/Adam block describes Loom's optimizer)")
         problems.append(
             f"optimizer.type={kind!r}: Loom builds the optimizer from optim (optim={cfg.optim.name}) under "
             f"every strategy and counts its state in the plan; DeepSpeed's {kind or 'optimizer'} cannot "

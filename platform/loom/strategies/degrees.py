@@ -92,9 +92,11 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
     require(m is None or m >= 1, "strategy.pp_microbatches", m, "must be a positive integer, or null (= strategy.pp)")
     if pp == 1:
         return
+    # strategy=pp is dp = tp = 1: pp=1 there leaves the world unfilled; under nd another degree takes it
+    unpiped = "" if s.name == "pp" else "strategy.pp=1 strategy.dp_shard=-1, or "
     require(splits(cfg, "pipeline"), "strategy.pp", pp,
             f"model={model.name} cannot be split into pipeline stages (Loom splits {splittable('pipeline')} "
-            "by layers); use strategy.pp=1, or strategy=fsdp / ddp for this model")
+            f"by layers); use {unpiped}strategy=fsdp / ddp for this model")
     stages = stages_of(s, pp)
     per_rank = PP_SCHEDULES[sched].stages_per_rank
     require(stages <= model.n_layer, "strategy.pp", pp,
