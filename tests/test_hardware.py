@@ -336,3 +336,15 @@ def test_tf32_is_the_default_fp32_peak_on_gpus():
     assert make_plan(resolve(["hardware=h100x8"])).peak_flops_per_device == pytest.approx(989.4e12)  # bf16
     cpu = resolve(["hardware=cpu", "hardware.peak_tflops.fp32=1.0", "hardware.peak_tflops.tf32=2.0"])
     assert make_plan(cpu).peak_flops_per_device == pytest.approx(1.0e12)
+
+
+def test_probe_refuses_an_unwritable_profile_before_measuring(tmp_path):
+    """An installed Loom's config folder may be read-only (site-packages on an image): the probe
+    says so and how to write elsewhere, before spending its measurement (no traceback)."""
+    from loom.errors import ConfigError
+    from loom.probe import probe
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"cannot write .*a-file/hw/p\.yaml \(--out; .*pass --out FILE\.yaml"):
+        probe(out=str(blocker / "hw" / "p.yaml"))

@@ -91,6 +91,11 @@ def test_wheel_ships_the_bundled_files_and_runs_from_another_directory(source: P
     assert (cfg["experiment"], cfg["model"]["name"], cfg["strategy"]["name"]) == ("gpt", "gpt_tiny", "ddp")
     plan = _run(loom, "plan", cwd=elsewhere)
     assert plan.returncode == 0 and "fits" in plan.stdout, plan.stdout + plan.stderr
+    # the README's `strategy.deepspeed_config=conf/deepspeed/zero2.json`: no conf/ here, the shipped copy
+    ds = _run(loom, "train", "--cfg", "job", "strategy=zero2", "strategy.deepspeed_config=conf/deepspeed/zero2.json",
+              cwd=elsewhere)
+    assert ds.returncode == 0, ds.stderr
+    assert yaml.safe_load(ds.stdout)["strategy"]["deepspeed_config"] == str(purelib / "loom/_conf/deepspeed/zero2.json")
     slurm = _run(loom, "train", "--dry-run", "hardware=slurm", "hardware.accelerator=cpu", "run.id=s", cwd=elsewhere)
     assert slurm.returncode == 0, slurm.stdout + slurm.stderr
     rendered = (elsewhere / "runs/gpt/s/slurm/job.sbatch").read_text()

@@ -148,6 +148,22 @@ def _base_profile(name: str) -> dict[str, Any]:
     return merged
 
 
+def _writable(path: Path, out: str | None) -> None:
+    """Refuse before measuring when the profile cannot be written (tried, not guessed from mode
+    bits): an installed Loom's config folder sits in site-packages, which an image may mount
+    read-only."""
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        where = "--out" if out else "the default: Loom's config folder"
+        raise ConfigError(f"Invalid usage: loom probe cannot write {path} ({where}; {e.strerror}): pass "
+                          "--out FILE.yaml in a folder you can write, then copy the profile into the "
+                          "hardware/ folder of the config directory LOOM_CONF_DIR names.") from None
+
+
 def default_out() -> Path:
     host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0]) or "host"
     return conf_dir() / "hardware" / f"probe_{host}.yaml"
@@ -262,6 +278,7 @@ def probe(out: str | None = None, size: int | None = None, repeats: int = 5,
     if path.suffix not in (".yaml", ".yml"):
         raise ConfigError(f"Invalid usage: loom probe --out {out}: the profile must be a .yaml file.")
     name = re.sub(r"[^A-Za-z0-9_]", "_", path.stem)
+    _writable(path, out)
     t0 = time.perf_counter()
     profile = measure(size, repeats, allreduce_mb, processes)
     text = render_yaml(profile, name)

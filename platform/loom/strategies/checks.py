@@ -3,10 +3,9 @@ model. The registry (`loom.strategies.registry`) names which check each option r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
+from loom.bundle import shipped_path
 from loom.errors import require
 from loom.layout import ParallelLayout
 from loom.models import llama_hf, splits, splittable
@@ -133,10 +132,11 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool
 
 
 def normalize_zero(cfg: DictConfig) -> None:
-    """The user's DeepSpeed JSON is frozen as an absolute path: ranks and resumes may run elsewhere."""
+    """The user's DeepSpeed JSON is frozen as an absolute path: ranks and resumes may run elsewhere
+    (`conf/deepspeed/*.json`, the shipped examples, are found in an installed Loom too)."""
     s = cfg.strategy
     if s.get("deepspeed_config"):
-        s.deepspeed_config = str(Path(s.deepspeed_config).expanduser().resolve())
+        s.deepspeed_config = str(shipped_path(str(s.deepspeed_config)).resolve())
 
 
 def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
