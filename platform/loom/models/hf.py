@@ -3,7 +3,8 @@
 `model.config` is a directory holding config.json (save_pretrained) or a name already in the
 Hugging Face cache; nothing is downloaded (local_files_only=True). Random initialization
 (AutoModelForCausalLM.from_config) unless the weights are local too and
-`model.random_init=false`. Validation reads config.json as JSON (no torch, no transformers).
+`model.random_init=false`. Validation reads config.json as JSON first (its refusals torch-free),
+then checks the overrides and those weights against transformers' config class (`hf_checks`).
 """
 
 from __future__ import annotations
