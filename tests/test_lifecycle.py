@@ -214,16 +214,24 @@ def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
 
 @pytest.mark.parametrize(("exc", "code_error"), [
     (TypeError("width=16 must be a multiple of 64"), True),
+    (ValueError("dataset tinycode: the training split has fewer than seq_len+1=65 tokens"), True),
+    # transformers' init indexing a ZeRO-3 partition (issue 35: it was restarted once before failing)
+    (IndexError("index 0 is out of bounds for dimension 0 with size 0"), True),
+    (KeyError("model.layers.0.mlp.up_proj.weight"), True),
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x64 and 16x10)"), True),
+    (RuntimeError("The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 1"),
+     True),
     (RuntimeError("expected scalar type Float but found Half"), True),
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1234, unhandled system error, dimension 3"), False),
     (RuntimeError("Connection closed by peer [127.0.0.1]:29500"), False),
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
 ])
-def test_a_failure_before_step_1_is_restarted_only_if_it_may_pass_next_time(tmp_path, monkeypatch, exc, code_error):
-    """A code error (config-like types, a tensor shape or dtype that does not fit) exits 0 under
-    torchrun (no restart, the record says why); a communication or memory error exits 1 (restart)."""
-    from loom.rundir.failures import read_failures
+def test_a_failure_is_restarted_only_if_it_may_pass_next_time(tmp_path, monkeypatch, exc, code_error):
+    """A code error (config-like types, IndexError, a tensor shape or dtype that does not fit)
+    exits 0 under torchrun (no restart, the record says why), before the first step or at any
+    later one (a restart resumes onto the same batches); a communication or memory error exits
+    1 (restart)."""
+    from loom.rundir.failures import failure_paragraph, read_failures
     from loom.worker.failure import Progress, record_failure
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
@@ -233,5 +241,9 @@ def test_a_failure_before_step_1_is_restarted_only_if_it_may_pass_next_time(tmp_
     assert rc == (0 if code_error else 1)
     record = read_failures(tmp_path, 0)[-1]
     assert record["deterministic"] is code_error and record["type"] == type(exc).__name__
-    after_step_1 = Progress(trainer=type("T", (), {"global_step": 5})())
-    assert record_failure(tmp_path, 0, exc, after_step_1) == 1  # after the first step: always restarted
+    at_step_5 = Progress(trainer=type("T", (), {"global_step": 5})())
+    assert record_failure(tmp_path, 0, exc, at_step_5) == (0 if code_error else 1)
+    record = read_failures(tmp_path, 0)[-1]
+    assert record["step"] == 5 and record["before_first_step"] is False and record["deterministic"] is code_error
+    paragraph = failure_paragraph(record)
+    assert "at step 5" in paragraph and ("Not restarted" in paragraph) is code_error, paragraph

@@ -70,6 +70,6 @@ def failure_paragraph(record: dict[str, Any]) -> str:
     text = (f"Training failed on rank {record.get('rank')} {when}{phase}{retried}: {record.get('type')}: "
             f"{record.get('message')} (raised{where}).")
     if record.get("deterministic"):
-        text += (f" Not restarted: a {record.get('type')} before the first step is a configuration or code "
-                 "error that a restart would only repeat; fix it and run the same command again.")
+        text += (f" Not restarted: a {record.get('type')} is a configuration, code or data error that a restart "
+                 "would only repeat; fix it and run the same command again.")
     return f"{text} Full traceback: {record.get('log')}"

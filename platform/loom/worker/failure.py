@@ -1,18 +1,20 @@
 """A rank's exception: classified, recorded, logged in full to its own log, never printed.
 
-Deterministic failures are not restarted. A config-like exception (TypeError, ValueError,
-ImportError, AttributeError, KeyError, NotImplementedError, ConfigError; the root cause when
-Hydra wraps it), or a RuntimeError that says a shape, size or dtype does not fit (a user's
-module: "mat1 and mat2 shapes cannot be multiplied"), raised before this attempt's first
-optimizer step is a configuration or code error: a restart would only repeat it. A
-communication error (torch's DistError family, NCCL/Gloo, a store or socket) or an
-out-of-memory error is not, whatever its message says. torchrun restarts a worker group whenever a worker
+Deterministic failures are not restarted, at any step. A config-like exception (TypeError,
+ValueError, LookupError (IndexError, KeyError), ImportError, AttributeError,
+NotImplementedError, ConfigError; the root cause when Hydra wraps it), or a RuntimeError that
+says a shape, size, index or dtype does not fit (a user's module: "mat1 and mat2 shapes cannot be
+multiplied"), is a configuration, code or data error: the same inputs raise it again, and a
+restart resumes from the last checkpoint onto the same steps and batches (exact resume), so it
+would only repeat it, at step 0 or at step 5000. A communication error (torch's DistError
+family, NCCL/Gloo, a store or socket) or an out-of-memory error is not, whatever its message
+says. torchrun restarts a worker group whenever a worker
 exits non-zero (`--max-restarts`) and has no "do not restart" exit code, so such a rank writes
 its record and exits 0; the group then ends without a restart, and the launcher, seeing the
 record (loom.rundir.failures), reports the failure and exits 1. A rank whose own error is not
 config-like but comes right after a peer's deterministic failure (its collective lost the
-peer) is collateral and exits 0 too. Anything else (a NaN, an NCCL error, a killed peer, a
-failure after step 1) exits 1, and torchrun restarts the group from the last checkpoint.
+peer) is collateral and exits 0 too. Anything else (a NaN, an NCCL error, a killed peer)
+exits 1, and torchrun restarts the group from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 from loom.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from loom.rundir.failures import read_failures, write_failure
 
-CONFIG_LIKE = (TypeError, ValueError, ImportError, AttributeError, KeyError, NotImplementedError, ConfigError)
+CONFIG_LIKE = (TypeError, ValueError, LookupError, ImportError, AttributeError, NotImplementedError, ConfigError)
 # torch's RuntimeError messages for tensors that do not fit together (shapes, sizes, dtypes).
 _MISFIT = re.compile(r"shape|size mismatch|sizes? of tensors|must match the size|dimension|dtype|scalar type|"
                      r"expected .* but (got|found)|view size is not compatible|index .* out of (range|bounds)", re.I)
@@ -113,7 +115,7 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException, progress: Progr
     log_path = run_dir / "logs" / f"rank-{rank}.log"
     _log_traceback(log_path, rank, exc)
     cause = root_cause(exc)
-    deterministic = is_code_error(cause) and progress.before_first_step()
+    deterministic = is_code_error(cause)
     collateral = not deterministic and _peer_failed_deterministically(run_dir, progress)
     message = " ".join(str(cause).split()) or repr(cause)
     record = {
