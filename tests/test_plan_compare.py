@@ -11,7 +11,8 @@ from conftest import FAST, LOOM, run_loom
 from omegaconf import OmegaConf
 
 from loom.compose import compose
-from loom.plan.compare import compare, factorizations
+from loom.plan.compare import compare
+from loom.strategies.variants import factorizations
 from loom.validate import validate
 
 

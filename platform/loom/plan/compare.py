@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from itertools import product
-from math import prod
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +46,8 @@ from loom.plan import Plan, make_plan
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
 from loom.strategies.degrees import DEGREE_KEYS
+from loom.strategies.registry import STRATEGIES
+from loom.strategies.variants import Machine
 from loom.validate import validate, with_strategy
 
 PEAK_EFFICIENCY = 0.4          # model FLOPs utilisation a well-tuned dense run reaches of the datasheet peak
@@ -58,7 +58,8 @@ FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect na
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
 # Presets in the order a tie is broken (least communication and fewest moving parts first).
-PRESETS = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload")
+# Every option weighed, in the order that breaks a tie (fewer moving parts first; nd's splits last)
+ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload", "nd")
 PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
 
 
@@ -104,7 +105,7 @@ def compare(composed: DictConfig) -> Comparison:
     micro = int(composed.dataset.batch_size)
     base: DictConfig | None = None  # the first valid candidate: the others share its typed sections
     for node, overrides in _nodes(composed, world):
-        scale = _model_parallel(node, world)
+        scale = STRATEGIES[node.name].model_parallel(node, world)
         if scale > 1:  # the same global batch: fewer data-parallel ranks each take a larger batch
             overrides = [*overrides, f"dataset.batch_size={micro * scale}"]
         try:
@@ -115,13 +116,13 @@ def compare(composed: DictConfig) -> Comparison:
             continue
         plan = make_plan(valid)
         key = tuple(plan.parallel[k] for k in DEGREE_KEYS)
-        if node.name == "nd" and key in seen:
-            continue  # the same degrees as a preset listed above (fsdp, fsdp_tp, pp are presets of nd)
+        if STRATEGIES[node.name].degrees and key in seen:
+            continue  # the same degrees as a layout listed above (fsdp, fsdp_tp, pp are presets of nd)
         seen.add(key)
         listed.append(_candidate(valid, plan, overrides))
     if not listed and refused:
         raise ConfigError(refused[0][1])
-    order = {id(c): i for i, c in enumerate(listed)}  # ties: PRESETS order, then nd's
+    order = {id(c): i for i, c in enumerate(listed)}  # ties: ORDER, nd's splits last
     listed.sort(key=lambda c: (*rank_key(c), order[id(c)]))
     return Comparison(listed, refused, _rate(composed.hardware, None)[1], _bandwidth(composed.hardware)[1])
 
@@ -140,17 +141,6 @@ def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, 
     return with_strategy(out, node)
 
 
-def _model_parallel(node: DictConfig, world: int) -> int:
-    """tp x pp of a candidate node (the ranks a data-parallel replica spans)."""
-    if node.name == "fsdp_tp":
-        return int(node.tensor_parallel)
-    if node.name == "pp":
-        return world if int(node.pp) == -1 else int(node.pp)
-    if node.name == "nd":
-        return int(node.tp) * int(node.pp)
-    return 1
-
-
 def rank_key(c: Candidate) -> tuple[bool, float]:
     """Fits first, then the predicted step time (to 3 significant figures: closer is a tie)."""
     t = c.predicted_step_s if c.predicted_step_s is not None else float("inf")
@@ -158,38 +148,17 @@ def rank_key(c: Candidate) -> tuple[bool, float]:
 
 
 def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]]]:
-    """Each candidate's strategy node and the overrides that select it."""
+    """Each candidate's strategy node and the overrides that select it: every option in ORDER
+    offers its own (its registry entry's `candidates`, strategies/variants.py)."""
     have = set(group_options("strategy"))
-    gpu = composed.hardware.accelerator == "gpu"
     pipe = {k: composed.strategy[k] for k in PIPELINE_KEYS if k in composed.strategy}
-    pipe_over = [f"strategy.{k}={_value(v)}" for k, v in pipe.items() if v is not None]
+    machine = Machine(world, int(composed.hardware.devices), composed.hardware.accelerator == "gpu", pipe)
     out: list[tuple[DictConfig, list[str]]] = []
-    for name in PRESETS:
-        if name not in have or (name == "single") != (world == 1) and name != "zero3_offload":
-            continue
-        if name == "zero3_offload" and not gpu:
-            continue  # on CPU the host *is* the device: offloading moves nothing
-        base = _yaml(name)
-        if name == "fsdp_tp":
-            for tp in (d for d in range(2, int(composed.hardware.devices) + 1) if world % d == 0):
-                out.append((_merge(base, tensor_parallel=tp), [f"strategy={name}", f"strategy.tensor_parallel={tp}"]))
-        elif name == "pp":
-            out.append((_merge(base, **pipe), [f"strategy={name}", *pipe_over]))
-        else:
-            out.append((base, [f"strategy={name}"]))
-    if "nd" in have and world > 1:
-        for degrees in factorizations(world):
-            d = dict(zip(DEGREE_KEYS, degrees, strict=True))
-            extra = pipe if d["pp"] > 1 else {}
-            over = ["strategy=nd", *(f"strategy.{k}={v}" for k, v in d.items())]
-            out.append((_merge(_yaml("nd"), **d, **extra), over + (pipe_over if d["pp"] > 1 else [])))
+    for name in (n for n in ORDER if n in have):
+        for fields in STRATEGIES[name].candidates(machine):
+            over = [f"strategy.{k}={_value(v)}" for k, v in fields.items() if v is not None]
+            out.append((_merge(_yaml(name), **fields), [f"strategy={name}", *over]))
     return out
-
-
-def factorizations(world: int) -> list[tuple[int, int, int, int]]:
-    """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
-    divs = [d for d in range(1, world + 1) if world % d == 0]
-    return [f for f in product(divs, repeat=4) if prod(f) == world]
 
 
 def _yaml(name: str) -> DictConfig:

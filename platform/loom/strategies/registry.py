@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
 from loom.schema import no_check, nothing_to_fill
-from loom.strategies import checks
+from loom.strategies import checks, variants
 from loom.strategies.schema import (
     DDPStrategyConfig,
     DeepSpeedStrategyConfig,
@@ -40,6 +40,10 @@ class StrategyOption:
     # The layout comes from the option's own degrees (strategy.dp_replicate/dp_shard/tp/pp,
     # `loom.strategies.degrees`) rather than from dp_mode and tensor_parallel.
     degrees: bool = False
+    # The candidates it offers `loom plan --compare` / strategy=auto on a machine (strategy fields over
+    # its yaml; `strategies/variants.py`), and the ranks one data-parallel replica of a candidate spans (tp x pp).
+    candidates: Callable[[variants.Machine], list[variants.Fields]] = variants.data_parallel
+    model_parallel: Callable[[DictConfig, int], int] = variants.no_model_parallel
 
 
 _ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero,
@@ -50,18 +54,22 @@ _MODEL_PARALLEL = dict(build=_MESH, check=checks.check_model_parallel, mixed_pre
 
 STRATEGIES: dict[str, StrategyOption] = {
     "single": StrategyOption(SingleStrategyConfig, "replicate", "none", "loom.strategies.single:build",
-                             check=checks.check_single),
+                             check=checks.check_single, candidates=variants.alone),
     "ddp": StrategyOption(DDPStrategyConfig, "replicate", "none", "loom.strategies.ddp:build",
                           check=checks.check_ddp),
     "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL),
-    "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL),
+    "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL,
+                              candidates=variants.tensor_parallel, model_parallel=variants.tp_degree),
     "pp": StrategyOption(PPStrategyConfig, "replicate", "none", _MESH,
-                         check=checks.check_pp, degrees=True),
+                         check=checks.check_pp, degrees=True, candidates=variants.pipelined,
+                         model_parallel=variants.pp_degree),
     "nd": StrategyOption(NDStrategyConfig, "shard", "all", _MESH,
-                         check=checks.check_nd, mixed_precision="fsdp2", degrees=True),
+                         check=checks.check_nd, mixed_precision="fsdp2", degrees=True,
+                         candidates=variants.every_split, model_parallel=variants.tp_times_pp),
     "zero1": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer", **_ZERO),
     "zero2": StrategyOption(DeepSpeedStrategyConfig, "shard", "optimizer+grads", **_ZERO),
     "zero3": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **_ZERO),
     "zero3_offload": StrategyOption(DeepSpeedStrategyConfig, "shard", "all", **{**_ZERO,
-                                                                                 "check": checks.check_zero3_offload}),
+                                                                                 "check": checks.check_zero3_offload,
+                                                                                 "candidates": variants.offloaded}),
 }

@@ -1,0 +1,85 @@
+"""The layouts each strategy option offers `loom plan --compare` and `strategy=auto` on a world.
+
+Each option's registry entry names one of these (`StrategyOption.variants`): given the world and
+the machine, the strategy fields each candidate sets over the option's yaml (an empty list: the
+option has no candidate there). The comparison itself (plan/compare.py) stays free of strategy
+names. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from math import prod
+from typing import Any
+
+from loom.strategies.degrees import DEGREE_KEYS
+
+
+@dataclass(frozen=True)
+class Machine:
+    world: int
+    devices_per_node: int
+    gpu: bool
+    pipeline: dict[str, Any]  # the user's pp_schedule / pp_microbatches, carried to pipelined layouts
+
+
+Fields = dict[str, Any]
+
+
+def alone(m: Machine) -> list[Fields]:
+    """`single`: one device, so only a world of one."""
+    return [{}] if m.world == 1 else []
+
+
+def data_parallel(m: Machine) -> list[Fields]:
+    """ddp, fsdp, zero1-3: their yaml as it is, on a world of several ranks."""
+    return [{}] if m.world > 1 else []
+
+
+def offloaded(m: Machine) -> list[Fields]:
+    """zero3_offload: on a GPU at any world (on CPU the host *is* the device: it moves nothing)."""
+    return [{}] if m.gpu else []
+
+
+def tensor_parallel(m: Machine) -> list[Fields]:
+    """fsdp_tp: every tensor-parallel degree of one node that divides the world."""
+    return [{"tensor_parallel": tp} for tp in range(2, m.devices_per_node + 1) if m.world % tp == 0]
+
+
+def pipelined(m: Machine) -> list[Fields]:
+    """pp: every rank a stage, with the user's schedule and microbatches."""
+    return [dict(m.pipeline)] if m.world > 1 else []
+
+
+def factorizations(world: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, tp, pp) whose product is `world`."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    return [f for f in product(divs, repeat=4) if prod(f) == world]
+
+
+def every_split(m: Machine) -> list[Fields]:
+    """nd: every split of the world into the four degrees (pipelined ones with the user's schedule)."""
+    if m.world <= 1:
+        return []
+    out = []
+    for degrees in factorizations(m.world):
+        d = dict(zip(DEGREE_KEYS, degrees, strict=True))
+        out.append({**d, **(m.pipeline if d["pp"] > 1 else {})})
+    return out
+
+
+def no_model_parallel(node: Any, world: int) -> int:
+    return 1
+
+
+def tp_degree(node: Any, world: int) -> int:
+    return int(node.tensor_parallel)
+
+
+def pp_degree(node: Any, world: int) -> int:
+    return world if int(node.pp) == -1 else int(node.pp)
+
+
+def tp_times_pp(node: Any, world: int) -> int:
+    return int(node.tp) * int(node.pp)
