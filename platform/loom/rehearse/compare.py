@@ -34,21 +34,30 @@ def rehearse_top(candidates: list, n: int = TOP) -> list[dict[str, Any]]:
         row["rehearsed_peak_bytes"] = peak
         row["fits_rehearsed"] = peak is not None and (cap is None or peak + runtime <= cap)
     top = sorted(rows[:n], key=lambda r: not r["fits_rehearsed"])  # stable: the comparison's order within
-    _render(top)
+    runtime = {id(r): c.plan.to_dict()["memory_per_device_bytes"].get("runtime", 0.0)
+               for c, r in zip(candidates[:n], rows[:n], strict=True)}
+    _render(top, [runtime[id(r)] for r in top])
     return top + rows[n:]
 
 
-def _render(rows: list[dict[str, Any]]) -> None:
+def _render(rows: list[dict[str, Any]], runtimes: list[float]) -> None:
+    """The plan's total beside the rehearsed peak plus the same runtime: the two figures the
+    capacity is held to (MB when every one is under 1 GB, as small CPU layouts are)."""
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"the top {len(rows)} layouts rehearsed, re-ranked by their rehearsed peaks")
-    for col in ("#", "layout", "plan GB", "rehearsed peak GB", "fits", "predicted step s"):
+    big = max(r["memory_per_device_bytes"] for r in rows) >= GB
+    unit, scale = ("GB", GB) if big else ("MB", 1024.0**2)
+    cap = rows[0]["capacity_per_device_bytes"]
+    where = f", capacity {cap / scale:,.2f} {unit} per device" if cap is not None else ""
+    t = Table(title=f"the top {len(rows)} layouts rehearsed, re-ranked by their rehearsed peaks"
+                    f" (+ the plan's runtime{where})")
+    for col in ("#", "layout", f"plan {unit}", f"rehearsed {unit}", "fits", "predicted step s"):
         t.add_column(col, justify="left" if col == "layout" else "right")
-    for i, r in enumerate(rows, 1):
+    for i, (r, runtime) in enumerate(zip(rows, runtimes, strict=True), 1):
         peak = r["rehearsed_peak_bytes"]
         step = r["predicted_step_s"]
-        t.add_row(str(i), " ".join(r["overrides"]), f"{r['memory_per_device_bytes'] / GB:,.2f}",
-                  "failed" if peak is None else f"{peak / GB:,.2f}", "yes" if r["fits_rehearsed"] else "no",
-                  "?" if step is None else f"{step:.3f}")
+        t.add_row(str(i), " ".join(r["overrides"]), f"{r['memory_per_device_bytes'] / scale:,.2f}",
+                  "failed" if peak is None else f"{(peak + runtime) / scale:,.2f}", "yes" if r["fits_rehearsed"] else "no",
+                  "?" if step is None else f"{step:.3g}")
     Console().print(t)
