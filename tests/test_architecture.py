@@ -99,3 +99,26 @@ def test_devices_are_multiplied_by_nodes_in_one_place():
 
     assert world_of(SimpleNamespace(devices=8, num_nodes=4)) == 32
     assert world_of(SimpleNamespace(devices=8, num_nodes=4), nodes=3) == 24
+
+
+def test_no_if_name_chain_dispatches_on_a_config_option():
+    """docs/architecture.md: a group with several behaviours keeps one registry, not `if name ==`
+    chains. A function comparing a config option's `.name` with two or more literals is such a
+    chain (one guard, `if s.name == "pp"` in a message, is not)."""
+    import ast
+
+    chains = []
+    for path in PACKAGE.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            literals = set()
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name"
+                        and isinstance(node.comparators[0], ast.Constant | ast.Tuple)):
+                    c = node.comparators[0]
+                    literals |= {e.value for e in (c.elts if isinstance(c, ast.Tuple) else [c])
+                                 if isinstance(e, ast.Constant)}
+            if len(literals) >= 2:
+                chains.append(f"{path.relative_to(PACKAGE)}:{fn.name} {sorted(literals)}")
+    assert chains == [], chains

@@ -130,7 +130,7 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
     """Two big files and val_every=20: a file split would validate on nothing, so every
     round(1/val_fraction)-th window of the corpus is validation: deterministic, disjoint, and
     counted before launch (the size check) as the ranks build it."""
-    from loom.data.checks import val_size
+    from loom.data import val_size
     from loom.data.text_files import datasets as token_sets
 
     for i in range(2):

@@ -646,3 +646,18 @@ def test_mfu_over_one_is_an_error_naming_the_peak(caplog):
     _recorder(1e12)._mfu(row, 0.06)
     assert row["perf/mfu"] == 0.06
     assert _recorder(1e12).rates(10 * 32, 2.0, 1e12)["mfu_error"] is None
+
+
+def test_each_tracking_option_turns_on_the_trackers_its_registry_entries_name():
+    """A missing package's refusal says how the user turned the tracker on (`tracking=wandb`, or
+    `tracking.tensorboard=true (tracking=csv)`) from the tracker registry's `options`: they must
+    be the options whose yaml turns it on."""
+    from loom.compose import group_options
+    from loom.pipeline import resolve
+    from loom.tracking.registry import TRACKERS, enabled_trackers
+
+    for option in group_options("tracking"):
+        if option == "wandb":
+            continue  # online: refused here without a key; its yaml is offline's with mode: online
+        on = set(enabled_trackers(resolve([f"tracking={option}"]).tracking))
+        assert on == {name for name, t in TRACKERS.items() if option in t.options}, option

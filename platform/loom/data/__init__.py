@@ -12,9 +12,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom.data.checks import check_common, check_val_split, normalize_tokenizer, tokenizer_vocab
+from loom.data.checks import check_common, normalize_tokenizer, tokenizer_vocab, val_problem
 from loom.data.fingerprint import fingerprint_line
 from loom.data.registry import DATASETS
+from loom.errors import ConfigError
 from loom.layout import ParallelLayout
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in DATASETS.items()}
@@ -62,6 +63,25 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
         data_vocab_size(cfg)
     DATASETS[cfg.dataset.name].check(cfg, layout)
     check_val_split(cfg, layout)
+
+
+def val_size(cfg: DictConfig) -> int | None:
+    """The validation split's samples (token windows for a corpus) where it is known without
+    tokenizing (the option's registry entry); None where only the workers can tell."""
+    return DATASETS[cfg.dataset.name].val_size(cfg.dataset)
+
+
+def check_val_split(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Periodic validation (trainer.val_every_n_steps > 0) over a split that yields no batch is
+    refused here when its size is known; the workers check the rest, and warn otherwise."""
+    every = cfg.trainer.val_every_n_steps
+    n = val_size(cfg) if every > 0 else None
+    problem = val_problem(cfg, n, layout.dp) if n is not None else None
+    if problem:
+        raise ConfigError(
+            f"Invalid config: trainer.val_every_n_steps={every} asks for validation, but {problem}. Add data, "
+            "lower dataset.val_every (every Nth file/sample is validation) or dataset.batch_size, or set "
+            "trainer.val_every_n_steps=0.")
 
 
 def build_datamodule(cfg: DictConfig, layout: ParallelLayout, global_rank: int) -> Any:

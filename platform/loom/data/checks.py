@@ -171,46 +171,54 @@ def check_synthetic(cfg: DictConfig, layout: ParallelLayout) -> None:
 DIGITS_SAMPLES = 1797  # loom.data.digits.N_SAMPLES (that module imports torch)
 
 
-def val_size(cfg: DictConfig) -> int | None:
-    """The validation split's samples (token windows for a corpus) where it is known without
-    tokenizing; None where only the workers can tell (a tokenizer, a hub dataset)."""
-    ds = cfg.dataset
+def val_every(ds: DictConfig) -> int | None:
+    """0 when the split is turned off (dataset.val_every <= 1), else None (go on counting)."""
     every = ds.get("val_every")
-    if every is not None and every <= 1:
-        return 0
-    if ds.name == "digits":
-        return DIGITS_SAMPLES // every
-    if ds.name == "synthetic":
-        return max(1, ds.num_samples // 16)  # loom.data.synthetic
-    if ds.name in ("text_files", "tinycode"):
-        from loom.data.files import split
-        from loom.data.text_files import corpus_files as text_corpus
-        from loom.data.text_files import window_split_every
-        from loom.data.tinycode import corpus_files as code_corpus
+    return 0 if every is not None and every <= 1 else None
 
-        files = text_corpus(list(ds.paths), ds.max_bytes) if ds.name == "text_files" else code_corpus(ds.max_bytes)
-        k = window_split_every(ds, len(files))
-        if k is not None:  # every k-th window of the whole corpus
-            n_bytes = sum(f.stat().st_size + 1 for f in files)
-            return None if ds.tokenizer else max(0, (n_bytes - 1) // ds.seq_len) // k
-        _, val = split(files, every)
-        if not val or ds.tokenizer:
-            return 0 if not val else None
-        n_bytes = sum(f.stat().st_size + 1 for f in val)  # byte level: each file and a newline
-        return (n_bytes - 1) // ds.seq_len if n_bytes > ds.seq_len else 0
+
+def digits_val_size(ds: DictConfig) -> int | None:
+    off = val_every(ds)
+    return off if off is not None else DIGITS_SAMPLES // ds.val_every
+
+
+def synthetic_val_size(ds: DictConfig) -> int | None:
+    return max(1, ds.num_samples // 16)  # loom.data.synthetic
+
+
+def corpus_val_size(ds: DictConfig, files: list[Path]) -> int | None:
+    """Validation windows of a byte-level corpus of `files` (every val_every-th file, or every
+    k-th window when there are too few files); None when a tokenizer decides (only the workers,
+    after tokenizing, can tell)."""
+    from loom.data.files import split
+    from loom.data.text_files import window_split_every
+
+    off = val_every(ds)
+    if off is not None:
+        return off
+    k = window_split_every(ds, len(files))
+    if k is not None:  # every k-th window of the whole corpus
+        n_bytes = sum(f.stat().st_size + 1 for f in files)
+        return None if ds.tokenizer else max(0, (n_bytes - 1) // ds.seq_len) // k
+    _, val = split(files, ds.val_every)
+    if not val or ds.tokenizer:
+        return 0 if not val else None
+    n_bytes = sum(f.stat().st_size + 1 for f in val)  # byte level: each file and a newline
+    return (n_bytes - 1) // ds.seq_len if n_bytes > ds.seq_len else 0
+
+
+def val_problem(cfg: DictConfig, n_val: int, dp: int) -> str | None:
+    """Why a validation split of `n_val` samples/windows validates nothing (None: it is fine).
+    The val loader drops a rank's last partial batch, so fewer than one batch per data-parallel
+    rank is as good as empty."""
+    ds = cfg.dataset
+    if n_val == 0:
+        every = ds.get("val_every", 2)
+        how = (f"dataset.val_every={every} puts none of the data in it" if every > 1
+               else f"dataset.val_every={every} turns it off")
+        return f"dataset={ds.name}: the validation split is empty ({how})"
+    if n_val // dp < ds.batch_size:
+        return (f"dataset={ds.name}: the validation split has {n_val} sample(s)/window(s), fewer than one "
+                f"batch per data-parallel rank (dataset.batch_size={ds.batch_size} x {dp} ranks): "
+                "validation would not run")
     return None
-
-
-def check_val_split(cfg: DictConfig, layout: ParallelLayout) -> None:
-    """Periodic validation (trainer.val_every_n_steps > 0) over a split that yields no batch is
-    refused here when its size is known; the workers check the rest, and warn otherwise."""
-    from loom.data.describe import val_problem
-
-    every = cfg.trainer.val_every_n_steps
-    n = val_size(cfg) if every > 0 else None
-    problem = val_problem(cfg, n, layout.dp) if n is not None else None
-    if problem:
-        raise ConfigError(
-            f"Invalid config: trainer.val_every_n_steps={every} asks for validation, but {problem}. Add data, "
-            "lower dataset.val_every (every Nth file/sample is validation) or dataset.batch_size, or set "
-            "trainer.val_every_n_steps=0.")

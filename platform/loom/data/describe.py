@@ -1,8 +1,7 @@
-"""What a run trains on, in one line, and whether its validation split can validate anything.
+"""What a run trains on, in one line.
 
 Rank 0 logs the line when the datamodule is set up (so the console says, before step 1, which
-files, how many tokens or samples, and how many train/val windows); the launcher's checks use
-`val_problem` to refuse periodic validation over a split that yields no batch. No torch here.
+files, how many tokens or samples, and how many train/val windows). No torch here.
 """
 
 from __future__ import annotations
@@ -11,40 +10,10 @@ from omegaconf import DictConfig
 
 
 def source(cfg: DictConfig) -> str:
-    """Where the data comes from: files, a hub id, a path, or the generator."""
-    ds = cfg.dataset
-    if ds.name == "text_files":
-        from loom.data.text_files import corpus_files
+    """Where the data comes from: files, a hub id, a path, or the generator (its registry entry)."""
+    from loom.data.registry import DATASETS
 
-        return f"{len(corpus_files(list(ds.paths), ds.max_bytes))} file(s) from {', '.join(map(str, ds.paths))}"
-    if ds.name == "tinycode":
-        from loom.data.tinycode import corpus_files
-
-        return f"{len(corpus_files(ds.max_bytes))} Python standard library files"
-    if ds.name == "hf":
-        return f"hub {ds.hub} ({ds.config or 'default'}, {ds.split})" if ds.hub else f"{ds.path}"
-    if ds.name == "digits":
-        return "scikit-learn's 8x8 digits"
-    if ds.name == "synthetic":
-        return f"random {ds.kind}"
-    return ds.name
-
-
-def val_problem(cfg: DictConfig, n_val: int, dp: int) -> str | None:
-    """Why a validation split of `n_val` samples/windows validates nothing (None: it is fine).
-    The val loader drops a rank's last partial batch, so fewer than one batch per data-parallel
-    rank is as good as empty."""
-    ds = cfg.dataset
-    if n_val == 0:
-        every = ds.get("val_every", 2)
-        how = (f"dataset.val_every={every} puts none of the data in it" if every > 1
-               else f"dataset.val_every={every} turns it off")
-        return f"dataset={ds.name}: the validation split is empty ({how})"
-    if n_val // dp < ds.batch_size:
-        return (f"dataset={ds.name}: the validation split has {n_val} sample(s)/window(s), fewer than one "
-                f"batch per data-parallel rank (dataset.batch_size={ds.batch_size} x {dp} ranks): "
-                "validation would not run")
-    return None
+    return DATASETS[cfg.dataset.name].source(cfg.dataset)
 
 
 def summary_line(cfg: DictConfig, train, val, dp: int) -> str:

@@ -63,6 +63,10 @@ def inputs(ds: DictConfig) -> DataInputs:
     return DataInputs(files=sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(ds.path))
 
 
+def source(ds: DictConfig) -> str:
+    return f"hub {ds.hub} ({ds.config or 'default'}, {ds.split})" if ds.hub else f"{ds.path}"
+
+
 def _saved_split_dir(p: Path, split: str) -> tuple[Path | None, list[str]]:
     """(the Dataset directory for `split`, the splits there are) of a save_to_disk dir."""
     if (p / "dataset_dict.json").is_file():

@@ -88,7 +88,8 @@ class LoomDataModule(pl.LightningDataModule):
     def _announce(self) -> None:
         """The dataset line (the console shows rank 0's), and a validation split that validates
         nothing: a warning, or an error when validation is asked for periodically."""
-        from loom.data.describe import summary_line, val_problem
+        from loom.data.checks import val_problem
+        from loom.data.describe import summary_line
 
         log.info(summary_line(self.cfg, self.train_set, self.val_set, self.dp_size))
         off = self.cfg.dataset.get("val_every", 2) <= 1  # the user turned the split off

@@ -48,6 +48,9 @@ class DatasetOption:
     # what it reads outside its config (files, a stand-in note): part of the run id, so editing a
     # corpus file starts a new run or is refused on resume. Required: no file-based option forgets it
     inputs: Callable[[DictConfig], DataInputs]
+    source: Callable[[DictConfig], str]    # where its data comes from, for the console's dataset line
+    # its validation split's size where known before launch (None: only the workers can tell)
+    val_size: Callable[[DictConfig], int | None] = lambda ds: None
     features: Callable[[DictConfig], tuple[int, int] | None] = _no_features  # (inputs, classes)
     tokenized: bool = False                # text tokenized into the cache by `prepare_data`
     check: Callable[[DictConfig, ParallelLayout], None] = no_check
@@ -56,15 +59,20 @@ class DatasetOption:
 
 DATASETS: dict[str, DatasetOption] = {
     "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True),
-                              tinycode.inputs, tokenized=True),
+                              tinycode.inputs, tinycode.source, tokenized=True,
+                              val_size=lambda ds: checks.corpus_val_size(ds, tinycode.corpus_files(ds.max_bytes))),
     "text_files": DatasetOption(TextFilesDatasetConfig, "loom.data.text_files:datasets", _always(True),
-                                text_files.inputs, tokenized=True, check=checks.check_text_files,
-                                normalize=checks.normalize_text_files),
-    "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, tokenized=True,
-                        check=checks.check_hf, normalize=checks.normalize_hf),
+                                text_files.inputs, text_files.source, tokenized=True, check=checks.check_text_files,
+                                normalize=checks.normalize_text_files,
+                                val_size=lambda ds: checks.corpus_val_size(
+                                    ds, text_files.corpus_files(list(ds.paths), ds.max_bytes))),
+    "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, hf.source,
+                        tokenized=True, check=checks.check_hf, normalize=checks.normalize_hf),
     "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False), no_inputs,
+                            lambda ds: "scikit-learn's 8x8 digits", val_size=checks.digits_val_size,
                             features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),
     "synthetic": DatasetOption(SyntheticDatasetConfig, "loom.data.synthetic:datasets",
-                               lambda ds: ds.kind == "tokens", no_inputs, features=_synthetic_features,
+                               lambda ds: ds.kind == "tokens", no_inputs, lambda ds: f"random {ds.kind}",
+                               val_size=checks.synthetic_val_size, features=_synthetic_features,
                                check=checks.check_synthetic),
 }

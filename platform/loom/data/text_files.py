@@ -29,6 +29,10 @@ def inputs(ds: DictConfig) -> DataInputs:
     return DataInputs(files=corpus_files(list(ds.paths), ds.max_bytes))
 
 
+def source(ds: DictConfig) -> str:
+    return f"{len(corpus_files(list(ds.paths), ds.max_bytes))} file(s) from {', '.join(map(str, ds.paths))}"
+
+
 def window_split_every(ds: DictConfig, n_files: int) -> int | None:
     """k when validation is every k-th window (fewer files than val_every), else None."""
     if ds.name != "text_files" or ds.val_every <= 1 or n_files >= ds.val_every:

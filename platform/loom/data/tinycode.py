@@ -48,6 +48,10 @@ def inputs(ds: DictConfig) -> DataInputs:
     return DataInputs(note=f"Python {sys.version.split()[0]} standard library ({stdlib_dir()})")
 
 
+def source(ds: DictConfig) -> str:
+    return f"{len(corpus_files(ds.max_bytes))} Python standard library files"
+
+
 def datasets(cfg: DictConfig):
     """(train, val) token windows, tokenized into the cache on first use."""
     from loom.data.tokens import file_token_datasets

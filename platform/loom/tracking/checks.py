@@ -46,9 +46,9 @@ def has_wandb_key() -> bool:
 
 def _option(tr: DictConfig, tracker: str) -> str:
     """How the user turned `tracker` on: the option itself, or a key added to another option."""
-    if tr.name == tracker or (tracker == "wandb" and tr.name in ("offline", "wandb")):
+    if tr.name in TRACKERS[tracker].options:
         return f"tracking={tr.name}"
-    return f"tracking.{'mlflow.enabled' if tracker == 'mlflow' else tracker}=true (tracking={tr.name})"
+    return f"{TRACKERS[tracker].switch}=true (tracking={tr.name})"
 
 
 def tracking_checks(cfg: DictConfig) -> None:

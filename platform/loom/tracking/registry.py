@@ -25,17 +25,21 @@ class Tracker:
     enabled: Callable[[DictConfig], bool]  # on the `tracking` node
     module: str | None                     # the import name the builder needs (None: core)
     builder: str                           # "module:function"
+    switch: str                            # the key that turns it on beside another option
+    options: tuple[str, ...]               # the tracking options (conf/tracking/) that turn it on themselves
     pip_name: str | None = None            # when it differs from `module`
 
 
 TRACKERS: dict[str, Tracker] = {
-    "csv": Tracker(lambda tr: bool(tr.csv), None, "loom.tracking.loggers:build_csv"),
+    "csv": Tracker(lambda tr: bool(tr.csv), None, "loom.tracking.loggers:build_csv", "tracking.csv",
+                   ("offline", "csv", "wandb", "tensorboard", "mlflow")),
     "wandb": Tracker(lambda tr: bool(tr.wandb) and tr.get("mode", "offline") != "disabled", "wandb",
-                     "loom.tracking.loggers:build_wandb"),
+                     "loom.tracking.loggers:build_wandb", "tracking.wandb", ("offline", "wandb")),
     "tensorboard": Tracker(lambda tr: bool(tr.get("tensorboard")), "tensorboard",
-                           "loom.tracking.loggers:build_tensorboard"),
+                           "loom.tracking.loggers:build_tensorboard", "tracking.tensorboard", ("tensorboard",)),
     "mlflow": Tracker(lambda tr: bool(tr.get("mlflow") and tr.mlflow.enabled), "mlflow",
-                      "loom.tracking.mlflow_run:build_mlflow", pip_name="mlflow-skinny"),
+                      "loom.tracking.mlflow_run:build_mlflow", "tracking.mlflow.enabled", ("mlflow",),
+                      pip_name="mlflow-skinny"),
 }
 
 
