@@ -267,9 +267,9 @@ def test_step_5_is_the_same_weights_from_every_kind_of_checkpoint(kept_runs):
     for strategy in ("fsdp", "zero3"):
         assert list(exports[strategy]) == list(ddp)
         worst = max(float((exports[strategy][k] - ddp[k]).abs().max()) for k in ddp)
-        assert worst < 1e-4, (strategy, worst)
+        assert worst < 1e-5, (strategy, worst)  # measured: 8.4e-8
     moved = max(float((final[k] - ddp[k]).abs().max()) for k in ddp)
-    assert moved > 1e-3, moved
+    assert moved > 1e-3, moved  # measured: 4.0e-3
 
 
 def test_a_completed_run_asked_for_hf_names_the_export_command_and_it_works(kept_runs, shared):

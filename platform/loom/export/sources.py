@@ -147,6 +147,18 @@ class ZeroSource(WeightsSource):
         return t if isinstance(t, torch.Tensor) else t.contiguous()  # a lazy ZeRO-3 GatheredTensor
 
 
+# Module wrappers whose names enter a checkpoint's keys but not the network's state_dict: torch's
+# activation-checkpoint wrapper (ZeRO-3 names parameters through it) and torch.compile's module.
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped(name: str) -> str:
+    """`name` without the wrappers' segments: the network's own name of that tensor."""
+    for segment in WRAPPERS:
+        name = name.replace(segment, "")
+    return name
+
+
 def open_source(path: Path) -> WeightsSource:
     """The reader for `path`: final weights (a .safetensors file or a Hugging Face dir) or a
     checkpoint (a torch.save file, a DCP dir with `.metadata`, a DeepSpeed dir with `latest`)."""

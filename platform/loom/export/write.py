@@ -6,8 +6,10 @@ uses (rundir.checkpoints.write_weights_file, rundir.hf_export.write_hf_dir).
 The entries come from the run's own network built on the meta device (no parameter storage):
 the same keys, order, shapes and dtypes as `module.model.state_dict()`, which is what the
 worker exports, so an export of the final step's checkpoint equals final/ tensor for tensor. A
-tensor the source lacks or holds in another shape stops the export (exit 2) before a file is
-written.
+checkpoint's names carry the LightningModule's `model.` prefix and, where a wrapper held the
+parameters when it was saved (ZeRO-3 under activation checkpointing, a compiled module), the
+wrapper's segment (sources.unwrapped). A tensor the source lacks or holds in another shape stops
+the export (exit 2) before a file is written.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from omegaconf import DictConfig
 
 from loom.errors import ConfigError
 from loom.export.select import Request
-from loom.export.sources import WeightsSource, open_source
+from loom.export.sources import WeightsSource, open_source, unwrapped
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, Spec, dtype_name
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]
@@ -47,12 +49,13 @@ def plan_tensors(entries: list[Entry] | None, source: WeightsSource, dtype: torc
     have = source.entries()
     prefix = source.prefix if entries is not None else ""
     if entries is None:
-        entries = [(k, shape, dt) for k, (shape, dt) in have.items()]
+        entries = [(unwrapped(k), shape, dt) for k, (shape, dt) in have.items()]
+    raw = {unwrapped(n): n for n in have}  # the network's name -> the source's (wrappers' segments in it)
     for key, shape, _ in entries:
-        name = prefix + key
-        if name not in have:
-            raise ConfigError(f"Invalid usage: loom export: {where} holds no tensor {name!r} of the run's model "
-                              f"({len(have)} tensors in it): it is not this run's weights.")
+        name = raw.get(prefix + key)
+        if name is None:
+            raise ConfigError(f"Invalid usage: loom export: {where} holds no tensor {prefix + key!r} of the run's "
+                              f"model ({len(have)} tensors in it): it is not this run's weights.")
         if tuple(have[name][0]) != tuple(shape):
             raise ConfigError(f"Invalid usage: loom export: {where} holds {name!r} with shape {list(have[name][0])}; "
                               f"the run's model has {list(shape)}: it is not this run's weights.")
@@ -60,7 +63,7 @@ def plan_tensors(entries: list[Entry] | None, source: WeightsSource, dtype: torc
 
     def read() -> Iterator[tuple[str, torch.Tensor]]:
         for key, _, dt in entries:
-            t = source.get(prefix + key)
+            t = source.get(raw[prefix + key])
             yield key, t.to(dtype) if dt.is_floating_point else t.to(dt)
 
     return specs, read()
