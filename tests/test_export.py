@@ -86,7 +86,7 @@ def _load_hf(directory: Path) -> tuple[torch.nn.Module, list[str]]:
 
 
 def _fake_run(root: Path, model: str = "llama_tiny", steps: tuple[int, ...] = (2, 4),
-              reshape: str | None = None) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
+              reshape: str | None = None, *overrides: str) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
     """A run dir as `loom train` leaves a killed single-process run: the frozen config.yaml and
     Lightning-layout checkpoints (`state_dict` of the LightningModule: `model.<name>`) holding
     distinct weights per step, no final weights; `reshape`: one name saved with a wrong shape."""
@@ -94,7 +94,7 @@ def _fake_run(root: Path, model: str = "llama_tiny", steps: tuple[int, ...] = (2
     from loom.pipeline import resolve
     from loom.rundir.config_file import frozen_yaml
 
-    cfg = resolve([f"model={model}", *ONE_CPU, "run.id=fake"])
+    cfg = resolve([f"model={model}", *ONE_CPU, "run.id=fake", *overrides])
     run = root / "fake"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text(frozen_yaml(cfg))
@@ -172,6 +172,28 @@ def test_a_checkpoint_exports_under_the_networks_names_in_its_order(tmp_path):
     got = _tensors(hf)
     assert {t.dtype for t in got.values()} == {torch.bfloat16}
     assert torch.equal(got["model.norm.weight"], saved[2]["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_a_wider_dtype_than_final_holds_is_read_from_the_final_steps_checkpoint(tmp_path):
+    """A completed run that exported bf16 final weights: its export defaults to final/, but an
+    fp32 export reads the final step's checkpoint (fp32, what training held), not final/'s bf16
+    values widened."""
+    from loom.rundir.checkpoints import write_final_weights
+    from loom.rundir.safetensors_stream import dtype_name
+
+    run, saved = _fake_run(tmp_path, "llama_tiny", (2, 4), None, "checkpoint.export_dtype=bf16")
+    bf16 = {k: v.to(torch.bfloat16) for k, v in saved[4].items()}
+    write_final_weights(run, [(k, tuple(v.shape), dtype_name(v.dtype)) for k, v in bf16.items()], bf16.items(), {})
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "global_step": 4,
+                                                  "final_weights": "final/model.safetensors"}))
+    rc, out, err = _loom("export", str(run), "--format", "loom")
+    assert rc == 0 and "final/model.safetensors (step 4)" in out, err + out
+    assert all(torch.equal(v, bf16[k]) for k, v in load_file(_wrote(out) / "model.safetensors").items())
+    rc, out, err = _loom("export", str(run), "--format", "loom", "--dtype", "fp32")
+    assert rc == 0 and "checkpoints/step-0000004.ckpt (step 4)" in out, err + out
+    assert _wrote(out) == run / "export" / "loom-step-4-fp32"
+    got = load_file(_wrote(out) / "model.safetensors")
+    assert all(torch.equal(got[k], saved[4][k]) for k in saved[4])
 
 
 def test_weights_of_another_model_are_refused_naming_the_tensor(tmp_path):
