@@ -2,9 +2,13 @@
 process group, no training launch (the rehearsal's own CPU process). gpt_tiny under fsdp,
 fsdp_tp, pp (beside replicated data parallelism) and nd at world 8 and 64: the rehearsed
 parameter and optimizer bytes per rank are the plan's, scale as 1/dp over the sharded ranks, and (test_rehearsal_matches_real_runs, on the suite's shared
-reference runs: no launch of its own) equal what the real CPU runs report in summary.json."""
+reference runs: no launch of its own) equal what the real CPU runs report in summary.json.
+ZeRO layouts (rehearse/zero.py): DeepSpeed's estimators, asked about this run's model, nodes and
+offloads, beside the plan."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from conftest import FAST, GLOBAL_BATCH, PARITY, strategy_args
@@ -126,3 +130,74 @@ def test_rehearsed_activations_match_a_real_fsdp_step(shared):
     mem = run.summary()["memory"]  # and the states are the real shards', exactly
     assert (r["bytes"]["params"], r["bytes"]["optimizer"]) == (mem["param_bytes_per_rank"][0],
                                                                mem["optim_state_bytes_per_rank"][0])
+
+
+def meta_counts(cfg) -> tuple[int, int]:
+    """(parameters, elements of the largest one) of the model built on the meta device: what
+    DeepSpeed's estimators must be given, counted here without the plan's arithmetic."""
+    import torch
+
+    from loom import models
+
+    with torch.device("meta"):
+        net = models.build_module(cfg).build_model()
+    sizes = [p.numel() for p in net.parameters()]  # a tied embedding and head: once
+    return sum(sizes), max(sizes)
+
+
+# ZeRO layouts: DeepSpeed cannot initialize over a fake process group, so rehearse/zero.py asks
+# DeepSpeed's own estimators what a rank holds. What each must be asked: the model's P parameters
+# and the L elements of its largest tensor, 8 GPUs per node on 2 nodes (not 16 per node), the
+# strategy's offloads, no headroom (additional_buffer_factor 1.0, not DeepSpeed's 1.5). Expected:
+# DeepSpeed's formulas (runtime/zero/stage_1_and_2.py, stage3.py), device and host bytes.
+ZERO = ["model=llama3_1b", "hardware=h100x8", "hardware.num_nodes=2", "hardware.rdzv_endpoint=node0:29500"]
+GPUS, PER_NODE, NODES = 16, 8, 2
+ZERO_CASES = {
+    # 16-bit params whole; 2 + 4 bytes of grads, 4 of fp32 params, 8 of Adam per parameter over the GPUs
+    "zero1": (["strategy=zero1"], "zero2", lambda P, L: (2 * P + int(18 * P / GPUS), 4 * P * PER_NODE)),
+    "zero2": (["strategy=zero2"], "zero2", lambda P, L: (2 * P + int(18 * P / GPUS), 4 * P * PER_NODE)),
+    "zero2 offload": (["strategy=zero2", "strategy.offload_optimizer=true"], "zero2",
+                      lambda P, L: (2 * P, P * max(4 * GPUS, 16))),
+    # the largest layer gathered whole in fp32, the rest partitioned
+    "zero3": (["strategy=zero3"], "zero3", lambda P, L: (4 * L + int(18 * P / GPUS), 4 * L * PER_NODE)),
+    "zero3_offload": (["strategy=zero3_offload"], "zero3", lambda P, L: (4 * L + int(2 * P / GPUS), 16 * P / NODES)),
+    "zero3_offload params": (["strategy=zero3_offload", "strategy.offload_params=true"], "zero3",
+                             lambda P, L: (4 * L, 18 * P / NODES)),
+}
+
+
+@pytest.mark.parametrize("case", list(ZERO_CASES))
+def test_a_zero_rehearsal_asks_deepspeeds_estimators_about_this_run(case):
+    from loom.rehearse import rehearse
+
+    args, stage, expect = ZERO_CASES[case]
+    cfg = resolve([*ZERO, *args])
+    plan = make_plan(cfg).to_dict()
+    params, largest = meta_counts(cfg)
+    assert plan["params"] == params
+    device, host = expect(params, largest)
+    r = rehearse(cfg, plan, show=False)
+    assert r["estimator"].startswith(f"DeepSpeed estimate_{stage}_model_states_mem_needs"), r
+    assert (r["deepspeed_states"], r["deepspeed_host"]) == (device, host), (case, r)
+    mem = plan["memory_per_device_bytes"]
+    planned = mem["params"] + mem["grads"] + mem["optimizer"]
+    assert r["planned_states"] == planned and r["difference"] == pytest.approx((planned - device) / device)
+    assert r["world_size"] == GPUS and r["ranks"] == []  # no rank process: nothing to build over a fake group
+
+
+def test_plan_rehearse_shows_deepspeeds_figures_beside_the_plans(tmp_path, capsys, monkeypatch):
+    """`loom plan strategy=zero3 --rehearse`: exit 0, plan.json's rehearsal, and its table."""
+    from loom.cli import main
+    from loom.rehearse.table import GB
+
+    monkeypatch.setenv("COLUMNS", "200")  # one line per table row
+    out = tmp_path / "plan.json"
+    assert main(["plan", *ZERO, "strategy=zero3", "--rehearse", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["rehearsal"]
+    params, largest = meta_counts(resolve([*ZERO, "strategy=zero3"]))
+    assert r["deepspeed_states"] == 4 * largest + int(18 * params / GPUS)
+    rows = {cells[0]: cells[1:] for line in capsys.readouterr().out.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
+    assert rows["model states (params + grads + optimizer)"] == [
+        f"{r['planned_states'] / GB:,.2f}", f"{r['deepspeed_states'] / GB:,.2f}", f"{r['difference']:+.0%}"]
+    assert rows["host (CPU) memory per node"] == ["", f"{r['deepspeed_host'] / GB:,.2f}", ""]

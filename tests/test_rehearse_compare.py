@@ -17,6 +17,7 @@ import json
 import re
 
 import pytest
+from test_rehearse import meta_counts
 
 from loom.compose import compose
 from loom.plan.compare import compare
@@ -47,24 +48,12 @@ def _deepspeed_zero3_bytes(params: int, largest: int, gpus: int) -> int:
     return 4 * largest + int(18 * params / gpus)
 
 
-def _meta_counts(cfg) -> tuple[int, int]:
-    """(parameters, elements of the largest one) of the model built on the meta device."""
-    import torch
-
-    from loom import models
-
-    with torch.device("meta"):
-        net = models.build_module(cfg).build_model()
-    sizes = [p.numel() for p in net.parameters()]
-    return sum(sizes), max(sizes)
-
-
 def _rehearsed_peak(row: dict, cand) -> float:
     """The peak the re-ranking must judge, from the rehearsal's own parts."""
     plan = cand.plan.to_dict()
     if row["rehearsal"].get("estimator"):
         assert cand.strategy == "zero3"
-        params, largest = _meta_counts(cand.cfg)
+        params, largest = meta_counts(cand.cfg)
         assert plan["params"] == params
         return _deepspeed_zero3_bytes(params, largest, 8) + plan["memory_per_device_bytes"]["activations"]
     ranks = row["rehearsal"]["ranks"]
