@@ -2,11 +2,11 @@
 
 Fast tests check the name-seeded initialization and activation checkpointing without
 processes (the same loss and gradients with and without it, and less saved for backward); the
-slow ones launch three real 2-process runs of `model=gpt_1b model.n_layer=2` (~105M parameters,
-420 MB in fp32; 2048-wide, so each rank's shard of a weight spans several CHUNKs) under ddp,
+slow ones launch three real 2-process runs of `model=gpt_1b model.n_layer=4` (~207M parameters,
+0.77 GiB in fp32; 2048-wide, so each rank's shard of a weight spans several CHUNKs) under ddp,
 fsdp and zero3, one step and no validation, whose build-time peak RSS (summary.json
-`memory.build_peak_rss_gb_per_rank`) shows that sharded strategies never hold the whole model,
-and whose step-1 losses agree. Activation checkpointing in real processes rides on shared runs:
+`memory.build_peak_rss_gb_per_rank`) shows that sharded strategies never hold the whole model
+(issue 35: zero3 within 0.6x of ddp's), and whose step-1 losses agree. Activation checkpointing in real processes rides on shared runs:
 zero3's parity run and the compiled fsdp run (tests/test_strategies.py, tests/test_compile.py).
 """
 
@@ -23,12 +23,17 @@ from loom.models import build_module
 from loom.models.init import CHUNK, NamedInit, gpt_rule
 from loom.pipeline import resolve
 
-BIG = ["model=gpt_1b", "model.n_layer=2", "hardware=cpu", *FAST, "trainer.max_steps=1", "dataset.seq_len=16",
+BIG = ["model=gpt_1b", "model.n_layer=4", "hardware=cpu", *FAST, "trainer.max_steps=1", "dataset.seq_len=16",
        "trainer.limit_val_batches=0"]
-# A sharded build holds its half of the fp32 model plus, briefly, one whole parameter being
-# initialized before it is sharded: the largest, gpt_1b's MLP up projection (4 x 2048 x 2048).
-LARGEST_PARAM_GB = 4 * 2048 * 2048 * 4 / 1e9
-SLACK_GB = 0.03
+# A sharded build holds at most its half of the fp32 model plus, briefly, one whole parameter
+# being initialized before it is sharded: the largest, gpt_1b's MLP up projection (4 x 2048 x
+# 2048). GiB, as build_peak_rss_gb_per_rank (ru_maxrss).
+LARGEST_PARAM_GIB = 4 * 2048 * 2048 * 4 / 2**30
+SLACK_GIB = 0.03
+# Issue 35: at 2 ranks a sharded build stays within 0.6x of ddp's above the same plain process.
+# (Measured here, GiB above ddp's gpt_tiny run: ddp 0.770; fsdp 0.391; zero3 0.571 while DeepSpeed
+# imported mlflow, 0.469 without it, 0.415 once zero.Init no longer writes whole parameters.)
+SHARDED_OF_DDP = 0.6
 AC_TOL = 1e-5
 
 
@@ -122,15 +127,41 @@ def _build_peak(run) -> float:
 
 @pytest.mark.slow
 def test_sharded_strategies_never_build_the_whole_model(big_runs, strategy_runs):
+    """Each build's peak above ddp's gpt_tiny run (the same data, a process without DeepSpeed):
+    what a rank holds to build the model, its strategy's runtime included, so a ZeRO rank that
+    imports more (mlflow through DeepSpeed's autotuner: +0.12 GiB) counts, as a whole parameter
+    written before it is partitioned does."""
     for name, r in big_runs.items():
         assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
-    extra = {s: _build_peak(big_runs[s]) - _build_peak(strategy_runs[s]) for s in ("ddp", "fsdp", "zero3")}
+    base = _build_peak(strategy_runs["ddp"])
+    extra = {s: _build_peak(big_runs[s]) - base for s in ("ddp", "fsdp", "zero3")}
     print({s: round(v, 3) for s, v in extra.items()},
           {s: big_runs[s].summary()["memory"]["build_peak_rss_gb_per_rank"] for s in big_runs})
-    whole_gb = big_runs["ddp"].summary()["memory"]["param_bytes_per_rank"][0] / 1e9
-    assert extra["ddp"] > 0.8 * whole_gb, (extra, whole_gb)  # the whole fp32 model on each rank
-    for s in ("fsdp", "zero3"):  # 2 ranks: well under the whole model (0.67 of it at 2 layers)
-        assert extra[s] <= whole_gb / 2 + LARGEST_PARAM_GB + SLACK_GB, (s, extra, whole_gb)
+    whole = big_runs["ddp"].summary()["memory"]["param_bytes_per_rank"][0] / 2**30
+    assert extra["ddp"] > 0.8 * whole, (extra, whole)  # the whole fp32 model on each rank
+    for s in ("fsdp", "zero3"):  # 2 ranks: about half the model
+        assert extra[s] <= whole / 2 + LARGEST_PARAM_GIB + SLACK_GIB, (s, extra, whole)
+        assert extra[s] <= SHARDED_OF_DDP * extra["ddp"], (s, extra)
+
+
+def test_a_zero_rank_imports_deepspeed_without_mlflow():
+    """DeepSpeed's autotuner imports mlflow whenever it is installed (loom[tracking] installs
+    mlflow-skinny): mlflow, pandas, opentelemetry and fastapi were in every ZeRO rank, +0.12 GiB
+    of its build peak. A fresh interpreter (this one may hold either already) imports DeepSpeed
+    as a CPU ZeRO rank does; mlflow stays importable afterwards, for tracking=mlflow."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed: DeepSpeed has nothing to pull in")
+    code = ("import sys; from loom.strategies.deepspeed import use_cpu_accelerator; use_cpu_accelerator(); "
+            "import deepspeed.autotuning.autotuner as a; "
+            "print(sorted(m for m in ('mlflow', 'pandas', 'opentelemetry') if m in sys.modules), a.has_mlflow); "
+            "import mlflow; print(mlflow.__name__)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split("\n")[:2] == ["[] False", "mlflow"], p.stdout
 
 
 @pytest.mark.slow

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from loom.models.init import FileInit, initialize, materialize, params_on_meta
+from loom.models.init import FileInit, initialize, materialize, padding_rows, params_on_meta
 
 log = logging.getLogger("loom")
 
@@ -63,11 +63,14 @@ def parallelized(module: Any, strategy: Any | None) -> tuple[torch.nn.Module, An
     with _outside_zero_init(zero3), params_on_meta():
         meta_model = module.build_model()
     init, why_not = module.initializer(meta_model)
+    if init is not None:  # read by NamedInit's draws (a file's or reset_parameters' values are kept)
+        init.zero_rows.update(padding_rows(meta_model))
     source = getattr(module, "init_source", None)
     if source is not None:  # model.init_from: the file's weights instead of a fresh init
         init, why_not = _file_init(module, str(source)), None
     if zero3:
-        model = module.build_model()  # inside zero.Init (Lightning's model_sharded_context)
+        with _left_for_loom(init is not None):
+            model = module.build_model()  # inside zero.Init (Lightning's model_sharded_context)
         how = "built under deepspeed.zero.Init (partitioned per module)"
     elif init is None:
         model = module.build_model()
@@ -112,6 +115,52 @@ def _outside_zero_init(zero3: bool) -> Iterator[None]:
         yield
     finally:
         restore_init_context()
+
+
+@contextmanager
+def _left_for_loom(initialized_by_loom: bool) -> Iterator[None]:
+    """Under zero.Init, a module's parameters are allocated whole, initialized by its own
+    `reset_parameters` (torch.nn.init), broadcast from rank 0 and only then cut to this rank's
+    partition: one whole parameter written on every rank (the build peak's one-parameter
+    transient: 64 MiB for gpt_1b's MLP). When Loom writes every partition next (models.init), that
+    work is wasted, so neither runs: torch.nn.init's functions leave parameters alone (buffers
+    still get theirs) and DeepSpeed keeps its partition of the untouched tensor (`Init._zero_init_param` without its broadcast), whose pages
+    never become resident. The build then holds the local shards only, as FSDP's does; on a
+    cluster it also skips a broadcast of the whole model from rank 0 at start."""
+    if not initialized_by_loom:  # the module's own values are kept: rank 0's, broadcast
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    def partition_only(self: Any, param: torch.nn.Parameter) -> None:
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    broadcasting = Init.__dict__.get("_zero_init_param")
+    for name, fn in saved.items():
+        setattr(torch.nn.init, name, _except_parameters(fn))
+    if broadcasting is not None:
+        Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+        if broadcasting is not None:
+            Init._zero_init_param = broadcasting
+
+
+_INIT_FUNCTIONS = tuple(n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_"))
+
+
+def _except_parameters(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` for buffers (a module's own values, kept); a parameter is left as it is."""
+
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if isinstance(tensor, torch.nn.Parameter) else fn(tensor, *args, **kwargs)
+
+    return init
 
 
 @contextmanager

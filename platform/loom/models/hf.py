@@ -117,14 +117,31 @@ def parameter_shapes(m: DictConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build(m: DictConfig):
-    """The architecture, randomly initialized; with pretrained `.bin` weights only (no
-    safetensors for Loom to shard-load), transformers' from_pretrained, whole."""
+    """The architecture with its weights left to Loom's initializer (loom.models.init: by name,
+    the same under every strategy); with pretrained `.bin` weights only (no safetensors for
+    Loom to shard-load), transformers' from_pretrained, whole.
+
+    transformers' own init (`_init_weights`) is skipped: Loom overwrites every parameter, and
+    under `deepspeed.zero.Init` the parameters are already partitioned (empty on this rank)
+    when it runs, so `embed.weight[padding_idx] = 0` (Gemma 2, Phi-3) raised IndexError."""
     from transformers import AutoModelForCausalLM
 
     config = auto_config(m)
     if not m.random_init and has_local_weights(str(m.config)) and safetensors_dir(m) is None:
         return AutoModelForCausalLM.from_pretrained(_source(m), config=config, local_files_only=True)
-    return AutoModelForCausalLM.from_config(config)
+    with _no_init_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # transformers 5 ties inside the init it skipped
+    return model
+
+
+def _no_init_weights():
+    """transformers' context that skips weight init (and torch.nn.init) while building."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers >= 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def count(m: DictConfig) -> tuple[int, int, int, int, bool]:

@@ -85,8 +85,9 @@ class NamedInit:
     name, chunk index), so any contiguous range of it can be drawn alone, and the same seed
     gives the same weights on every device and strategy."""
 
-    def __init__(self, seed: int, rule: Rule) -> None:
+    def __init__(self, seed: int, rule: Rule, zero_rows: dict[str, int] | None = None) -> None:
         self.seed, self.rule = seed, rule
+        self.zero_rows = dict(zero_rows or {})  # parameter -> a row that starts at zero (padding_rows)
 
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
         """Write elements [start, start + dest.numel()) of the flattened full value into `dest` (1-D)."""
@@ -94,6 +95,16 @@ class NamedInit:
         if kind != "normal":
             dest.fill_(0.0 if kind == "zeros" else 1.0)
             return
+        self._draw(dest, name, shape, start, std)
+        row = self.zero_rows.get(name)
+        if row is not None and len(shape) >= 2:
+            width = math.prod(shape[1:])
+            a, b = max(start, row * width), min(start + dest.numel(), (row + 1) * width)
+            if a < b:
+                dest[a - start:b - start].zero_()
+
+    def _draw(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int, std: float) -> None:
+        """normal(0, std) for that range, from the generators of the chunks it overlaps."""
         end, total = start + dest.numel(), math.prod(shape)
         for k in range(start // CHUNK, (end - 1) // CHUNK + 1 if end > start else 0):
             lo, hi = k * CHUNK, min((k + 1) * CHUNK, total)
@@ -134,6 +145,17 @@ class ResetParametersInit(NamedInit):
 
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
         dest.copy_(self.full_value(name, shape, dest.device).view(-1)[start:start + dest.numel()])
+
+
+def padding_rows(model: nn.Module) -> dict[str, int]:
+    """Every name of an `nn.Embedding(padding_idx=i)` weight (a tied head's too) -> i: that row
+    starts at zero, as `nn.Embedding.reset_parameters` and transformers' `_init_weights` leave
+    it (it never gets a gradient, so it stays what it started as)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {name: int(m.padding_idx) for m in model.modules()
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None for name in names.get(id(m.weight), [])}
 
 
 def meta_capable(meta_model: nn.Module) -> str | None:
