@@ -34,7 +34,7 @@ from loom.rundir.failures import read_failures, write_failure
 
 CONFIG_LIKE = (TypeError, ValueError, LookupError, ImportError, AttributeError, NotImplementedError, ConfigError)
 # torch's RuntimeError messages for tensors that do not fit together (shapes, sizes, dtypes).
-_MISFIT = re.compile(r"shape|size mismatch|sizes? of tensors|must match the size|dimension|dtype|scalar type|"
+_MISFIT = re.compile(r"shape|size mismatch|mismatched.sizes|sizes? of tensors|must match the size|dimension|dtype|scalar type|"
                      r"expected .* but (got|found)|view size is not compatible|index .* out of (range|bounds)", re.I)
 _TRANSIENT = re.compile(r"nccl|gloo|c10d|socket|connection|timed? ?out|store|out of memory|cuda error|"
                         r"peer|broken pipe", re.I)
