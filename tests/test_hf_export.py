@@ -98,7 +98,7 @@ def test_the_config_carries_integer_fields_as_integers_and_loads_without_a_type_
         AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     finally:
         logging.getLogger("transformers").removeHandler(handler)
-    assert not [m for m in logged if "must be an integer" in m or "must be a float" in m], logged
+    assert logged == []  # no type warning, nor any other (llama_tiny's scaling fits its own context)
 
 
 def test_hf_causal_lm_exports_its_own_architecture_and_the_tokenizer(tmp_path):
