@@ -183,6 +183,20 @@ def test_a_zero_rehearsal_asks_deepspeeds_estimators_about_this_run(case):
     planned = mem["params"] + mem["grads"] + mem["optimizer"]
     assert r["planned_states"] == planned and r["difference"] == pytest.approx((planned - device) / device)
     assert r["world_size"] == GPUS and r["ranks"] == []  # no rank process: nothing to build over a fake group
+    assert r["note"] is None  # bf16-mixed: what the estimators count
+
+
+def test_a_zero_rehearsal_of_an_fp32_run_says_the_estimators_count_16_bit():
+    """On CPU (32-true) the plan holds fp32 weights and gradients that DeepSpeed's estimators do not
+    count: the rehearsal says why the plan is larger instead of leaving a bare +41% to read as a
+    plan error."""
+    from loom.rehearse import rehearse
+
+    cfg = resolve(["model=gpt_tiny", "strategy=zero2", "hardware=cpu"])
+    r = rehearse(cfg, make_plan(cfg).to_dict(), show=False)
+    assert r["note"] == ("DeepSpeed's estimators count 16-bit mixed precision; this run is 32-true (fp32 "
+                         "weights and gradients), so the plan's larger figure is expected, not an error")
+    assert r["planned_states"] > r["deepspeed_states"]
 
 
 def test_plan_rehearse_shows_deepspeeds_figures_beside_the_plans(tmp_path, capsys, monkeypatch):

@@ -101,4 +101,6 @@ def _zero_table(z: dict[str, Any]):
     t.add_row("model states (params + grads + optimizer)", _gb(z["planned_states"]), _gb(z["deepspeed_states"]),
               _pct(z["difference"]))
     t.add_row("host (CPU) memory per node", "", _gb(z["deepspeed_host"]), "")
+    if z.get("note"):
+        t.caption = z["note"]
     return t

@@ -15,6 +15,8 @@ from loom.layout import ParallelLayout
 from loom.plan.memory import largest_param
 from loom.strategies.deepspeed_config import zero_stage
 
+SIXTEEN_BIT = ("bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the estimators assume
+
 
 def _quiet_import():
     """DeepSpeed's estimators (importing deepspeed logs its accelerator choice: kept quiet)."""
@@ -43,7 +45,11 @@ def zero_rehearsal(cfg: DictConfig, plan: dict[str, Any], layout: ParallelLayout
         name = "estimate_zero2_model_states_mem_needs"
     mem = plan["memory_per_device_bytes"]
     planned = float(mem["params"] + mem["grads"] + mem["optimizer"])
-    return {"method": "DeepSpeed's estimators", "estimator": f"DeepSpeed {name}",
+    precision = str(cfg.hardware.precision)
+    note = None if precision in SIXTEEN_BIT else (
+        f"DeepSpeed's estimators count 16-bit mixed precision; this run is {precision} (fp32 weights and "
+        "gradients), so the plan's larger figure is expected, not an error")
+    return {"method": "DeepSpeed's estimators", "estimator": f"DeepSpeed {name}", "note": note,
             "world_size": layout.world, "planned_states": planned, "deepspeed_states": float(device),
             "deepspeed_host": float(host), "difference": (planned - device) / device if device else None,
             "ranks": []}
