@@ -78,6 +78,9 @@ def test_hf_causal_lm_with_a_pad_token_builds_under_zero3_with_single_s_weights(
     assert not embed[pad].any() and abs(others.std().item() - 0.02) < 2e-3
     tied = ref.model.get_output_embeddings().weight is embed
     assert tied is (arch == "gemma2")
+    # norm gains as the architecture's own init leaves them: Gemma multiplies by 1 + w (zeros), Phi-3 by w
+    gains = {n: p for n, p in ref.model.named_parameters() if n.endswith("norm.weight")}
+    assert gains and all(bool((p == (0.0 if arch == "gemma2" else 1.0)).all()) for p in gains.values()), gains
     init_fns, zero_init = torch.nn.init.normal_, Init._zero_init_param
 
     for rank in range(WORLD):

@@ -64,16 +64,49 @@ def llama_rule(std: float = 0.02) -> Rule:
     return rule
 
 
-def std_rule(std: float) -> Rule:
+def std_rule(std: float, constants: dict[str, float] | None = None) -> Rule:
     """Transformers' common init (normal(initializer_range) matrices, zero biases, unit norms),
-    without per-architecture special cases."""
+    with the architecture's own constant for the 1-D parameters in `constants` (`own_constants`:
+    Gemma's `x * (1 + w)` norms start at 0, not 1)."""
+    constants = constants or {}
 
     def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name in constants:
+            return "fill", constants[name]
         if name.endswith("bias"):
             return "zeros", 0.0
         return ("normal", std) if len(shape) >= 2 else ("ones", 0.0)
 
     return rule
+
+
+def own_constants(meta_model: nn.Module) -> dict[str, float]:
+    """The value a transformers model's own `_init_weights` gives each 1-D parameter it fills
+    with one constant (norm gains: 1, or 0 where the norm multiplies by 1 + w), by name. Each
+    module holding only 1-D parameters is copied to the CPU at full size (a norm: hidden-size
+    floats) and initialized there by the model itself, one module at a time; drawn values
+    (not constant) are left to the rule. Written by hand because the init runs on meta otherwise,
+    where it computes nothing."""
+    init = getattr(meta_model, "_init_weights", None)
+    out: dict[str, float] = {}
+    if init is None:
+        return out
+    for prefix, module in meta_model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own or any(p.dim() != 1 for p in own.values()):
+            continue
+        twin = copy.deepcopy(module).to_empty(device="cpu")
+        for p in twin.parameters(recurse=False):
+            p.data.fill_(float("nan"))  # a parameter the init skips is not mistaken for a constant
+        try:
+            init(twin)
+        except Exception:  # noqa: BLE001 (an init that needs more than the module: the rule decides)
+            continue
+        for name, p in twin.named_parameters(recurse=False):
+            values = p.detach()
+            if values.numel() and not values[0].isnan() and bool((values == values[0]).all()):
+                out[f"{prefix}.{name}" if prefix else name] = float(values[0])
+    return out
 
 
 CHUNK = 1 << 20  # elements per generator: a rank draws only the chunks its part overlaps
@@ -93,7 +126,7 @@ class NamedInit:
         """Write elements [start, start + dest.numel()) of the flattened full value into `dest` (1-D)."""
         kind, std = self.rule(name, shape)
         if kind != "normal":
-            dest.fill_(0.0 if kind == "zeros" else 1.0)
+            dest.fill_({"zeros": 0.0, "ones": 1.0}.get(kind, std))  # "fill": the rule's value
             return
         self._draw(dest, name, shape, start, std)
         row = self.zero_rows.get(name)

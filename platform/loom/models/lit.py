@@ -26,6 +26,7 @@ from loom.models.init import (
     gpt_rule,
     llama_rule,
     meta_capable,
+    own_constants,
     std_rule,
 )
 from loom.models.llama import DecoderLayer, Llama
@@ -221,7 +222,7 @@ class HFCausalLMModule(LoomModule):
         if not m.random_init and hf.has_local_weights(str(m.config)):
             return None, "its pretrained weights are .bin files, which transformers loads whole"
         std = float(getattr(meta_model.config, "initializer_range", 0.02))
-        return NamedInit(int(self.cfg.seed), std_rule(std)), None
+        return NamedInit(int(self.cfg.seed), std_rule(std, own_constants(meta_model))), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x, use_cache=False).logits
