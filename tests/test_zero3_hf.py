@@ -96,3 +96,25 @@ def test_hf_causal_lm_with_a_pad_token_builds_under_zero3_with_single_s_weights(
             assert not part[mine.numel():].any(), (rank, name)  # DeepSpeed's padding of the last partition
     # the build's temporary no-op torch init and broadcast-free partitioning are undone
     assert torch.nn.init.normal_ is init_fns and Init._zero_init_param is zero_init
+
+
+def test_bin_only_pretrained_weights_under_zero3_are_refused_before_launch(tmp_path):
+    """transformers' from_pretrained loads `.bin` weights whole into modules ZeRO-3 has already
+    partitioned: refused at validation naming the ways out, each of which is accepted."""
+    from conftest import refused
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    model.config.save_pretrained(tmp_path / "gpt2")
+    torch.save(model.state_dict(), tmp_path / "gpt2" / "pytorch_model.bin")
+    args = ["model=hf_causal_lm", f"model.config={tmp_path / 'gpt2'}", "dataset=synthetic", "dataset.seq_len=32",
+            "dataset.vocab_size=300", "hardware=cpu"]
+    err = refused(tmp_path, *args, "strategy=zero3")
+    assert "model.config=" in err and "holds only .bin weights, which strategy=zero3 cannot load" in err, err
+    assert "strategy=fsdp" in err and "model.random_init=true" in err and "safe_serialization=True" in err
+    for way_out in (["strategy=fsdp"], ["strategy=zero3", "model.random_init=true"]):
+        assert resolve([*args, *way_out]).strategy.name == way_out[0].split("=")[1]
+    from transformers import AutoModelForCausalLM  # the advice's one-time conversion, as written
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    assert resolve([*args, "strategy=zero3"]).strategy.name == "zero3"
