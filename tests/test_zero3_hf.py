@@ -110,7 +110,8 @@ def test_bin_only_pretrained_weights_under_zero3_are_refused_before_launch(tmp_p
     args = ["model=hf_causal_lm", f"model.config={tmp_path / 'gpt2'}", "dataset=synthetic", "dataset.seq_len=32",
             "dataset.vocab_size=300", "hardware=cpu"]
     err = refused(tmp_path, *args, "strategy=zero3")
-    assert "model.config=" in err and "holds only .bin weights, which strategy=zero3 cannot load" in err, err
+    assert "model.config=" in err and "holds only .bin weights, which ZeRO-3 cannot load" in err, err
+    assert "(strategy=zero3)" in err
     assert "strategy=fsdp" in err and "model.random_init=true" in err and "safe_serialization=True" in err
     for way_out in (["strategy=fsdp"], ["strategy=zero3", "model.random_init=true"]):
         assert resolve([*args, *way_out]).strategy.name == way_out[0].split("=")[1]

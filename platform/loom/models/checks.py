@@ -206,7 +206,6 @@ def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
               "transformers.AutoConfig...save_pretrained(dir) and pass the directory")
     _needs_tokens(cfg)
     loaded = not m.random_init and not m.get("init_from") and hf.has_local_weights(str(m.config))
-    _bin_weights_under_zero3(cfg, loaded and hf.safetensors_dir(m) is None)
     _hf_context(cfg, data, loaded)
     vocab = data.get("vocab_size")
     if isinstance(vocab, int):
@@ -214,20 +213,6 @@ def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
                 "its new rows cannot come from them)") if loaded else ""
         _vocab(cfg, vocab, "model.vocab_size" if m.vocab_size is not None else "model.config.vocab_size", also)
     hf_checks.check_architecture(cfg)  # overrides, the build, the implicit weights (transformers)
-
-
-def _bin_weights_under_zero3(cfg: DictConfig, bin_only: bool) -> None:
-    """Pretrained `.bin` weights load through transformers' from_pretrained, whole, into modules
-    ZeRO-3 has already partitioned (empty): refused before launch. Loom reads safetensors itself,
-    each rank its own partition."""
-    from loom.strategies.deepspeed_config import zero_stage
-
-    if bin_only and zero_stage(cfg.strategy.name) == 3:
-        _fail("model.config", cfg.model.config,
-              f"holds only .bin weights, which strategy={cfg.strategy.name} cannot load into its partitions; "
-              "save them as safetensors once (AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
-              "safe_serialization=True)), or train them with strategy=fsdp, or start from scratch with "
-              "model.random_init=true")
 
 
 def _hf_context(cfg: DictConfig, data: dict, loaded: bool) -> None:

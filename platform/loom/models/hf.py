@@ -72,6 +72,24 @@ def safetensors_dir(m: DictConfig) -> Path | None:
     return None
 
 
+def loads_whole(m: DictConfig) -> bool:
+    """Whether transformers' from_pretrained loads the weights, whole on every rank: pretrained
+    `.bin` files only (safetensors Loom reads itself, each rank its own part)."""
+    return not m.random_init and has_local_weights(str(m.config)) and safetensors_dir(m) is None
+
+
+def zero3_problem(m: DictConfig) -> tuple[str, str] | None:
+    """(the key, why ZeRO-3 cannot start this model), None when it can. Pretrained `.bin` weights load through
+    transformers' from_pretrained, whole, into modules zero.Init has already partitioned (empty);
+    Loom reads safetensors itself, each rank its own partition."""
+    if not loads_whole(m):
+        return None
+    return "model.config", (
+        "holds only .bin weights, which ZeRO-3 cannot load into its partitions; save them as safetensors once "
+        "(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)), or train "
+        "them with strategy=fsdp, or start from scratch with model.random_init=true")
+
+
 def _source(m: DictConfig) -> str:
     p = Path(str(m.config)).expanduser()
     return str(p) if p.is_dir() else str(m.config)
@@ -127,7 +145,7 @@ def build(m: DictConfig):
     from transformers import AutoModelForCausalLM
 
     config = auto_config(m)
-    if not m.random_init and has_local_weights(str(m.config)) and safetensors_dir(m) is None:
+    if loads_whole(m):
         return AutoModelForCausalLM.from_pretrained(_source(m), config=config, local_files_only=True)
     with _no_init_weights():
         model = AutoModelForCausalLM.from_config(config)

@@ -51,6 +51,8 @@ class ModelOption:
     # build memory); 0: unknown. Whether it is built whole on the host instead of on meta.
     largest: Callable[[DictConfig], float] = lambda cfg: 0.0
     built_on_host: Callable[[DictConfig], bool] = lambda cfg: False
+    # (the model.* key, why ZeRO-3 cannot start it), None when it can: the zero* check asks
+    zero3_problem: Callable[[DictConfig], tuple[str, str] | None] = lambda cfg: None
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
@@ -73,8 +75,8 @@ MODELS: dict[str, ModelOption] = {
     "hf_causal_lm": ModelOption(HFCausalLMModelConfig, checks.check_hf, spec.hf_spec, "loom.models.build:hf",
                                 init_from.hf_shapes, normalize=checks.normalize_hf,
                                 hf_config=lambda cfg: hf.config_dict(cfg.model), largest=spec.hf_largest,
-                                built_on_host=lambda cfg: not cfg.model.random_init
-                                and hf.has_local_weights(str(cfg.model.config))),
+                                built_on_host=lambda cfg: hf.loads_whole(cfg.model),
+                                zero3_problem=lambda cfg: hf.zero3_problem(cfg.model)),
     "custom": ModelOption(CustomModelConfig, checks.check_custom, spec.custom_spec, "loom.models.build:custom",
                           init_from.custom_shapes, normalize=checks.normalize_custom,
                           built_on_host=lambda cfg: True),  # its own __init__ allocates

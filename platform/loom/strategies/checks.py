@@ -6,9 +6,9 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from loom.bundle import shipped_path
-from loom.errors import require
+from loom.errors import fail, require
 from loom.layout import ParallelLayout
-from loom.models import llama_hf, splits, splittable
+from loom.models import MODELS, llama_hf, splits, splittable
 from loom.strategies.schema import COMM_HOOKS
 
 # The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
@@ -150,6 +150,10 @@ def check_zero(cfg: DictConfig, layout: ParallelLayout) -> None:
             cfg.hardware.precision, f"strategy={s.name} on CPU: DeepSpeed's CPU accelerator has no fp16; "
             "use hardware.precision=bf16-mixed or 32-true")
     resolved_deepspeed_config(cfg, layout)  # one ConfigError listing every problem of the user's JSON
+    problem = MODELS[cfg.model.name].zero3_problem(cfg) if zero_stage(s.name) == 3 else None
+    if problem:
+        key, why = problem
+        fail(key, cfg.model.get(key.split(".", 1)[1]), f"{why} (strategy={s.name})")
     if s.offload_optimizer or s.offload_params:
         _check_offload_memory(cfg, layout)
 
