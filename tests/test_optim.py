@@ -172,6 +172,36 @@ def test_fp16_loss_scaling_with_clipping_keeps_auto_off_fused():
     assert use_fused(True, params, scaled_clipping=True)  # as asked (validation refuses it with fp16 + clip)
 
 
+def test_sgd_on_dtensor_parameters_stays_on_foreach(tmp_path):
+    """`strategy=fsdp optim=sgd` failed at the first step: aten._fused_sgd_ has no DTensor sharding
+    rule (AdamW's fused kernel has one). On a 1-rank gloo mesh, auto keeps SGD on foreach and its
+    step runs; AdamW stays fused; an explicit optim.fused=true with SGD there is a clear error."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from loom.optim.build import make_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        net = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))
+        named = list(net.named_parameters())
+        sgd = OmegaConf.create({"name": "sgd", "lr": 0.1, "momentum": 0.0, "nesterov": False,
+                                "weight_decay": 0.0, "fused": "auto"})
+        opt = make_optimizer(named, sgd)
+        assert opt.defaults["fused"] is False
+        net(torch.ones(2, 4)).sum().backward()
+        opt.step()  # the fused kernel raised NotImplementedError here
+        adamw = OmegaConf.create({"name": "adamw", "lr": 0.1, "betas": [0.9, 0.95], "eps": 1e-8,
+                                  "weight_decay": 0.0, "fused": "auto"})
+        assert make_optimizer(named, adamw).defaults["fused"] is True
+        with pytest.raises(ValueError, match=r"optim.fused=true: .*use optim.fused=auto"):
+            make_optimizer(named, OmegaConf.merge(sgd, {"fused": True}))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_lr_zero_is_accepted_with_a_warning_and_leaves_the_weights(name, tmp_path, monkeypatch):
     """optim.lr=0 (a frozen evaluation, a save/load round trip) is planned with one warning line

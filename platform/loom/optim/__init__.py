@@ -56,12 +56,14 @@ class OptimizerOption:
     check: Callable[[DictConfig], None]          # the option's own fields
     state_slots: Callable[[DictConfig | None], int]  # per-parameter state tensors (plan's optimizer bytes)
     build: str                                   # "loom.optim.build:function" (param groups, cfg, fused); torch
+    fused_on_dtensor: bool = True                # DTensor has a sharding rule for its fused kernel (FSDP2, TP)
 
 
 # AdamW keeps m and v; SGD its momentum buffer, none without momentum.
 OPTIMIZERS: dict[str, OptimizerOption] = {
     "adamw": OptimizerOption(AdamWConfig, _check_adamw, lambda o: 2, "loom.optim.build:adamw"),
-    "sgd": OptimizerOption(SGDConfig, _check_sgd, lambda o: 1 if o.momentum > 0 else 0, "loom.optim.build:sgd"),
+    "sgd": OptimizerOption(SGDConfig, _check_sgd, lambda o: 1 if o.momentum > 0 else 0, "loom.optim.build:sgd",
+                           fused_on_dtensor=False),  # torch has no DTensor rule for aten._fused_sgd_
 }
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in OPTIMIZERS.items()}
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from loom.optim import OPTIMIZERS
@@ -26,15 +27,22 @@ def fused_supported(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
-def use_fused(setting: Any, params: list[torch.Tensor], scaled_clipping: bool = False) -> bool:
+def use_fused(setting: Any, params: list[torch.Tensor], scaled_clipping: bool = False,
+              on_dtensor: bool = True) -> bool:
     """`optim.fused`: true/false as given; auto: fused wherever torch supports it. (torch's own
-    default stays on foreach, and never picks fused for DTensors, which fused handles.)
+    default stays on foreach, and never picks fused for DTensors, which fused AdamW handles.)
 
     `scaled_clipping`: fp16 with a loss scaler and gradient clipping. A fused optimizer unscales
     the gradients inside its step, after clipping would have seen them still scaled, so auto
-    stays on foreach there (validation refuses `optim.fused=true` with it)."""
+    stays on foreach there (validation refuses `optim.fused=true` with it).
+    `on_dtensor`: whether DTensor has a sharding rule for the optimizer's fused kernel (FSDP2's and
+    tensor parallelism's parameters; AdamW's has one, SGD's not: auto stays on foreach there)."""
+    sharded = any(isinstance(p, DTensor) for p in params)
     if setting == "auto":
-        return fused_supported(params) and not scaled_clipping
+        return fused_supported(params) and not scaled_clipping and (on_dtensor or not sharded)
+    if setting and sharded and not on_dtensor:
+        raise ValueError("optim.fused=true: torch has no fused kernel of this optimizer for sharded (DTensor) "
+                         "parameters (strategy=fsdp, fsdp_tp, nd); use optim.fused=auto (foreach there)")
     return bool(setting)
 
 
@@ -49,7 +57,8 @@ def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: Di
                    scaled_clipping: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer `optim.name` names (adamw | sgd), fused per `optim.fused`."""
     groups = _groups(named_params, optim.weight_decay)
-    fused = use_fused(optim.fused, [p for g in groups for p in g["params"]], scaled_clipping)
+    fused = use_fused(optim.fused, [p for g in groups for p in g["params"]], scaled_clipping,
+                      OPTIMIZERS[optim.name].fused_on_dtensor)
     return load(OPTIMIZERS[optim.name].build)(groups, optim, fused)
 
 
