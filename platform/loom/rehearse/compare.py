@@ -25,10 +25,14 @@ def rehearsed_peak(rehearsal: dict[str, Any], plan: dict[str, Any]) -> float | N
 def rehearse_top(candidates: list, n: int = TOP) -> list[dict[str, Any]]:
     """--json's rows, the first `n` with `rehearsal`, `rehearsed_peak_bytes` and
     `fits_rehearsed`, re-ranked as the module docstring says; the table printed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     rows = [c.to_dict() for c in candidates]
-    for c, row in zip(candidates[:n], rows[:n], strict=True):
+    with ThreadPoolExecutor(max_workers=max(1, n)) as pool:  # each rehearsal is its own process(es): side by side
+        done = list(pool.map(lambda c: rehearse(c.cfg, c.plan.to_dict(), show=False), candidates[:n]))
+    for c, row, rehearsal in zip(candidates[:n], rows[:n], done, strict=True):
         plan = c.plan.to_dict()
-        row["rehearsal"] = rehearse(c.cfg, plan, show=False)
+        row["rehearsal"] = rehearsal
         peak = rehearsed_peak(row["rehearsal"], plan)
         cap, runtime = row["capacity_per_device_bytes"], plan["memory_per_device_bytes"].get("runtime", 0.0)
         row["rehearsed_peak_bytes"] = peak
