@@ -2,17 +2,19 @@
 
 Fast tests check the name-seeded initialization and activation checkpointing without
 processes (the same loss and gradients with and without it, and less saved for backward); the
-slow ones launch three real 2-process runs of `model=gpt_1b model.n_layer=4` (~207M parameters,
-0.77 GiB in fp32; 2048-wide, so each rank's shard of a weight spans several CHUNKs) under ddp,
-fsdp and zero3, one step and no validation, whose build-time peak RSS (summary.json
+slow ones launch two real 2-process runs of `model=gpt_1b model.n_layer=4` (~207M parameters,
+0.77 GiB in fp32; 2048-wide, so each rank's shard of a weight spans several CHUNKs) under fsdp
+and zero3, one step and no validation, whose build-time peak RSS (summary.json
 `memory.build_peak_rss_gb_per_rank`) shows that sharded strategies never hold the whole model
-(issue 35: zero3 within 0.6x of ddp's), and whose step-1 losses agree. Activation checkpointing in real processes rides on shared runs:
+(issue 35: zero3 within 0.6x of ddp's, whose build holds the whole fp32 model: 0.769 GiB
+measured above the same base, 0.770 GiB of parameters), and whose step-1 losses agree. Activation checkpointing in real processes rides on shared runs:
 zero3's parity run and the compiled fsdp run (tests/test_strategies.py, tests/test_compile.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -32,7 +34,9 @@ BIG = ["model=gpt_1b", "model.n_layer=4", "hardware=cpu", *FAST, "trainer.max_st
 # 2048). GiB, as build_peak_rss_gb_per_rank (ru_maxrss).
 LARGEST_PARAM_GIB = 4 * 2048 * 2048 * 4 / 2**30
 SLACK_GIB = 0.03
-# Issue 35: at 2 ranks a sharded build stays within 0.6x of ddp's above the same plain process.
+# Issue 35: at 2 ranks a sharded build stays within 0.6x of ddp's above the same plain process; ddp's
+# build is the whole fp32 model (measured 0.769 GiB against 0.770 of parameters), so the bound is
+# taken against the model's own bytes and ddp's 15 s launch is not repeated here.
 # (Measured here, GiB above ddp's gpt_tiny run: ddp 0.770; fsdp 0.391; zero3 0.571 while DeepSpeed
 # imported mlflow, 0.469 without it, 0.415 once zero.Init no longer writes whole parameters.)
 SHARDED_OF_DDP = 0.6
@@ -120,7 +124,7 @@ def test_user_module_with_reset_parameters_is_built_on_meta_reproducibly():
 def big_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("meta")
     return {s: run_loom("train", f"strategy={s}", *BIG, "dataset.batch_size=1", root=root, timeout=600)
-            for s in ("ddp", "fsdp", "zero3")}
+            for s in ("fsdp", "zero3")}
 
 
 def _build_peak(run) -> float:
@@ -136,14 +140,15 @@ def test_sharded_strategies_never_build_the_whole_model(big_runs, strategy_runs)
     for name, r in big_runs.items():
         assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
     base = _build_peak(strategy_runs["ddp"])
-    extra = {s: _build_peak(big_runs[s]) - base for s in ("ddp", "fsdp", "zero3")}
+    extra = {s: _build_peak(big_runs[s]) - base for s in ("fsdp", "zero3")}
     print({s: round(v, 3) for s, v in extra.items()},
           {s: big_runs[s].summary()["memory"]["build_peak_rss_gb_per_rank"] for s in big_runs})
-    whole = big_runs["ddp"].summary()["memory"]["param_bytes_per_rank"][0] / 2**30
-    assert extra["ddp"] > 0.8 * whole, (extra, whole)  # the whole fp32 model on each rank
+    whole = sum(big_runs["fsdp"].summary()["memory"]["param_bytes_per_rank"]) / 2**30  # the shards, whole
+    assert whole == pytest.approx(sum(big_runs["zero3"].summary()["memory"]["param_bytes_per_rank"]) / 2**30)
+    assert 0.7 < whole < 0.8, whole  # 207M fp32 parameters: the model the bound is about
     for s in ("fsdp", "zero3"):  # 2 ranks: about half the model
         assert extra[s] <= whole / 2 + LARGEST_PARAM_GIB + SLACK_GIB, (s, extra, whole)
-        assert extra[s] <= SHARDED_OF_DDP * extra["ddp"], (s, extra)
+        assert extra[s] <= SHARDED_OF_DDP * whole, (s, extra, whole)
 
 
 def test_a_zero_rank_imports_deepspeed_without_mlflow():
@@ -168,12 +173,14 @@ def test_a_zero_rank_imports_deepspeed_without_mlflow():
 
 @pytest.mark.slow
 def test_meta_built_strategies_start_from_the_same_weights(big_runs):
-    """At 105M parameters (init ranges crossing CHUNK boundaries inside each shard): the same
-    step-1 loss whether built whole (ddp) or as shards (fsdp, zero3). That these equal
-    `single`'s is every parity run's (tests/test_strategies.py, gpt_tiny)."""
-    ref = big_runs["ddp"].losses()[1]
-    for s in ("fsdp", "zero3"):
-        assert abs(big_runs[s].losses()[1] - ref) < 1e-4, (s, big_runs[s].losses()[1], ref)
+    """At 207M parameters (init ranges crossing CHUNK boundaries inside each shard): the same
+    step-1 loss whether FSDP2 writes row shards or ZeRO-3 flat partitions (measured 5.5036442 for
+    both, and 5.5036440 for the model built whole by `single` at the same global batch). That
+    these equal `single`'s is every parity run's (tests/test_strategies.py, gpt_tiny), and that
+    any range of a parameter draws the same values, test_any_range_of_a_parameter_draws_the_same_values'."""
+    fsdp, zero3 = big_runs["fsdp"].losses()[1], big_runs["zero3"].losses()[1]
+    # at init the model predicts near-uniformly over the 256 byte ids the loss covers: ln 256 = 5.545
+    assert abs(fsdp - zero3) < 1e-5 and abs(fsdp - math.log(256)) < 0.1, (fsdp, zero3)
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
