@@ -25,7 +25,7 @@ import torch
 from conftest import ROOT, launching_fixture
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_llama_runs import HF_SHAPE, llama_args
+from test_llama_runs import HF_SHAPE, completed_llama_runs, llama_args
 
 from loom import cli
 
@@ -212,10 +212,7 @@ KEPT = ("ddp", "fsdp", "zero3")  # the Llama runs that keep their checkpoints (s
 @launching_fixture(scope="module")
 def kept_runs(shared) -> dict:
     """ddp, fsdp and zero3 of tests/test_llama_runs.py: the same arguments, so the same runs."""
-    out = {name: shared.get(*llama_args(shared, name)) for name in KEPT}
-    for name, r in out.items():
-        assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
-    return out
+    return completed_llama_runs(shared, KEPT)
 
 
 def _steps(run_dir: Path) -> list[int]:

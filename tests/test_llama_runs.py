@@ -71,12 +71,18 @@ def _hf_checkpoint(path: Path) -> Path:
     return path
 
 
-@launching_fixture(scope="module")
-def llama_runs(shared) -> dict:
-    out = {name: shared.get(*llama_args(shared, name)) for name in RUNS}
+def completed_llama_runs(shared, names) -> dict:
+    """The shared Llama runs `names` (test_export's too: the same arguments, the same runs), each
+    asserted to have completed."""
+    out = {name: shared.get(*llama_args(shared, name)) for name in names}
     for name, r in out.items():
         assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
     return out
+
+
+@launching_fixture(scope="module")
+def llama_runs(shared) -> dict:
+    return completed_llama_runs(shared, RUNS)
 
 
 # Each step's loss relative to single's, at most (measured: every strategy within 1.4e-7 of single
