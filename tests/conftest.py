@@ -201,7 +201,8 @@ PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
          "ddp": ["strategy.comm_hook=bf16_compress"],
          "fsdp": ["strategy.reshard_after_forward=false"],
          "zero3": ["trainer.activation_checkpointing=full", "checkpoint.export_dtype=bf16"],
-         "zero3_offload": ["strategy.offload_params=true"]}
+         "zero3_offload": ["strategy.offload_params=true"],
+         "zero1": ["tracking.stragglers=false"]}  # its check: tests/test_stragglers.py
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]
 COMMON = [*PARITY, f"dataset.batch_size={B}"]  # a 2-way data-parallel parity run, less its strategy
 SINGLE = ("strategy=single", "hardware.devices=1", *PARITY, f"dataset.batch_size={GLOBAL_BATCH}")

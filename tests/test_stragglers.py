@@ -4,7 +4,9 @@ summary.json `stragglers`, with its cause; `loom report` draws the ranks x steps
 
 One launch of its own (4 ranks, 6 steps of the digits classifier): rank 2 sleeps in its
 training_step (compute), rank 3 before its batch is handed over (data). The fair run is
-tests/test_tracking.py's shared ddp_run (no straggler)."""
+tests/test_tracking.py's shared ddp_run (no straggler). The same launch carries a user's own
+callback (trainer.callbacks: tests/test_user_callbacks.py); the zero1 parity run turns the
+straggler rule off (tracking.stragglers=false)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import socket
 
 import pytest
-from conftest import FAST, launching_fixture, refused, run_loom
+from conftest import FAST, launching_fixture, refused, run_loom, strategy_args
 from test_tracking import DDP_ARGS, SENTINELS, STEPS
 from tests_helpers import helpers_env
 
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.slow
 SLOW = [*(o for o in FAST if not o.startswith("dataset.")), "dataset=digits", "model=custom",
         "model.module._target_=tests_helpers.StragglerLit", "+model.module.compute_rank=2",
         "+model.module.data_rank=3", "+model.module.delay=0.3", "security.allow_targets=[tests_helpers.]",
-        "hardware=cpu", "hardware.devices=4", "trainer.max_steps=6", "tracking.straggler_window=3"]
+        "hardware=cpu", "hardware.devices=4", "trainer.max_steps=6", "tracking.straggler_window=3",
+        "trainer.callbacks=[{_target_:tests_helpers.BatchCounter,tag:mine}]"]
 
 
 @launching_fixture(scope="module")
@@ -77,6 +80,22 @@ def test_a_fair_run_names_no_straggler(shared):
     assert r.rc == 0, r.out + r.err
     assert r.summary()["stragglers"] == [] and "Straggler:" not in r.out
     assert len((r.run_dir / "ranks.jsonl").read_text().splitlines()) >= STEPS
+
+
+def test_stragglers_off_records_nothing(shared):
+    """tracking.stragglers=false (the zero1 parity run): no ranks.jsonl, no rule; the ddp parity
+    run beside it (the default) records one row per log step."""
+    off, on = shared.get(*strategy_args("zero1")), shared.get(*strategy_args("ddp"))
+    assert off.rc == 0 and on.rc == 0, off.out + off.err + on.out + on.err
+    assert "tracking.stragglers=false" in strategy_args("zero1")
+    assert not (off.run_dir / "ranks.jsonl").exists() and off.summary()["stragglers"] == []
+    assert len(read_ranks_rows(on.run_dir)) == on.summary()["global_step"]
+
+
+def read_ranks_rows(run_dir):
+    from loom.tracking.stragglers import read_ranks
+
+    return read_ranks(run_dir)
 
 
 @pytest.mark.parametrize(("override", "key"), [("tracking.straggler_threshold=0", "tracking.straggler_threshold"),

@@ -65,6 +65,23 @@ class StragglerLit(DigitsLit):
         return super().training_step(batch, batch_idx)
 
 
+class BatchCounter(pl.Callback):
+    """A user's own callback (trainer.callbacks): writes <run>/user-callback-rank-N.json at the
+    end of training: the train batches it saw, its argument, and the Trainer's callbacks in
+    the order Lightning calls them."""
+
+    def __init__(self, tag: str = "") -> None:
+        self.tag, self.batches = tag, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        out = Path(trainer.default_root_dir) / f"user-callback-rank-{trainer.global_rank}.json"
+        out.write_text(json.dumps({"batches": self.batches, "tag": self.tag,
+                                   "order": [type(c).__name__ for c in trainer.callbacks]}))
+
+
 class HangLit(DigitsLit):
     """DigitsLit whose rank `rank` blocks forever in training_step at step `step` (a hang)."""
 

@@ -64,6 +64,9 @@ class TrainerConfig:
     compile: bool = False  # torch.compile: each sharding unit (fsdp, fsdp_tp) or the whole model
     gc_every_n_steps: int = 50  # Python GC: off, collected every N steps on every rank (0: Python's own)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # Your own Lightning callbacks, after Loom's: each {_target_: module.Class, ...its arguments}
+    # (its module named in security.allow_targets); instantiated on every rank by the worker.
+    callbacks: list[Any] = field(default_factory=list)
 
 
 @dataclass

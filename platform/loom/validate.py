@@ -127,6 +127,7 @@ def _check_sections(cfg: DictConfig) -> None:
     require(cfg.checkpoint.keep_last >= 2, "checkpoint.keep_last", cfg.checkpoint.keep_last,
             "must be >= 2 so the previous checkpoint survives while the next is written")
     _check_profile(cfg)
+    _check_callbacks(cfg)
     strategies.checks.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
     strategies.checks.check_compile(cfg)  # trainer.compile where the strategy can run it
     if cfg.run.id is not None:
@@ -148,6 +149,21 @@ def _check_profile(cfg: DictConfig) -> None:
     require(ok, "trainer.profile.steps", list(steps),
             f"must be [start, stop] with 1 <= start < stop <= {last + 1} (trainer.max_steps={last} + 1): "
             "steps start..stop-1 are profiled")
+
+
+def _check_callbacks(cfg: DictConfig) -> None:
+    """trainer.callbacks: each a node naming its class by `_target_` (the allow-list has
+    already vetted the module), whose top-level module can be found here without importing it."""
+    import importlib.util
+
+    for i, node in enumerate(cfg.trainer.callbacks):
+        key = f"trainer.callbacks[{i}]"
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        require(isinstance(target, str) and "." in target, key, node,
+                "give {_target_: module.Class, ...its arguments}: a Lightning Callback built on every rank")
+        top = target.split(".")[0]
+        require(importlib.util.find_spec(top) is not None, f"{key}._target_", target,
+                f"module {top!r} cannot be found on this Python's path (PYTHONPATH)")
 
 
 def _check_run_dir(cfg: DictConfig) -> None:

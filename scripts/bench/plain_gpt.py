@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="import pytorch_lightning first, as a Lightning user's script does (startup.py)")
     ap.add_argument("--warmup-steps", type=int, default=0,
                     help="GPU timing: steps run before the timed window (--steps is the whole run)")
+    ap.add_argument("--baton", metavar="DIR", help="take turns step by step with `loom train` (baton.py)")
+    ap.add_argument("--side", default="b", help="this side's name in the baton (a moves first)")
+    ap.add_argument("--slow", type=float, default=0.0, help="add this fraction of each step's time to it")
+    ap.add_argument("--slow-kind", default="sleep", choices=["sleep", "spin"])
     args = ap.parse_args(argv)
     c = json.loads(args.config)
 
@@ -146,8 +150,16 @@ def main(argv: list[str] | None = None) -> int:
 
     losses: list[torch.Tensor] = []
     step, epoch = 0, 0
+    stepper = None
+    if args.baton or args.slow:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from baton import Stepper
+
+        stepper = Stepper(args.baton or "", args.side, args.steps, args.slow, args.slow_kind)
     sync()
     t0 = time.perf_counter()
+    if stepper:
+        stepper.first()
     t_warm = t0
     while step < args.steps:
         sampler.set_epoch(epoch)
@@ -166,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             if step == 1 and rank == 0:  # startup.py's marker, as Loom's "step 1/N" line
                 print(f"step 1/{args.steps}", flush=True)
+            if stepper:
+                stepper.boundary()
             if step == args.warmup_steps:
                 sync()
                 t_warm = time.perf_counter()
@@ -174,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         epoch += 1
     sync()
     loop = time.perf_counter() - t0
+    if stepper:
+        stepper.finish({"threads": threads})
     timed = time.perf_counter() - t_warm
 
     # Loom's summary final_loss: mean of the losses since the last logged step, over ranks.

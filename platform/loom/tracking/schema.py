@@ -30,6 +30,7 @@ class TrackingConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     # a rank whose own time (data wait + forward) exceeds the median rank's by this fraction of a
     # step, at `straggler_window` consecutive log steps, is named a straggler (loom.tracking.stragglers)
+    stragglers: bool = True           # false: no straggler rule and no <run>/ranks.jsonl
     straggler_threshold: float = 0.2
     straggler_window: int = 5
     # steps before the steady-state window of summary.json `throughput` (null: the first

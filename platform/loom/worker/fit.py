@@ -68,7 +68,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             warmup_steps=cfg.tracking.get("warmup_steps"),
         )
         recorder.checkpointing = saver  # its save time is not training time
-        if rank == 0:  # the straggler rule, on the vector the recorder gathers anyway
+        if rank == 0 and cfg.tracking.get("stragglers", True):  # the rule, on the vector the recorder gathers anyway
             from loom.tracking.stragglers import StragglerWatch
 
             recorder.stragglers = StragglerWatch(run_dir, float(cfg.tracking.get("straggler_threshold", 0.2)),
@@ -77,7 +77,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
                         *_profiling(cfg, run_dir, rank), *_watchdog(cfg, run_dir, rank, progress, saver)]
         progress.phase = "building the trainer"
-        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping])
+        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping,
+                                                  *_user_callbacks(cfg)])
         progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
 
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
@@ -144,6 +145,13 @@ def stop_signals(saver) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _user_callbacks(cfg: DictConfig) -> list:
+    """trainer.callbacks: the user's own, after Loom's (so a callback's hook sees Loom's done)."""
+    from loom.models.custom import instantiate
+
+    return [instantiate(node) for node in cfg.trainer.callbacks]
 
 
 def _profiling(cfg: DictConfig, run_dir: Path, rank: int) -> list:
