@@ -133,7 +133,7 @@ def _record_attempt(cfg: DictConfig, run_dir: Path, start_step: int, layout: Par
 @contextmanager
 def stop_signals(saver) -> Iterator[None]:
     """SIGINT and SIGTERM, on every strategy and in a 1-process run alike (the launcher runs
-    that one in-process), ask for a stop: the ranks save a checkpoint at the next step boundary
+    that one in-process), ask for a stop: the ranks save a checkpoint at the next log step (one process: the next step)
     and the run ends `preempted` (exit 143). Lightning would turn SIGINT into a failed run
     without a checkpoint. The previous handlers come back afterwards (an in-process sweep's
     next trial, the launcher itself)."""

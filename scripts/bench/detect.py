@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Can the per-step estimator tell a 3% slowdown from none? Shown, not assumed.
+
+Each trial measures Loom vs the plain loop in turns (overhead.py's estimator) three ways: as
+they are, with a sleep of `--fraction` (3%) of each step's own time added to Loom's step
+(`--slow-loom`), and with it added to the plain loop's step instead (`--slow-plain`). The
+slowdown is told from none when the slowed leg's 95% interval lies wholly above (Loom slowed)
+or below (plain slowed) the unslowed leg's, on the wall-time median step (a sleep costs no
+CPU). The shift each leg measured against the unslowed one is printed beside (expected
+1 + fraction and 1 / (1 + fraction)). Legs run in the order none, loom, plain, trial after trial.
+
+    .venv/bin/python scripts/bench/detect.py [--trials 3] [--fraction 0.03] [--ranks 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from _bench import write_json
+from _turns import LEGS, Side, compare_in_turns, overrides_of
+
+METRIC = "wall_median_ms"
+
+
+def trial(base: list[str], nproc: int, fraction: float, steps: int, repeats: int) -> dict:
+    legs = {}
+    for leg, slow_loom, slow_plain in (("none", 0.0, 0.0), ("loom", fraction, 0.0), ("plain", 0.0, fraction)):
+        a = Side(f"loom{' + sleep' if slow_loom else ''}", base, slow_loom)
+        b = Side(f"plain PyTorch{' + sleep' if slow_plain else ''}", None, slow_plain)
+        legs[leg] = compare_in_turns(f"detect-{leg}", a, b, nproc, steps, repeats, base)["ratio"][METRIC]
+    none, up, down = legs["none"], legs["loom"], legs["plain"]
+    return {"legs": legs, "up_shift": up["value"] / none["value"], "down_shift": down["value"] / none["value"],
+            "up_detected": up["low"] > none["high"], "down_detected": down["high"] < none["low"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--fraction", type=float, default=0.03)
+    ap.add_argument("--ranks", type=int, default=1, help="1: overhead.py's comparison; 2: ddp_parity.py's")
+    ap.add_argument("--model", default="gpt_small")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    strategy = ["strategy=single", "hardware.devices=1"] if args.ranks == 1 else \
+        ["strategy=ddp", f"hardware.devices={args.ranks}"]
+    base = [*strategy, "hardware=cpu", f"model={args.model}", *overrides_of(LEGS["default"])]
+    trials = []
+    for t in range(args.trials):
+        r = trial(base, args.ranks, args.fraction, args.steps, args.repeats)
+        trials.append(r)
+        legs = r["legs"]
+        print(f"[detect] trial {t + 1}: ratio as is {legs['none']['value']:.3f} [{legs['none']['low']:.3f}, "
+              f"{legs['none']['high']:.3f}], Loom slowed {legs['loom']['value']:.3f} [{legs['loom']['low']:.3f}, "
+              f"{legs['loom']['high']:.3f}] (shift x{r['up_shift']:.3f}: "
+              f"{'told' if r['up_detected'] else 'NOT told'}), plain slowed {legs['plain']['value']:.3f} "
+              f"[{legs['plain']['low']:.3f}, {legs['plain']['high']:.3f}] (shift x{r['down_shift']:.3f}: "
+              f"{'told' if r['down_detected'] else 'NOT told'})", flush=True)
+    told = sum(r["up_detected"] and r["down_detected"] for r in trials)
+    print(f"[detect] a {100 * args.fraction:g}% slowdown told from none in both directions in {told} of "
+          f"{len(trials)} trials", flush=True)
+    write_json(args.json, {"fraction": args.fraction, "ranks": args.ranks, "metric": METRIC, "trials": trials,
+                           "told": told})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
