@@ -162,6 +162,15 @@ def side_stats(rec: dict[str, Any], log_every: int) -> dict[str, float]:
             "steady_steps": n, "threads": ranks[0].get("threads")}
 
 
+def paired(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """The median over steady steps of a's step i against b's step i, its neighbour in time
+    (ratio, and difference in ms): a burst of load shared by the pair cancels."""
+    wa, wb = a["ranks"][0]["wall_s"][WARM:-1], b["ranks"][0]["wall_s"][WARM:-1]
+    return (statistics.median(x / y for x, y in zip(wa, wb, strict=False)),
+            1000 * statistics.median(x - y for x, y in zip(wa, wb, strict=False)))
+
+
+PAIRED = "wall_paired"
 METRICS = ("wall_median_ms", "wall_window_ms", "wall_mean_ms", "cpu_window_ms", "cpu_ms", "cpu_tree_ms")
 
 
@@ -191,10 +200,11 @@ def compare_in_turns(name: str, a: Side, b: Side, nproc: int, steps: int, repeat
                    "final_loss": {k: rec[k]["final_loss"] for k in ("a", "b")}}
             row["ratio"] = {m: row["a"][m] / row["b"][m] for m in METRICS}
             row["diff_ms"] = {m: row["a"][m] - row["b"][m] for m in METRICS}
+            row["ratio"][PAIRED], row["diff_ms"][PAIRED] = paired(rec["a"], rec["b"])
             rows.append(row)
             q = row["ratio"]
             print(f"  repeat {i}: wall median {row['a']['wall_median_ms']:.1f} vs {row['b']['wall_median_ms']:.1f} ms "
-                  f"({q['wall_median_ms']:.3f}), per log window {q['wall_window_ms']:.3f}, mean {q['wall_mean_ms']:.3f}; "
+                  f"({q['wall_median_ms']:.3f}), paired {q[PAIRED]:.3f}, per log window {q['wall_window_ms']:.3f}, mean {q['wall_mean_ms']:.3f}; "
                   f"CPU per log window {row['a']['cpu_window_ms']:.1f} vs {row['b']['cpu_window_ms']:.1f} ms "
                   f"({q['cpu_window_ms']:.3f}), mean {q['cpu_ms']:.3f}, with children {q['cpu_tree_ms']:.3f}; "
                   f"load {load()}", flush=True)
@@ -205,17 +215,18 @@ def compare_in_turns(name: str, a: Side, b: Side, nproc: int, steps: int, repeat
 
 
 def summarize(name: str, a: Side, b: Side, nproc: int, steps: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ratio = {m: interval([r["ratio"][m] for r in rows], log=True) for m in METRICS}
-    diff = {m: interval([r["diff_ms"][m] for r in rows], log=False) for m in METRICS}
+    ratio = {m: interval([r["ratio"][m] for r in rows], log=True) for m in (PAIRED, *METRICS)}
+    diff = {m: interval([r["diff_ms"][m] for r in rows], log=False) for m in (PAIRED, *METRICS)}
     mean_side = {s: {m: statistics.fmean(r[s][m] for r in rows) for m in (*METRICS, "children_cpu_ms")}
                  for s in ("a", "b")}
+    mean_side["a"][PAIRED] = mean_side["b"][PAIRED] = float("nan")
     losses = [r["final_loss"] for r in rows]
     same = all(x["a"] is not None and x["b"] is not None and abs(x["a"] - x["b"]) <= 1e-4 for x in losses)
-    label = {"wall_median_ms": "wall, median step", "wall_window_ms": "wall, per log window",
+    label = {PAIRED: "wall, paired steps", "wall_median_ms": "wall, median step", "wall_window_ms": "wall, per log window",
              "wall_mean_ms": "wall, mean step", "cpu_window_ms": "CPU, per log window", "cpu_ms": "CPU, mean step",
              "cpu_tree_ms": "CPU + children, mean step"}
     print(f"[{name}] {a.label} / {b.label}, {len(rows)} repeats, 95% intervals:")
-    for m in METRICS:
+    for m in (PAIRED, *METRICS):
         r, d = ratio[m], diff[m]
         print(f"  {label[m]:26s} {mean_side['a'][m]:8.1f} vs {mean_side['b'][m]:8.1f} ms  ratio {r['value']:.3f} "
               f"[{r['low']:.3f}, {r['high']:.3f}]   a-b {d['value']:+7.2f} ms [{d['low']:+.2f}, {d['high']:+.2f}]",

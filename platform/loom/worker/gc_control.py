@@ -20,6 +20,8 @@ import time
 
 import pytorch_lightning as pl
 
+from loom.worker.distributed import set_train_timeout  # here, not at the first step: no import in a step
+
 log = logging.getLogger("loom")
 
 
@@ -27,6 +29,7 @@ class GarbageCollection(pl.Callback):
     def __init__(self, every_n_steps: int) -> None:
         self.every = every_n_steps
         self.collections = 0   # how many scheduled collections ran (tests, logs)
+        self.seconds = 0.0     # their time, said once at the end (no log line in a training step)
         self._was_enabled = gc.isenabled()
         self._last = 0
 
@@ -48,9 +51,12 @@ class GarbageCollection(pl.Callback):
             start = time.perf_counter()
             gc.collect(1)
             self.collections += 1
-            log.debug(f"gc.collect(1) at step {step}: {1000 * (time.perf_counter() - start):.1f} ms")
+            self.seconds += time.perf_counter() - start
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.collections:
+            log.debug(f"gc.collect(1) every {self.every} steps: {self.collections} collections, "
+                      f"{1000 * self.seconds:.1f} ms in all")
         self._restore()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -75,8 +81,6 @@ class TrainTimeout(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.applied:
             return
-        from loom.worker.distributed import set_train_timeout
-
         self.applied = True
         if set_train_timeout(self.timeout_s) and trainer.global_rank == 0:
             log.info(f"collective timeout now {self.timeout_s:g} s (hardware.timeout_train_s)")
