@@ -3,14 +3,18 @@
 A repeat starts both sides at once (a `loom train`, and plain_gpt.py or another `loom train`)
 and they take turns step by step. Each side's steady steps (the first `WARM` and the last are
 left out) give, per repeat:
-  - wall: the median step (the step itself) and the mean (with the periodic work of log,
-    GC and checkpoint steps spread over the steps, what a run pays on average);
-  - CPU: the mean process CPU time per step (user + system, every thread: monitor threads
-    included), plus its child processes' CPU over the same steps (a tracker's service);
+  - paired (the headline): the median over steps i of a's step i / b's step i, two steps
+    that ran next to each other in time, so a burst of load from elsewhere that lasts a few
+    steps cancels in each pair (a Loom-vs-Loom check reads 1.001 [0.998, 1.004] at 2 ranks);
+  - wall: the median step of each side, and the median over log windows of each window's
+    mean (each window holds one log step: the periodic work of log steps is in);
+  - CPU: the same per log window and the mean over steps, of the process CPU time per step
+    (user + system, every thread: monitor threads included; summed over ranks), and the
+    mean plus its child processes' CPU over the same steps (a tracker's service process);
 and the ratios a/b of each. Which side moves first alternates from repeat to repeat. Over the
-repeats, the reported ratio is the geometric mean with a 95% Student-t interval on the log
-ratios (repeats are independent pairs of processes); differences (a - b, ms/step) the same
-way, in milliseconds. Nothing here asserts a time.
+repeats, a ratio is the geometric mean with a 95% Student-t interval on the log ratios
+(repeats are independent pairs of processes); differences (a - b, ms/step) the same way.
+Nothing here asserts a time.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each trial measures Loom vs the plain loop in turns (overhead.py's estimator) th
 they are, with a sleep of `--fraction` (3%) of each step's own time added to Loom's step
 (`--slow-loom`), and with it added to the plain loop's step instead (`--slow-plain`). The
 slowdown is told from none when the slowed leg's 95% interval lies wholly above (Loom slowed)
-or below (plain slowed) the unslowed leg's, on the wall-time median step (a sleep costs no
+or below (plain slowed) the unslowed leg's, on the paired wall-time estimator (a sleep costs no
 CPU). The shift each leg measured against the unslowed one is printed beside (expected
 1 + fraction and 1 / (1 + fraction)). Legs run in the order none, loom, plain, trial after trial.
 
@@ -20,7 +20,7 @@ import sys
 from _bench import write_json
 from _turns import LEGS, Side, compare_in_turns, overrides_of
 
-METRIC = "wall_median_ms"
+METRIC = "wall_paired"  # each Loom step against its plain neighbour in time (_turns.paired)
 
 
 def trial(base: list[str], nproc: int, fraction: float, steps: int, repeats: int) -> dict:

@@ -8,8 +8,9 @@ the same thread count (cores // processes, as Loom's worker sets it).
 
 The estimator (_turns.py, baton.py): both sides train at once and take turns step by step, so
 each Loom step has a plain step as its neighbour in time; each side times its own steps (wall
-and process CPU); per repeat the ratio of the steady steps' medians (wall), means (wall, with
-log and GC steps spread in) and mean CPU; over repeats a geometric mean with a 95% interval.
+and process CPU); per repeat the median of the paired ratios (the headline), the medians,
+per-log-window means (log and GC steps in) and CPU per step; over repeats a geometric mean
+with a 95% interval.
 `--estimator difference` is the former one: runs of N and 2N steps, (t2N - tN) / N.
 
 Legs (`--monitors`): none (tracker, stragglers and hang watchdog off), default (Loom's
