@@ -279,10 +279,13 @@ def prices(name: str, base: list[str], nproc: int, steps: int, repeats: int, kee
             continue
         side = Side(f"loom + {label}", [*base, *overrides_of(LEGS["none"], on)])
         table[label] = compare_in_turns(f"{name}-price", side, off, nproc, steps, repeats, base, keep=keep)
-    print(f"[{name}] each monitor's price per step (on - off, mean of {repeats} repeats, 95% intervals):")
+    print(f"[{name}] each monitor's price per step (on - off, mean of {repeats} repeats, 95% intervals): wall of "
+          "the paired steps (the step itself), wall per log window (log-step work spread in), CPU per step, and "
+          "CPU with child processes (a tracker's service)")
     for label, res in table.items():
-        w, c, t = (res["diff_ms"][m] for m in ("wall_mean_ms", "cpu_ms", "cpu_tree_ms"))
-        print(f"  {label:52s} wall {w['value']:+6.2f} ms [{w['low']:+.2f}, {w['high']:+.2f}]  "
-              f"CPU {c['value']:+6.2f} ms [{c['low']:+.2f}, {c['high']:+.2f}]  "
-              f"CPU incl. children {t['value']:+6.2f} ms", flush=True)
+        cells = []
+        for m in (PAIRED, "wall_window_ms", "cpu_ms", "cpu_tree_ms"):
+            d = res["diff_ms"][m]
+            cells.append(f"{d['value']:+6.2f} [{d['low']:+.2f}, {d['high']:+.2f}]")
+        print(f"  {label:52s} " + "  ".join(cells), flush=True)
     return table
