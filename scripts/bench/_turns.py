@@ -163,6 +163,8 @@ def side_stats(rec: dict[str, Any], log_every: int) -> dict[str, float]:
             "wall_window_ms": 1000 * window_medians(wall_all[:-1], first, log_every),
             "cpu_ms": 1000 * cpu, "cpu_window_ms": 1000 * window_medians(cpu_all[:-1], first, log_every),
             "children_cpu_ms": 1000 * kids, "cpu_tree_ms": 1000 * (cpu + kids),
+            "minor_faults": statistics.median([sum(col) for col in zip(
+                *(r.get("minor_faults") or [0] * len(r["cpu_s"]) for r in ranks), strict=True)][WARM:-1]),
             "steady_steps": n, "threads": ranks[0].get("threads")}
 
 
@@ -211,6 +213,7 @@ def compare_in_turns(name: str, a: Side, b: Side, nproc: int, steps: int, repeat
                   f"({q['wall_median_ms']:.3f}), paired {q[PAIRED]:.3f}, per log window {q['wall_window_ms']:.3f}, mean {q['wall_mean_ms']:.3f}; "
                   f"CPU per log window {row['a']['cpu_window_ms']:.1f} vs {row['b']['cpu_window_ms']:.1f} ms "
                   f"({q['cpu_window_ms']:.3f}), mean {q['cpu_ms']:.3f}, with children {q['cpu_tree_ms']:.3f}; "
+                  f"page faults/step {row['a']['minor_faults']:.0f} vs {row['b']['minor_faults']:.0f}; "
                   f"load {load()}", flush=True)
     finally:
         cleanup(root, keep)

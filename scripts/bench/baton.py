@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,13 @@ class StepLog:
         self.side, self.slow, self.slow_kind = side, float(slow), slow_kind
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.faults: list[int] = []           # minor page faults per step (fresh memory the allocator maps)
         self._t0 = self._c0 = 0.0
+        self._f0 = 0
         self.children_cpu: list[float] = []   # descendants' CPU seconds, sampled at step ends 5 and last
 
     def start(self) -> None:
+        self._f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
@@ -122,6 +126,7 @@ class StepLog:
             self._slow_down(self.slow * (time.perf_counter() - self._t0))
         self.wall.append(time.perf_counter() - self._t0)
         self.cpu.append(time.process_time() - self._c0)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._f0)
         if len(self.wall) == 5:
             self.children_cpu = [children_cpu_s()]
 
@@ -137,7 +142,7 @@ class StepLog:
         if len(self.children_cpu) == 1:
             self.children_cpu.append(children_cpu_s())
         out = Path(directory) / f"steps-{self.side}-{rank()}.json"
-        out.write_text(json.dumps({"side": self.side, "rank": rank(), "wall_s": self.wall, "cpu_s": self.cpu,
+        out.write_text(json.dumps({"side": self.side, "rank": rank(), "wall_s": self.wall, "cpu_s": self.cpu, "minor_faults": self.faults,
                                    "children_cpu_s": self.children_cpu, "slow": self.slow,
                                    "slow_kind": self.slow_kind, **(extra or {})}))
 
