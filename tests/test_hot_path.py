@@ -114,3 +114,20 @@ def test_between_log_steps_no_file_is_opened_and_no_line_is_logged(tmp_path):
     assert [e for e in events if e not in allowed] == [], [e for e in events if e not in allowed]
     assert (tmp_path / "ranks.jsonl").read_text().count("\n") == len(log_steps)
     assert callbacks[4].collections == STEPS // GC_EVERY
+
+
+def test_a_cpu_rank_keeps_its_heap_unless_the_user_chose(monkeypatch):
+    """loom.worker.host_memory: glibc takes the settings on a CPU run (in a child process: they
+    last for the process); a GPU run, a user's MALLOC_* or LD_PRELOAD allocator is left alone."""
+    import subprocess
+
+    from loom.worker.host_memory import USER_SETTINGS, keep_heap
+
+    code = "from loom.worker.host_memory import keep_heap; print(keep_heap('cpu'), keep_heap('gpu'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in USER_SETTINGS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["True", "False"], out
+    for key in ("MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD"):
+        monkeypatch.setenv(key, "1" if key.startswith("MALLOC") else "/usr/lib/libjemalloc.so")
+        assert keep_heap("cpu") is False
+        monkeypatch.delenv(key)

@@ -20,6 +20,7 @@ from loom.hardware.checks import elastic
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
 from loom.worker.failure import Progress, record_failure
+from loom.worker.host_memory import keep_heap
 
 log = logging.getLogger("loom")
 
@@ -128,6 +129,7 @@ def run(run_dir: Path) -> int:
     # The user's OMP_NUM_THREADS wins (the launcher sets cores // processes when it is unset).
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, usable_cores() // local_world))
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    keep_heap(cfg.hardware.accelerator)  # no page faults per step on CPU (loom.worker.host_memory)
     try:
         import torch
 
