@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The plain-PyTorch side of the benchmarks: a hand-written training loop over Loom's GPT.
 
-Imports `loom.models.gpt.GPT` and nothing else of Loom, so it measures what PyTorch alone
-costs for the same work as `loom train`: the same token file (non-overlapping windows of
+Imports `loom.models.gpt.GPT` (and `loom.worker.host_memory`, the glibc heap settings Loom's
+CPU ranks apply) and nothing else of Loom, so it measures what PyTorch alone costs for the
+same work as `loom train`: the same token file (non-overlapping windows of
 seq_len + 1 bytes, as loom.data.tokens.PackedTokens), the same DistributedSampler order
 (shuffle, seed, drop_last), the same AdamW groups (decay on matrices only) with linear
 warmup and cosine decay stepped per step, the same gradient clipping and the same seed
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // local_world)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # The heap settings Loom's CPU ranks apply (as the fused AdamW below): without them this
+    # loop's page faults per step vary between processes (6 to 5,000 seen) and its step with them.
+    from loom.worker.host_memory import keep_heap
+
+    keep_heap(args.device)
 
     if args.import_lightning:
         import pytorch_lightning  # noqa: F401
