@@ -82,6 +82,16 @@ def test_a_fair_run_names_no_straggler(shared):
     assert len((r.run_dir / "ranks.jsonl").read_text().splitlines()) >= STEPS
 
 
+def test_a_users_callback_runs_on_every_rank_after_loom_s(slow_run):
+    """trainer.callbacks (tests/test_user_callbacks.py has the refusals): built on every rank
+    with its arguments, it saw every batch, and Lightning calls it after Loom's callbacks."""
+    for rank in range(4):
+        seen = json.loads((slow_run.run_dir / f"user-callback-rank-{rank}.json").read_text())
+        assert seen["batches"] == 6 and seen["tag"] == "mine", seen
+        order = seen["order"]
+        assert order.index("BatchCounter") > max(order.index(c) for c in ("Recorder", "DataPosition", "HangWatchdog"))
+
+
 def test_stragglers_off_records_nothing(shared):
     """tracking.stragglers=false (the zero1 parity run): no ranks.jsonl, no rule; the ddp parity
     run beside it (the default) records one row per log step."""
