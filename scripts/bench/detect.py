@@ -4,10 +4,12 @@
 Each trial measures Loom vs the plain loop in turns (overhead.py's estimator) three ways: as
 they are, with a sleep of `--fraction` (3%) of each step's own time added to Loom's step
 (`--slow-loom`), and with it added to the plain loop's step instead (`--slow-plain`). The
-slowdown is told from none when the slowed leg's 95% interval lies wholly above (Loom slowed)
-or below (plain slowed) the unslowed leg's, on the paired wall-time estimator (a sleep costs no
-CPU). The shift each leg measured against the unslowed one is printed beside (expected
-1 + fraction and 1 / (1 + fraction)). Legs run in the order none, loom, plain, trial after trial.
+slowdown is told from none when the 95% interval of the shift (the slowed leg's ratio over the
+unslowed leg's: a Welch two-sample interval on the repeats' log ratios) lies wholly above 1
+(Loom slowed) or below 1 (plain slowed), on the paired wall-time estimator (a sleep costs no
+CPU); expected shifts 1 + fraction and 1 / (1 + fraction). Whether the two legs' own intervals
+lie apart (a stricter rule than the test: the first run here told 3% apart in 5 of 6 legs by it)
+is printed beside. Legs run in the order none, loom, plain, trial after trial.
 
     .venv/bin/python scripts/bench/detect.py [--trials 3] [--fraction 0.03] [--ranks 1] [--json out.json]
 """
@@ -15,23 +17,37 @@ CPU). The shift each leg measured against the unslowed one is printed beside (ex
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 
 from _bench import write_json
-from _turns import LEGS, Side, compare_in_turns, overrides_of
+from _turns import LEGS, Side, compare_in_turns, overrides_of, t975
 
 METRIC = "wall_paired"  # each Loom step against its plain neighbour in time (_turns.paired)
 
 
+def shift(slowed: list[float], none: list[float]) -> dict[str, float]:
+    """The ratio of two legs' geometric means with its 95% Welch interval (per-repeat ratios)."""
+    a, b = [math.log(x) for x in slowed], [math.log(x) for x in none]
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    d, half = statistics.fmean(a) - statistics.fmean(b), t975(max(1, int(df))) * math.sqrt(va + vb)
+    return {"value": math.exp(d), "low": math.exp(d - half), "high": math.exp(d + half), "df": df}
+
+
 def trial(base: list[str], nproc: int, fraction: float, steps: int, repeats: int) -> dict:
-    legs = {}
+    legs, per_repeat = {}, {}
     for leg, slow_loom, slow_plain in (("none", 0.0, 0.0), ("loom", fraction, 0.0), ("plain", 0.0, fraction)):
         a = Side(f"loom{' + sleep' if slow_loom else ''}", base, slow_loom)
         b = Side(f"plain PyTorch{' + sleep' if slow_plain else ''}", None, slow_plain)
-        legs[leg] = compare_in_turns(f"detect-{leg}", a, b, nproc, steps, repeats, base)["ratio"][METRIC]
+        res = compare_in_turns(f"detect-{leg}", a, b, nproc, steps, repeats, base)
+        legs[leg], per_repeat[leg] = res["ratio"][METRIC], [r["ratio"][METRIC] for r in res["runs"]]
     none, up, down = legs["none"], legs["loom"], legs["plain"]
-    return {"legs": legs, "up_shift": up["value"] / none["value"], "down_shift": down["value"] / none["value"],
-            "up_detected": up["low"] > none["high"], "down_detected": down["high"] < none["low"]}
+    s_up, s_down = shift(per_repeat["loom"], per_repeat["none"]), shift(per_repeat["plain"], per_repeat["none"])
+    return {"legs": legs, "per_repeat": per_repeat, "up_shift": s_up, "down_shift": s_down,
+            "up_detected": s_up["low"] > 1, "down_detected": s_down["high"] < 1,
+            "up_apart": up["low"] > none["high"], "down_apart": down["high"] < none["low"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         r = trial(base, args.ranks, args.fraction, args.steps, args.repeats)
         trials.append(r)
         legs = r["legs"]
+        u, d = r["up_shift"], r["down_shift"]
         print(f"[detect] trial {t + 1}: ratio as is {legs['none']['value']:.3f} [{legs['none']['low']:.3f}, "
-              f"{legs['none']['high']:.3f}], Loom slowed {legs['loom']['value']:.3f} [{legs['loom']['low']:.3f}, "
-              f"{legs['loom']['high']:.3f}] (shift x{r['up_shift']:.3f}: "
-              f"{'told' if r['up_detected'] else 'NOT told'}), plain slowed {legs['plain']['value']:.3f} "
-              f"[{legs['plain']['low']:.3f}, {legs['plain']['high']:.3f}] (shift x{r['down_shift']:.3f}: "
-              f"{'told' if r['down_detected'] else 'NOT told'})", flush=True)
+              f"{legs['none']['high']:.3f}]; Loom slowed {legs['loom']['value']:.3f} [{legs['loom']['low']:.3f}, "
+              f"{legs['loom']['high']:.3f}], shift x{u['value']:.3f} [{u['low']:.3f}, {u['high']:.3f}]: "
+              f"{'told' if r['up_detected'] else 'NOT told'} (intervals apart: {r['up_apart']}); plain slowed "
+              f"{legs['plain']['value']:.3f} [{legs['plain']['low']:.3f}, {legs['plain']['high']:.3f}], shift "
+              f"x{d['value']:.3f} [{d['low']:.3f}, {d['high']:.3f}]: {'told' if r['down_detected'] else 'NOT told'} "
+              f"(intervals apart: {r['down_apart']})", flush=True)
     told = sum(r["up_detected"] and r["down_detected"] for r in trials)
     print(f"[detect] a {100 * args.fraction:g}% slowdown told from none in both directions in {told} of "
           f"{len(trials)} trials", flush=True)
