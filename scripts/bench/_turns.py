@@ -25,7 +25,7 @@ import os
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,6 @@ class Side:
     overrides: list[str] | None = None
     slow: float = 0.0
     slow_kind: str = "sleep"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_loom(self) -> bool:
@@ -217,8 +216,7 @@ def compare_in_turns(name: str, a: Side, b: Side, nproc: int, steps: int, repeat
                   f"load {load()}", flush=True)
     finally:
         cleanup(root, keep)
-    result = summarize(name, a, b, nproc, steps, rows)
-    return result
+    return summarize(name, a, b, nproc, steps, rows)
 
 
 def summarize(name: str, a: Side, b: Side, nproc: int, steps: int, rows: list[dict[str, Any]]) -> dict[str, Any]:

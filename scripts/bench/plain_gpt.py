@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[torch.Tensor] = []
     step, epoch = 0, 0
     stepper = None
-    if args.baton or args.slow:
+    if args.baton:  # --slow applies in turns only
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from baton import Stepper
 
-        stepper = Stepper(args.baton or "", args.side, args.steps, args.slow, args.slow_kind)
+        stepper = Stepper(args.baton, args.side, args.steps, args.slow, args.slow_kind)
     sync()
     t0 = time.perf_counter()
     if stepper:
