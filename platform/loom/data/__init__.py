@@ -41,6 +41,8 @@ def data_vocab_size(cfg: DictConfig) -> int | None:
     ds = cfg.dataset
     if not is_token_data(ds):
         return None
+    if DATASETS[ds.name].vocab is not None:
+        return DATASETS[ds.name].vocab(ds)
     if "vocab_size" in ds:
         return int(ds.vocab_size)
     return tokenizer_vocab(str(ds.tokenizer)) if ds.get("tokenizer") else 256

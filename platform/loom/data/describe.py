@@ -16,14 +16,28 @@ def source(cfg: DictConfig) -> str:
     return DATASETS[cfg.dataset.name].source(cfg.dataset)
 
 
+def _stores(*sets) -> list:
+    """The token stores under datasets (a mixture's sources, windows of a store), each once."""
+    found: dict[int, object] = {}
+    for d in sets:
+        for part in getattr(d, "sources", None) or [d]:
+            store = getattr(part, "store", None)
+            if store is not None:
+                found[id(store)] = store
+    return list(found.values())
+
+
 def summary_line(cfg: DictConfig, train, val, dp: int) -> str:
     """`dataset tinycode: 412 files, 1,999,848 tokens -> 15,623 train / 836 val windows of 128`."""
     ds = cfg.dataset
-    n_val = len(val) if val is not None else 0
-    tokens = getattr(train, "tokens", None)
-    if tokens is not None:  # packed token windows
-        total = len(tokens) + (len(val.tokens) if val is not None and hasattr(val, "tokens") else 0)
-        size = f"{total:,} tokens -> {len(train):,} train / {n_val:,} val windows of {ds.seq_len} tokens"
+    vals = val if isinstance(val, list) else [] if val is None else [val]
+    n_val = sum(len(v) for v in vals)
+    stores = _stores(train, *vals)
+    if stores:  # token windows of stores
+        total = sum(int(st.n_tokens) for st in stores)
+        packing = ", documents packed apart" if ds.get("packing") == "documents" else ""
+        size = (f"{total:,} tokens -> {len(train):,} train / {n_val:,} val windows of {ds.seq_len} tokens"
+                f"{packing}")
     else:
         size = f"{len(train):,} train / {n_val:,} val samples"
     accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)

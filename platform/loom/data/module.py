@@ -93,7 +93,14 @@ class LoomDataModule(pl.LightningDataModule):
 
         log.info(summary_line(self.cfg, self.train_set, self.val_set, self.dp_size))
         off = self.cfg.dataset.get("val_every", 2) <= 1  # the user turned the split off
-        problem = val_problem(self.cfg, 0 if self.val_set is None else len(self.val_set), self.dp_size)
+        sets = self._val_sets()
+        small = [v for v in sets if len(v) // self.dp_size < self.cfg.dataset.batch_size]
+        if len(sets) > 1 and small:  # a mixture: sources too small to validate are left out, said once
+            log.warning("warning: validation leaves out source(s) %s: fewer windows than one batch per rank",
+                        ", ".join(getattr(v, "name", "?") for v in small))
+            self.val_set = [v for v in sets if v not in small] or None
+            sets = self.val_set or []
+        problem = val_problem(self.cfg, sum(len(v) for v in sets), self.dp_size)
         if problem and self.cfg.trainer.val_every_n_steps > 0:
             raise ValueError(f"{problem}, but trainer.val_every_n_steps={self.cfg.trainer.val_every_n_steps} "
                              "asks for it; add data, lower dataset.val_every or dataset.batch_size, or set "
@@ -125,13 +132,38 @@ class LoomDataModule(pl.LightningDataModule):
         dataset = _Noting(self.train_set, self._served) if self.record_dir else self.train_set
         return self._loader(dataset, self.train_sampler)
 
-    def val_dataloader(self) -> DataLoader:
+    @property
+    def val_names(self) -> list[str]:
+        """One name per validation loader: a mixture's sources (`val/loss/<name>`), else the set's."""
+        return [getattr(v, "name", self.cfg.dataset.name) for v in self._val_sets()]
+
+    def _val_sets(self) -> list[Dataset]:
+        return self.val_set if isinstance(self.val_set, list) else [] if self.val_set is None else [self.val_set]
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
         if self.val_set is None:
             return []
-        sampler = DistributedSampler(
-            self.val_set, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False, drop_last=True
-        )
-        return self._loader(self.val_set, sampler)
+        loaders = [self._loader(v, DistributedSampler(v, num_replicas=self.dp_size, rank=self.dp_rank,
+                                                     shuffle=False, drop_last=True))
+                   for v in (self.val_set if isinstance(self.val_set, list) else [self.val_set])]
+        return loaders if isinstance(self.val_set, list) else loaders[0]
+
+    def source_report(self) -> dict | None:
+        """What a mixture drew from each source in the samples trained so far (summary.json)."""
+        consumed = getattr(self.train_set, "consumed", None)
+        position = self._samples_trained() if consumed is not None and self.trainer is not None else None
+        return None if position is None else {"sources": consumed(position)}
+
+    def _samples_trained(self) -> int | None:
+        """Samples of the global order trained, over every epoch so far (DataPosition)."""
+        from loom.data.position import DataPosition
+
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, DataPosition):
+                micro = int(self.cfg.dataset.batch_size)
+                per_epoch = self.train_sampler.epoch_samples() if self.train_sampler else 0
+                return cb.epoch * per_epoch + cb.batches * micro * self.dp_size
+        return None
 
     # ------------------------------------------------------------------ recording (tests)
     def record_trained_batch(self, global_rank: int, step: int, epoch: int) -> None:

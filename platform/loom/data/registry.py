@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from loom.data import checks, hf, text_files, tinycode
+from loom.data import checks, hf, stores, text_files, tinycode
 from loom.data.fingerprint import DataInputs, no_inputs
 from loom.data.schema import (
     DigitsDatasetConfig,
@@ -21,6 +21,7 @@ from loom.data.schema import (
     SyntheticDatasetConfig,
     TextFilesDatasetConfig,
     TinycodeDatasetConfig,
+    TokensDatasetConfig,
 )
 from loom.layout import ParallelLayout
 from loom.schema import no_check, nothing_to_fill
@@ -55,9 +56,14 @@ class DatasetOption:
     tokenized: bool = False                # text tokenized into the cache by `prepare_data`
     check: Callable[[DictConfig, ParallelLayout], None] = no_check
     normalize: Callable[[DictConfig], None] = nothing_to_fill
+    # the token ids its data can hold, where the option knows better than its tokenizer (None: ask it)
+    vocab: Callable[[DictConfig], int | None] | None = None
 
 
 DATASETS: dict[str, DatasetOption] = {
+    "tokens": DatasetOption(TokensDatasetConfig, "loom.data.stores:datasets", _always(True), stores.inputs,
+                            stores.source, val_size=stores.val_size, check=stores.check_tokens,
+                            normalize=stores.normalize_tokens, vocab=stores.vocab),
     "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True),
                               tinycode.inputs, tinycode.source, tokenized=True,
                               val_size=lambda ds: checks.corpus_val_size(ds, tinycode.corpus_files(ds.max_bytes))),

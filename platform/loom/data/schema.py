@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -10,6 +11,7 @@ class TinycodeDatasetConfig:
     name: str = "tinycode"
     batch_size: int = 16
     seq_len: int = 128
+    packing: str = "concat"           # concat | documents (no attention across documents)
     max_bytes: int = 16_000_000
     val_every: int = 20
     tokenizer: str | None = None      # null: byte-level (vocab 256); else a local HF tokenizer
@@ -21,6 +23,7 @@ class TextFilesDatasetConfig:
     name: str = "text_files"
     batch_size: int = 16
     seq_len: int = 128
+    packing: str = "concat"           # concat | documents (no attention across documents)
     paths: list[str] = field(default_factory=list)  # files or glob patterns (`**` recursive)
     max_bytes: int | None = None      # cap on the corpus size (first files in sorted order)
     val_every: int = 20               # every Nth file goes to validation (0: none)
@@ -36,6 +39,7 @@ class HFDatasetConfig:
     name: str = "hf"
     batch_size: int = 16
     seq_len: int = 128
+    packing: str = "concat"           # concat | documents (no attention across documents)
     hub: str | None = None            # a hub dataset id (offline: from the local HF cache)
     config: str | None = None         # the hub dataset's config name
     split: str = "train"
@@ -46,6 +50,20 @@ class HFDatasetConfig:
     max_docs: int | None = None
     tokenizer: str | None = None
     cache_dir: str | None = None
+
+
+@dataclass
+class TokensDatasetConfig:
+    name: str = "tokens"
+    batch_size: int = 16
+    seq_len: int = 128
+    # the sources: a store path each (a `loom data prepare` dir, a Megatron prefix, a nanoGPT .bin),
+    # or {path, weight (default 1), name (default: the path's last part)}
+    mix: list[Any] = field(default_factory=list)
+    packing: str = "concat"           # concat | documents (no attention across documents)
+    val_fraction: float | None = 0.005  # of each source's windows, held out (every k-th window)
+    dtype: str | None = None          # a flat nanoGPT .bin's tokens: uint16 (default) | uint32
+    tokenizer: str | None = None      # the run's tokenizer: checked against the stores' sidecars
 
 
 @dataclass

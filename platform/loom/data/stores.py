@@ -1,0 +1,191 @@
+"""`dataset=tokens`: one or more prepared token stores, mixed by weight. No torch here: the
+launcher parses the mixture, opens every store's index (memory maps, no scans) and checks
+tokenizers and vocabularies before any process starts.
+
+    loom train dataset=tokens dataset.mix='[{path: /data/tok/web, weight: 0.7}, {path: /data/tok/code, weight: 0.3}]'
+    loom train dataset=tokens dataset.mix='[/megatron/out/my_text_document]'    # a Megatron prefix, weight 1
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from loom.data.fingerprint import DataInputs
+from loom.errors import ConfigError, fail
+from loom.layout import ParallelLayout
+
+PACKINGS = ("concat", "documents")
+FLAT_DTYPES = ("uint16", "uint32")
+EXAMPLE = "dataset.mix='[{path: /data/tok/web, weight: 0.7}, {path: /data/tok/code, weight: 0.3}]'"
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    weight: float
+    name: str
+
+
+def _entry(i: int, raw) -> Source:
+    key = f"dataset.mix[{i}]"
+    if isinstance(raw, str):
+        raw = {"path": raw}
+    if not isinstance(raw, dict) or not raw.get("path"):
+        fail(key, raw, f"each source is a store path or {{path: ..., weight: ...}}, e.g. {EXAMPLE}")
+    unknown = set(raw) - {"path", "weight", "name"}
+    if unknown:
+        fail(key, raw, f"unknown key(s) {sorted(unknown)}; a source has path, weight (default 1) and name")
+    try:
+        weight = float(str(raw.get("weight", 1)))
+    except ValueError:
+        weight = float("nan")
+    if not weight > 0 or weight == float("inf"):
+        fail(f"{key}.weight", raw.get("weight"), "must be a positive number (weights are relative: 7 and 3 "
+             "mean 70% and 30%)")
+    path = str(raw["path"])
+    name = str(raw.get("name") or Path(path.rstrip("/")).name)
+    return Source(path, weight, name)
+
+
+def sources(ds: DictConfig) -> list[Source]:
+    """The mixture's sources, parsed (weights as given; Blend reads them as exact decimals)."""
+    mix = OmegaConf.to_container(ds.mix) if isinstance(ds.mix, ListConfig) else ds.mix
+    if isinstance(mix, str | dict):
+        mix = [mix]
+    if not mix:
+        fail("dataset.mix", mix, f"list at least one token store, e.g. {EXAMPLE} (make one with "
+             "`loom data prepare FILES --out DIR`)")
+    out = [_entry(i, raw) for i, raw in enumerate(mix)]
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        fail("dataset.mix", names, "two sources share a name; give each a `name:`")
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _open(path: str, dtype: str | None):
+    from loom.data.store import open_store
+
+    return open_store(path, dtype)
+
+
+def open_source(ds: DictConfig, i: int, src: Source):
+    """The store of source i, or a ConfigError naming dataset.mix[i].path and the store's problem."""
+    from loom.data.store import StoreError
+
+    try:
+        return _open(str(Path(src.path).expanduser()), ds.get("dtype"))
+    except StoreError as e:
+        raise ConfigError(f"Invalid config: dataset.mix[{i}].path={src.path!r}: {e}") from None
+
+
+def normalize_tokens(cfg: DictConfig) -> None:
+    ds = cfg.dataset
+    parsed = sources(ds)
+    ds.mix = [{"path": str(Path(s.path).expanduser().absolute()), "weight": s.weight, "name": s.name}
+              for s in parsed]
+
+
+def _tokenizer_of(ds: DictConfig, stores: list) -> None:
+    """Every store with a sidecar was written by one tokenizer, the run's `dataset.tokenizer`."""
+    from loom.data.prepare import tokenizer_fingerprint
+
+    marks = {(st.sidecar or {}).get("tokenizer_fingerprint"): st for st in stores if st.sidecar}
+    if len(marks) > 1:
+        names = ", ".join(f"{st.path} ({st.sidecar.get('tokenizer')})" for st in marks.values())
+        fail("dataset.mix", [str(st.path) for st in stores], f"the stores were written by different tokenizers "
+             f"({names}); a run reads one vocabulary: prepare them all with the same --tokenizer")
+    if marks and ds.get("tokenizer"):
+        want = tokenizer_fingerprint(str(ds.tokenizer))
+        (have, st), = marks.items()
+        if have != want:
+            fail("dataset.tokenizer", ds.tokenizer, f"differs from the tokenizer {st.path} was prepared with "
+                 f"({st.sidecar.get('tokenizer') or 'byte-level'}): its ids mean other tokens. Use that "
+                 "tokenizer, or prepare the store again with this one")
+
+
+def check_tokens(cfg: DictConfig, layout: ParallelLayout) -> None:
+    ds = cfg.dataset
+    if ds.packing not in PACKINGS:
+        fail("dataset.packing", ds.packing, f"valid choices: {', '.join(PACKINGS)} (documents: attention "
+             "never crosses a document boundary)")
+    if ds.get("dtype") is not None and ds.dtype not in FLAT_DTYPES:
+        fail("dataset.dtype", ds.dtype, f"a flat (nanoGPT) .bin holds {' or '.join(FLAT_DTYPES)} tokens")
+    fraction = ds.val_fraction
+    if fraction is not None and not 0 <= fraction < 1:
+        fail("dataset.val_fraction", fraction, "must be in [0, 1): the share of each source's windows held "
+             "out for validation (0 or null: none)")
+    srcs = sources(ds)
+    stores = [open_source(ds, i, s) for i, s in enumerate(srcs)]
+    _tokenizer_of(ds, stores)
+    from loom.data.index.windows import Holdout, windows_of
+
+    for i, (src, st) in enumerate(zip(srcs, stores, strict=True)):
+        n = Holdout.of(windows_of(st.n_tokens, ds.seq_len), fraction).n_train
+        if n == 0:
+            fail(f"dataset.mix[{i}].path", src.path, f"the store holds {st.n_tokens:,} tokens, not one training "
+                 f"window of dataset.seq_len+1={ds.seq_len + 1}")
+
+
+def vocab(ds: DictConfig) -> int | None:
+    """The data's vocabulary: the sidecars' (stores from other tools have none), else the
+    run's tokenizer's; None when nothing says (ids are then checked against the model per batch)."""
+    sizes = [int(st.sidecar["vocab_size"]) for i, s in enumerate(sources(ds))
+             if (st := open_source(ds, i, s)).sidecar and st.sidecar.get("vocab_size")]
+    if sizes:
+        return max(sizes)
+    if ds.get("tokenizer"):
+        from loom.data.checks import tokenizer_vocab
+
+        return tokenizer_vocab(str(ds.tokenizer))
+    return None
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    """The stores' files (sizes and times only): a store rewritten is a new run."""
+    files: list[Path] = []
+    for i, s in enumerate(sources(ds)):
+        st = open_source(ds, i, s)
+        files += sorted(st.files()) if hasattr(st, "files") else [Path(st.path)]
+    return DataInputs(files=[f for f in files if f.is_file()])
+
+
+def source(ds: DictConfig) -> str:
+    parts = []
+    for i, s in enumerate(sources(ds)):
+        st = open_source(ds, i, s)
+        note = "" if st.sidecar else ", no sidecar (written by another tool: ids checked per batch)"
+        parts.append(f"{s.name} {st.kind} {st.n_tokens:,} tokens w={s.weight:g}{note}")
+    return f"{len(parts)} store(s): " + "; ".join(parts)
+
+
+def val_size(ds: DictConfig) -> int | None:
+    from loom.data.index.windows import Holdout, windows_of
+
+    return sum(Holdout.of(windows_of(open_source(ds, i, s).n_tokens, ds.seq_len), ds.val_fraction).n_val
+               for i, s in enumerate(sources(ds)))
+
+
+def datasets(cfg: DictConfig):
+    """(the mixture of every source's training windows, its validation windows: one dataset per
+    source that has any, a list when several)."""
+    from loom.data.mix import Mixture, SourceWindows
+
+    ds = cfg.dataset
+    limit = (cfg.get("model") or {}).get("vocab_size")
+    kw = {"val_fraction": ds.val_fraction, "documents": ds.packing == "documents",
+          "vocab_limit": int(limit) if limit else None}
+    train, val = [], []
+    srcs = sources(ds)
+    for i, s in enumerate(srcs):
+        st = open_source(ds, i, s)
+        train.append(SourceWindows(st, s.name, ds.seq_len, part="train", **kw))
+        held = SourceWindows(st, s.name, ds.seq_len, part="val", **kw)
+        if len(held):
+            val.append(held)
+    mixture = Mixture(train, [s.weight for s in srcs], int(cfg.seed))
+    return mixture, (val if len(val) > 1 else val[0] if val else None)
