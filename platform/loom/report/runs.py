@@ -1,6 +1,6 @@
 """One run's files (summary.json, config.yaml, plan.json) as a `Run`, and its `report.md`:
 the summary as a table (model, dataset, losses, validation, throughput in the task's unit,
-memory, why it failed) and the run's plots.
+data wait, memory, why it failed), a mixture's sources (loom.report.sources) and the run's plots.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
+from loom.report.sources import data_wait_text, sources_section
 from loom.rundir.summary import validation_text
 
 
@@ -223,6 +224,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("samples/s", _num(tp.get("samples_per_sec"), ",.1f")),
         ("samples/s overall", _num(overall.get("samples_per_sec"), ",.1f")),
         ("steady from step", "n/a (no steady window)" if not tp.get("steady") else str(tp.get("steady_from_step"))),
+        ("data wait", data_wait_text(s.get("data_wait"))),
         ("TFLOP/s per device", _num(tp.get("tflops_per_device"), ",.3f")),
         ("MFU", _pct(tp.get("mfu")) if tp.get("mfu") is not None else "n/a (device peak unknown)"),
         ("peak RSS per rank", _gb(mem.get("peak_rss_gb_per_rank"))),
@@ -278,7 +280,7 @@ def run_report(run: Run) -> Path:
             print(f"warning: plots not drawn ({type(e).__name__}: {e})")
     s = run.summary
     parts = [f"# Run {s.get('run_id')} ({s.get('status')})", "",
-             _md_table(["", "value"], [[k, v] for k, v in summary_rows(run)]), ""]
+             _md_table(["", "value"], [[k, v] for k, v in summary_rows(run)]), "", *sources_section(s)]
     pics = [p for p in PLOTS if (plots_dir / p).is_file()]
     if pics:
         parts += ["## Plots", ""]

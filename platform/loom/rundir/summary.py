@@ -32,7 +32,9 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "train_time_s": None,
         "final_loss": None,
         "first_loss": None,
-        "validation": None,  # the last validation's val/* metrics: {"loss": ..., "acc": ..., "step": N}
+        # the last validation's val/* metrics: {"loss": ..., "acc": ..., "step": N}, and with several
+        # validation sources `per_source` {name: loss} (loom.tracking.sources)
+        "validation": None,
         "final_weights": None,
         "resumed_from_step": None,
         "restarts": 0,
@@ -64,6 +66,10 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         # frames torch compiled in training after each attempt's first step (loom.tracking.compiles):
         # their log windows are out of `throughput`, their seconds in time.compile_s; 0 when not compiled
         "recompiles": {"count": 0, "steps": [], "reasons": []},
+        # the loader's share of step time (loom.tracking.data_wait): the largest log window's after
+        # each attempt's first, and the one warning's step and cause (null: the loader kept up)
+        "data_wait": {"max_window_pct": None, "max_window_step": None, "warned_at_step": None, "cause": None,
+                      "threshold_pct": 5.0},
         # A failed run's root failure {type, message, rank, step, log, where} (loom.rundir.failures).
         "error": None,
     }

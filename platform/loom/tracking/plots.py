@@ -48,6 +48,12 @@ def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[f
     return xs, ys
 
 
+def per_source_keys(rows: list[dict[str, float]]) -> list[str]:
+    """The `val/loss/<source>` columns (a mixture's per-source validation), in name order: never
+    picked as `val/loss` itself, whose series is the exact key."""
+    return sorted({k for r in rows for k in r if k.startswith("val/loss/")})
+
+
 def _figure(nrows: int, title: str):
     from matplotlib.figure import Figure
 
@@ -94,6 +100,8 @@ def _loss(rows, title: str, path: Path) -> Path:
         vx, vy = _series(rows, "val/loss")
         if vx:
             ax.plot(vx, vy, "o-", label="val/loss", color="tab:orange")
+        for key in per_source_keys(rows):  # a mixture's sources, dashed beside the overall one
+            ax.plot(*_series(rows, key), "o--", markersize=3, linewidth=1, label=key)
 
     _panel(ax, rows, "train/loss", label="train/loss", color="tab:blue", ylabel="loss", missing="loss", more=val,
            ymin=None)

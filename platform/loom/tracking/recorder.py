@@ -17,7 +17,8 @@ first logged window (or `tracking.warmup_steps`) and every window in which any r
 WARNING line naming its step and the guard that failed. Rank 0
 writes the attempt's span into world_history.json at every log step (the run's totals add up
 every attempt's) and logs "training loop started at step N" and "training loop ended" lines,
-so the rank log's timestamps are an independent stopwatch.
+so the rank log's timestamps are an independent stopwatch. A window's data wait (batch end to the
+next batch's start, less checkpoint saves) as a share of its step time: loom.tracking.data_wait.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_fabric.utilities.throughput import Throughput
 from loom.hardware.peaks import mfu, mfu_error
 from loom.tracking import compiles
 from loom.tracking.clock import Clock
+from loom.tracking.data_wait import DataWaitWatch, loader_workers, window_pct
 from loom.tracking.stragglers import gather_hosts
 from loom.tracking.system import GpuStats
 
@@ -88,8 +90,9 @@ class Recorder(pl.Callback):
         self.peak_rss_per_rank: list[float] | None = None  # rank 0: max over log steps (a failed run's memory)
         self.last_log_time = 0.0
         self.last_log_step = 0
-        self.batch_end = 0.0
+        self.batch_end = self.ckpt_at_batch_end = 0.0  # and the saver's seconds then (a save is no data wait)
         self.data_wait = 0.0
+        self.data_watch = DataWaitWatch()  # rank 0: perf/data_wait_pct's maximum and its one warning
         self.compute = 0.0              # this rank's own forward time in the window (stragglers)
         self.forward_start: float | None = None
         self.stragglers = None          # rank 0: a loom.tracking.stragglers.StragglerWatch
@@ -114,6 +117,8 @@ class Recorder(pl.Callback):
         self.compiles.start()
         self.ckpt_at_log = self.clock.checkpoint_s
         self.last_log_time = self.batch_end = self.clock.loop_start
+        self.ckpt_at_batch_end = self._ckpt_seconds()
+        self.data_watch.start(loader_workers(trainer))
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
                                flops=0 if self.flops_per_token else None)
         hosts = gather_hosts(trainer.world_size)  # once, for naming a straggler's host
@@ -124,7 +129,7 @@ class Recorder(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.forward_start = time.perf_counter()
-        self.data_wait += self.forward_start - self.batch_end
+        self.data_wait += self.forward_start - self.batch_end - (self._ckpt_seconds() - self.ckpt_at_batch_end)
         self.compiles.step, self.compiles.phase = trainer.global_step + 1, "train"
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -147,7 +152,7 @@ class Recorder(pl.Callback):
         self.clock.step_done(step, self._ckpt_seconds())
         if step > self.last_log_step and (step % self.log_every == 0 or step >= trainer.max_steps):
             self._log(trainer, pl_module)
-        self.batch_end = time.perf_counter()
+        self.batch_end, self.ckpt_at_batch_end = time.perf_counter(), self._ckpt_seconds()
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self.compiles.phase = "validation"
@@ -173,7 +178,7 @@ class Recorder(pl.Callback):
         self.clock.validation_s += now - self.val_start
         self.val_window += now - self.val_start
         self.val_start = None
-        self.batch_end = now  # the next batch's data wait starts here, not before validation
+        self.batch_end, self.ckpt_at_batch_end = now, self._ckpt_seconds()  # not before validation
 
     # ---------------------------------------------------------------- log steps
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -232,7 +237,9 @@ class Recorder(pl.Callback):
                                                                                  "compute_ms")))
         if self.on_log is not None:
             self.on_log(self.span(step))
-        self._publish(trainer, step, self._row(trainer, gathered, rates))
+        row = self._row(trainer, gathered, rates)
+        self._publish(trainer, step, row)
+        self.data_watch.window(step - steps, step, row["perf/data_wait_pct"])  # after the step line it is about
 
     def _clock_window(self, trainer: pl.Trainer, gathered: torch.Tensor, step: int, now: float,
                       compiled: list[compiles.CompileEvent]) -> None:
@@ -273,6 +280,7 @@ class Recorder(pl.Callback):
             "perf/step_time_ms_min": float(gathered[:, col["step_time_ms"]].min()),
             "perf/step_time_ms_max": float(gathered[:, col["step_time_ms"]].max()),
             "perf/data_wait_ms": float(mean[col["data_wait_ms"]]),
+            "perf/data_wait_pct": window_pct(float(mean[col["data_wait_ms"]]), float(mean[col["step_time_ms"]])),
             "perf/samples_per_sec": rates.get("device/samples_per_sec", 0.0) * self.world_size,
             "perf/tokens_per_sec": rates.get("device/items_per_sec", 0.0) * self.world_size,
             "sys/cpu_percent": float(mean[col["cpu_percent"]]),

@@ -17,6 +17,7 @@ from loom.rundir import checkpoints
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, dtype_name
 from loom.rundir.summary import empty_summary, read_summary, write_summary
 from loom.tracking import compiles
+from loom.tracking.sources import data_field, validation_field
 
 log = logging.getLogger("loom")
 
@@ -32,6 +33,7 @@ class RunResults:
         self.status = "failed"
         self.summary = empty_summary(cfg, str(cfg.run.id), layout)
         self.previous = read_summary(run_dir) or {}  # an earlier attempt's, when this one resumes
+        recorder.data_watch.carry(self.previous.get("data_wait"))  # the data wait warning is said once per run
         self.launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
 
     def completed(self, trainer, module) -> None:
@@ -152,7 +154,7 @@ class RunResults:
                   "wall_s": wall_s},
             final_loss=rec.final_loss,
             first_loss=self._first_loss(),
-            validation=rec.validation or self._earlier("validation"),
+            validation=validation_field(rec.validation) or self._earlier("validation"),
             restarts=max(self.summary["restarts"], attempt["restarts"]),
             throughput=self._throughput(total),
             utilization={"cpu_percent_mean": attempt["cpu_percent_mean"], "gpu_util_mean": attempt["gpu_util_mean"]},
@@ -160,7 +162,11 @@ class RunResults:
             world_history=history,
             stragglers=self._stragglers(),
             recompiles=compiles.summary_field(history),
+            data_wait=rec.data_watch.summary(),
         )
+        data = data_field(trainer) or self._earlier("data")  # a mixture's samples and tokens per source
+        if data is not None:
+            self.summary["data"] = data
         self._sampled_memory()
         write_summary(self.run_dir, self.summary)
         from loom.tracking.loggers import log_summary
