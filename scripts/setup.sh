@@ -102,6 +102,9 @@ online_install() {
     DS_BUILD_OPS=0 pip install -q --no-build-isolation "${DEEPSPEED_SPEC:-deepspeed}"
   fi
   pip install -q -e ".[dev]"
+  # The tests' reference writer/reader of Megatron's indexed format (tests/test_data_store.py); --no-deps
+  # because its dependency list pulls a CUDA stack: only the CPU-importable indexed_dataset module is used.
+  pip install -q --no-deps "megatron-core"
 }
 
 echo "[setup] creating $VENV${OFFLINE:+ from $OFFLINE (no index)} ..." >&2

@@ -1,0 +1,36 @@
+"""A Loom store directory's sidecar (`loom.json`): the one owner of its name, and of the scratch
+folder a running prepare keeps, so writers and readers agree on both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loom.atomic import atomic_write_text
+from loom.data.store.errors import FIX, StoreError
+
+SIDECAR = "loom.json"
+PREPARE_DIR = ".prepare"
+
+
+def read_sidecar(store_dir: Path | str) -> dict[str, Any] | None:
+    """The sidecar's contents, or None where the directory has none (a store from another tool)."""
+    path = Path(store_dir) / SIDECAR
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(
+            f"{path}: the store's sidecar cannot be read ({e}); `loom data prepare` writes it last and "
+            f"whole: {FIX}.") from None
+    if not isinstance(info, dict):
+        raise StoreError(f"{path}: the sidecar holds a {type(info).__name__}, not a JSON object: {FIX}.")
+    return info
+
+
+def write_sidecar(store_dir: Path | str, info: dict[str, Any]) -> Path:
+    """Write the sidecar whole (temp file, then rename): it marks the store complete."""
+    Path(store_dir).mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(Path(store_dir) / SIDECAR, json.dumps(info, indent=2) + "\n")
