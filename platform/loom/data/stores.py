@@ -150,8 +150,19 @@ def inputs(ds: DictConfig) -> DataInputs:
     files: list[Path] = []
     for i, s in enumerate(sources(ds)):
         st = open_source(ds, i, s)
-        files += sorted(st.files()) if hasattr(st, "files") else [Path(st.path)]
+        files += _store_files(st)
     return DataInputs(files=[f for f in files if f.is_file()])
+
+
+def _store_files(store) -> list[Path]:
+    """A store's files: each shard's index and tokens (or flat file), and its sidecar."""
+    from loom.data.store import SIDECAR
+
+    out = [Path(store.path) / SIDECAR] if store.sidecar else []
+    for shard in store.shards:
+        out += [Path(p) for p in (getattr(shard, "idx_path", None), getattr(shard, "bin_path", None),
+                                  getattr(shard, "path", None)) if p is not None]
+    return out
 
 
 def source(ds: DictConfig) -> str:
