@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from loom.errors import fail
 from loom.layout import ParallelLayout
-from loom.models import init_from
+from loom.models import checks, init_from
 from loom.models.registry import MODELS
 from loom.models.spec import ModelSpec, Parts
 from loom.schema import load
@@ -32,7 +32,9 @@ def normalize(cfg: DictConfig) -> None:
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    MODELS[cfg.model.name].check(cfg, layout)
+    option = MODELS[cfg.model.name]
+    option.check(cfg, layout)
+    checks.check_packing(cfg, layout, option.document_masks, splittable("document_masks"))
     init_from.check(cfg, MODELS[cfg.model.name].shapes)  # the source's tensors against the model's, before launch
     _check_export_format(cfg)
 

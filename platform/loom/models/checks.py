@@ -63,6 +63,25 @@ def check_gpt(cfg: DictConfig, layout: ParallelLayout) -> None:
     _vocab(cfg, m.vocab_size)
 
 
+def check_packing(cfg: DictConfig, layout: ParallelLayout, document_masks: bool, able: str) -> None:
+    """`dataset.packing=documents` needs a network that masks attention per document (`document_masks`
+    in the registry; `able`: the families that do) and no pipeline stages: a stage would need each
+    token's position beside the activations it receives, which Loom's schedules do not send yet."""
+    if cfg.dataset.get("packing") != "documents":
+        return
+    m = cfg.model
+    _require(document_masks, "dataset.packing", "documents",
+             f"model={m.name} has no document mask (attention would cross document boundaries); "
+             f"use dataset.packing=concat or model={able.replace(', ', '/')}")
+    _require(layout.pp <= 1, "dataset.packing", "documents",
+             f"packing=documents under pipeline parallelism (strategy.pp={layout.pp}) is not supported yet: "
+             "positions would have to travel with the activations; use strategy=fsdp/fsdp_tp/ddp/zero*, "
+             "or dataset.packing=concat")
+    _require(not m.get("dropout"), "model.dropout", m.get("dropout"),
+             "must be 0 with dataset.packing=documents (FlexAttention, which masks each document, has no "
+             "attention dropout); set model.dropout=0.0 or dataset.packing=concat")
+
+
 LLAMA_FIELDS = ("n_layer", "n_head", "n_kv_heads", "d_model", "intermediate_size", "vocab_size", "block_size",
                 "rope_theta", "rms_norm_eps", "tie_embeddings", "qkv_bias")
 

@@ -10,7 +10,9 @@ separate `attn.q/k/v` (Loom before the fused layout) still load: `_load_from_sta
 interleaves them. Untied embeddings so FSDP/TP shard the head and the embedding independently.
 Shapes use -1 for the head count, so the same code runs on a TP rank's local heads. Its
 pipeline split (`pipeline_split`, loom.models.pipeline_split): blocks by index, wte + wpe with
-the first stage, ln_f + lm_head with the last.
+the first stage, ln_f + lm_head with the last. `forward(idx, pos)` with per-document positions
+(`dataset.packing=documents`): wpe reads `pos` and attention stays inside each document
+(loom.models.document_mask); pipelines never pass `pos` (validation refuses that pairing).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.document_mask import DocumentMask, attend, document_mask
 from loom.models.pipeline_split import PipelineSplit
 
 
@@ -30,14 +33,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, heads, 3, head_dim) -> q, k, v of (B, heads, T, head_dim): the last dim stays
         # contiguous, which the flash / cuDNN / memory-efficient SDPA kernels require.
         q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        p = self.dropout if self.training else 0.0
+        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p) if mask is None
+             else attend(q, k, v, mask, dropout_p=p))
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
@@ -82,8 +85,8 @@ class Block(nn.Module):
         self.mlp = MLP(d_model)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), mask))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -120,9 +123,10 @@ class GPT(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         initialize(self, NamedInit(seed, gpt_rule(self.n_layer)), self.lm_head.weight.device)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + learned position embeddings (the first pipeline stage's step)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + learned position embeddings (the first pipeline stage's step); `pos`: (B, T)
+        positions inside each document, else 0..T-1 for every row."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def layer_inputs(self, x: torch.Tensor) -> tuple:
@@ -133,8 +137,10 @@ class GPT(nn.Module):
         """Final norm and the vocabulary projection (the last pipeline stage's step)."""
         return self.lm_head(self.ln_f(x))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone."""
+        x = self.embed(idx, pos)
+        mask = None if pos is None else document_mask(pos)  # once per forward, for every block
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(x)

@@ -32,6 +32,7 @@ from loom.models.init import (
 from loom.models.llama import DecoderLayer, Llama
 from loom.optim.build import build_optimizer, sync_schedule
 
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets the loss leaves out (document boundaries)
 # model.* keys that configure Loom, not the network's constructor
 CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used")
 
@@ -56,6 +57,7 @@ class LoomModule(pl.LightningModule):
         self.build_peak_rss_gb: float | None = None
         self._built = False
         self._vocab_used: int | None = (cfg.get("model") or {}).get("vocab_used")  # read once, not every step
+        self._val_sums = TokenWeightedLoss()  # several validation sources: their token-weighted val/loss
 
     def build_model(self) -> nn.Module:
         """A new network (called on the meta device first, then for real where needed)."""
@@ -113,11 +115,36 @@ class LoomModule(pl.LightningModule):
             sched.step()
         return loss
 
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()
         loss = self._loss(batch) if pipe is None else pipe.run(self.model, self._lm_loss, *batch, train=False)
-        self.log("val/loss", loss, sync_dist=True, prog_bar=False)
+        names = self._val_names()
+        if len(names) <= 1:
+            self.log("val/loss", loss, sync_dist=True, prog_bar=False)
+            return loss
+        self.log(f"val/loss/{names[dataloader_idx]}", loss, sync_dist=True, add_dataloader_idx=False)
+        self._val_sums.add(loss, batch[1])
         return loss
+
+    def _val_names(self) -> list[str]:
+        """One name per validation source (the datamodule's `val_names`); one or none: a single loader."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return list(getattr(dm, "val_names", None) or [])
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = TokenWeightedLoss()
+
+    def on_validation_epoch_end(self) -> None:
+        """Several sources: the overall val/loss over all of them, weighted by target tokens
+        (each source's val/loss/<name> is its own mean): summed over ranks, then divided."""
+        if len(self._val_names()) <= 1:  # the same answer on every rank: all reduce, or none
+            return
+        sums = self._val_sums
+        local = (torch.stack([sums.total, sums.count]) if sums.count is not None
+                 else torch.zeros(2, dtype=torch.float64, device=self.device))
+        total = self.trainer.strategy.reduce(local, reduce_op="sum")
+        self.log("val/loss", total[0] / total[1].clamp_min(1), sync_dist=True)
+        self._val_sums = TokenWeightedLoss()
 
     def configure_optimizers(self):
         trainer = self._trainer
@@ -142,6 +169,21 @@ class LoomModule(pl.LightningModule):
         schedule's: set the schedule's value for this step now (identical on a plain resume)."""
         for config in self.trainer.lr_scheduler_configs:
             sync_schedule(config.scheduler)
+
+
+class TokenWeightedLoss:
+    """Sums of (batch mean loss x its target tokens) and of target tokens (targets != -100,
+    the ones cross_entropy averages over), for a mean over batches weighted by tokens."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, y: torch.Tensor) -> None:
+        n = (y != IGNORE_INDEX).sum().to(torch.float64)
+        part = torch.where(n > 0, loss.detach().to(torch.float64) * n, 0.0)  # an all-ignored batch: NaN mean, no weight
+        self.total = part if self.total is None else self.total + part
+        self.count = n if self.count is None else self.count + n
 
 
 def _lm_loss(logits: torch.Tensor, y: torch.Tensor, used: int | None = None) -> torch.Tensor:
@@ -174,6 +216,11 @@ class CausalLMModule(LoomModule):
         return NamedInit(int(self.cfg.seed), gpt_rule(int(self.cfg.model.n_layer))), None
 
     def _loss(self, batch) -> torch.Tensor:
+        """(x, y), or (x, y, pos) under dataset.packing=documents: pos restarts at each document
+        start, and y is already -100 where a target would cross into the next document."""
+        if len(batch) == 3:
+            x, y, pos = batch
+            return self._lm_loss(self.model(x, pos), y)
         x, y = batch
         return self._lm_loss(self.model(x), y)
 

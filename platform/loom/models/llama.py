@@ -11,7 +11,9 @@ nothing is permuted. Tied embeddings have no `lm_head` at all: the head reuses
 Shapes use -1 for head counts, so the same code runs on a tensor-parallel rank's local query
 and key/value heads (models.lit's plan: q/k/v/gate/up column-wise, o/down row-wise). Its
 pipeline split (`pipeline_split`): layers by index, embed_tokens with the first stage, norm +
-lm_head with the last, the rotary embedding (no state) on every stage.
+lm_head with the last, the rotary embedding (no state) on every stage. `forward(idx, pos)` with
+per-document positions (`dataset.packing=documents`): rotary angles at `pos`, attention inside
+each document (loom.models.document_mask); pipelines never pass `pos` (refused at validation).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.document_mask import DocumentMask, attend, document_mask
 from loom.models.pipeline_split import PipelineSplit
 
 
@@ -76,6 +79,15 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, 1, T, head_dim) at each row's own positions (B, T): the same fp32
+        products as `forward` at those positions, so a document packed at offset k gets exactly
+        the angles it gets alone."""
+        inv = rope_frequencies(self.head_dim, self.theta, self.scaling, pos.device)
+        freqs = pos.to(torch.float32)[..., None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -83,7 +95,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim)."""
+    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim), or (B, 1, T, head_dim) per row."""
     return x * cos + rotate_half(x) * sin
 
 
@@ -96,13 +108,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # GQA inside SDPA: each key/value head serves n_head / n_kv_heads query heads, no copies
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+             if mask is None else attend(q, k, v, mask))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -130,8 +144,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d_model, eps)
         self.mlp = MLP(d_model, intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,9 +207,15 @@ class Llama(nn.Module):
         x = self.model.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.model.embed_tokens.weight)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone."""
         x = self.embed(idx)
-        cos, sin = self.layer_inputs(x)
+        if pos is None:
+            cos, sin = self.layer_inputs(x)
+            mask = None
+        else:  # built once per forward, for every layer
+            cos, sin = self.model.rotary_emb.at(pos, x.dtype)
+            mask = document_mask(pos)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.head(x)

@@ -53,18 +53,21 @@ class ModelOption:
     built_on_host: Callable[[DictConfig], bool] = lambda cfg: False
     # (the model.* key, why ZeRO-3 cannot start it), None when it can: the zero* check asks
     zero3_problem: Callable[[DictConfig], tuple[str, str] | None] = lambda cfg: None
+    # whether its forward takes per-document positions and masks attention to each document
+    # (`dataset.packing=documents`, loom.models.document_mask); checks.check_packing refuses the rest
+    document_masks: bool = False
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
                    lambda cfg: init_from.gpt_shapes(cfg.model), normalize=checks.size_vocab_to_tokenizer,
                    tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model),
-                   largest=lambda cfg: float(spec.gpt_parts(cfg.model).largest))
+                   largest=lambda cfg: float(spec.gpt_parts(cfg.model).largest), document_masks=True)
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
                      lambda cfg: llama_hf.llama_shapes(cfg.model), normalize=checks.normalize_llama,
                      tensor_parallel=True, pipeline=True, family="llama*",
                      hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),
                      parts=lambda cfg: spec.llama_parts(cfg.model),
-                     largest=lambda cfg: float(spec.llama_parts(cfg.model).largest))
+                     largest=lambda cfg: float(spec.llama_parts(cfg.model).largest), document_masks=True)
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},
