@@ -142,10 +142,13 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
         train, val = token_sets(cfg)
         n = len(train) + len(val)
         assert len(val) == n // k and len(val) == val_size(cfg) > 0
-        assert all(bool((a == b).all()) for a, b in zip(val[0], train.base[k - 1], strict=True))
-        assert all(i % k != k - 1 for i in train.indices)
+        source = train.sources[0]
+        assert val.window(0) == k - 1 and source.holdout.k == k
+        store = source.store
+        assert val[0][0].tolist() == store.read((k - 1) * 32, 32).tolist()  # window k-1 of the corpus
+        assert all(source.window(t) % k != k - 1 for t in range(len(source)))
         again_train, again_val = token_sets(cfg)
-        assert again_val.indices == val.indices and again_train.indices == train.indices
+        assert [again_val.window(i) for i in range(len(val))] == [val.window(i) for i in range(len(val))]
     refused(tmp_path, *args, "dataset.val_fraction=1.5")
 
 
@@ -159,19 +162,22 @@ def test_token_cache_is_reused_and_tokenizer_sized(tmp_path, corpus):
                    f"dataset.tokenizer={tok}", "dataset.seq_len=16", "dataset.batch_size=2",
                    "model.vocab_size=300"])
     train, _ = _token_sets(cfg)
-    assert train.path.suffix == ".u16" and train.tokens.dtype.name == "uint16"
-    assert int(train.tokens.max()) < 300
-    mtime = train.path.stat().st_mtime_ns
-    import loom.data.tokens as tokens
+    store = train.sources[0].store
+    assert store.dtype.name == "uint16" and store.sidecar["vocab_size"] == 300
+    assert int(store.read(0, store.n_tokens).max()) < 300
+    files = sorted(store.path.rglob("*"))
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    import loom.data.prepare as prepare
 
     calls = []
-    orig = tokens.Encoder.encode_batch
-    tokens.Encoder.encode_batch = lambda self, docs: calls.append(len(docs)) or orig(self, docs)
+    orig = prepare.prepare
+    prepare.prepare = lambda *a, **k: calls.append(a) or orig(*a, **k)
     try:
         again, _ = _token_sets(cfg)
     finally:
-        tokens.Encoder.encode_batch = orig
-    assert calls == [] and again.path == train.path and again.path.stat().st_mtime_ns == mtime
+        prepare.prepare = orig
+    assert calls == [] and again.sources[0].store.path == store.path
+    assert [f.stat().st_mtime_ns for f in sorted(store.path.rglob("*"))] == mtimes
 
 
 @pytest.mark.parametrize(
@@ -298,5 +304,5 @@ def test_text_files_trains_from_its_packed_cache(tmp_path, corpus):
     r = run_loom("train", *args, root=tmp_path)
     assert r.rc == 0, r.out + r.err
     assert r.summary()["tokens"] == 4 * 2 * 4 * 64
-    files = sorted(cache.glob("text_files-*.u8"))
-    assert [f.name.split(".")[-2] for f in files] == ["train", "val"]
+    stores = sorted(cache.glob("text_files-*/*/loom.json"))
+    assert [f.parent.name for f in stores] == ["train", "val"]

@@ -166,3 +166,10 @@ def test_bad_mixtures_are_refused_before_launch(case, tmp_path, two_stores):
     err = refused(tmp_path, "dataset=tokens", "model=gpt_tiny", "dataset.seq_len=32", *args)
     for needle in needles:
         assert needle in err, err
+
+
+def test_a_token_file_among_text_files_is_refused_naming_dataset_tokens(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    (np.arange(600, dtype=np.uint16)).tofile(tmp_path / "train.bin")
+    err = refused(tmp_path, "dataset=text_files", f"dataset.paths=[{tmp_path}/*]")
+    assert "train.bin" in err and "dataset=tokens" in err and "dataset.paths" in err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from loom import strategies
+from loom import data, strategies
 from loom.compose import compose
 from loom.compose.hydra_options import launcher_debug
 from loom.errors import EXIT_INFEASIBLE, EXIT_OK, ConfigError
@@ -110,6 +110,7 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
         _check_newest_checkpoint(frozen.run_dir)
         print(frozen.message or f"{'Resuming' if frozen.state == 'resume' else 'Starting'} run {frozen.run_id} "
               f"in {frozen.run_dir}", flush=True)
+        data.prepare_stores(cfg)  # a text corpus tokenized once, with every core, before the ranks wait on it
         mark = launch_mark(frozen.run_dir)  # what rank 0 and failing ranks write during this launch
         rc = launch(cfg, strategies.layout_of(cfg), frozen.run_dir)
         return finish(cfg, frozen.run_dir, rc, mark), frozen.run_dir, None

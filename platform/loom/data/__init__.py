@@ -86,6 +86,14 @@ def check_val_split(cfg: DictConfig, layout: ParallelLayout) -> None:
             "trainer.val_every_n_steps=0.")
 
 
+def prepare_stores(cfg: DictConfig, workers: int | None = None) -> None:
+    """Tokenize a text front end's corpus into its cached stores before the ranks start, with
+    every core (`workers` None) and progress lines; a no-op when cached or not a front end."""
+    make = DATASETS[cfg.dataset.name].stores
+    if make is not None:
+        make(cfg, workers)
+
+
 def build_datamodule(cfg: DictConfig, layout: ParallelLayout, global_rank: int) -> Any:
     """The run's LightningDataModule, sharded by this rank's data-parallel index (imports torch)."""
     from loom.data.module import LoomDataModule

@@ -65,7 +65,7 @@ def normalize_text_files(cfg: DictConfig) -> None:
 
 def check_text_files(cfg: DictConfig, layout: ParallelLayout) -> None:
     from loom.data.files import split
-    from loom.data.text_files import corpus_files, expand, window_split_every
+    from loom.data.text_files import binary_files, corpus_files, expand, window_split_every
 
     ds = cfg.dataset
     if not ds.paths:
@@ -78,6 +78,11 @@ def check_text_files(cfg: DictConfig, layout: ParallelLayout) -> None:
     if ds.max_bytes is not None and ds.max_bytes < 1:
         fail("dataset.max_bytes", ds.max_bytes, "must be >= 1, or null for no cap")
     files = corpus_files(list(ds.paths), ds.max_bytes)
+    binary = binary_files(files)
+    if binary:
+        fail("dataset.paths", list(ds.paths), f"{len(binary)} file(s) are not text, e.g. {binary[0]}: "
+             "dataset=text_files reads text, one document per file. Token files (a nanoGPT .bin, a "
+             "Megatron .bin/.idx prefix) train with dataset=tokens dataset.mix='[PATH]'")
     total = sum(f.stat().st_size for f in files)
     if total == 0:
         fail("dataset.paths", list(ds.paths), f"the corpus is empty ({len(files)} file(s), 0 bytes); "

@@ -160,7 +160,8 @@ def source_key(ds: DictConfig, dataset: Any | None) -> str:
 
 
 def docs(dataset: Any, column: str, val_every: int, want_val: bool, max_docs: int | None):
-    """The texts of one split: document i is validation when i % val_every == val_every - 1."""
+    """The texts of one split, one by one (document i is validation when i % val_every ==
+    val_every - 1): the rule `loom.data.prepare.hf_row_units` applies by row range."""
     i = 0
     for batch in dataset.select_columns([column]).iter(batch_size=1000):
         for text in batch[column]:
@@ -172,10 +173,15 @@ def docs(dataset: Any, column: str, val_every: int, want_val: bool, max_docs: in
                 yield text if isinstance(text, str | bytes) else str(text)
 
 
-def datasets(cfg: DictConfig):
-    """(train, val) token windows of the documents, tokenized into the cache on first use (the
-    dataset itself is loaded only when the cache lacks them, or to fingerprint a hub dataset)."""
-    from loom.data.tokens import Encoder, token_datasets
+def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, object]:
+    """The train and val token stores, prepared into the cache where missing: row ranges of the
+    dataset, which each prepare worker reloads from the `datasets` cache (document i is
+    validation when i % val_every == val_every - 1). The dataset is loaded here only when a
+    store is missing, or to fingerprint a hub dataset."""
+    from omegaconf import OmegaConf
+
+    from loom.data.prepare import hf_row_units
+    from loom.data.tokens import split_stores
 
     ds = cfg.dataset
     set_offline(ds)
@@ -186,9 +192,16 @@ def datasets(cfg: DictConfig):
             loaded["ds"] = load(ds)
         return loaded["ds"]
 
+    def units(want_val: bool):
+        return lambda: hf_row_units(OmegaConf.to_container(ds), ds.text_column, dataset().num_rows,
+                                    val_every=ds.val_every, want_val=want_val, max_docs=ds.get("max_docs"))
+
     key = source_key(ds, None if ds.path else dataset())
-    return token_datasets(
-        "hf", key, ds.cache_dir, ds.seq_len, Encoder(ds.get("tokenizer")),
-        lambda: docs(dataset(), ds.text_column, ds.val_every, False, ds.get("max_docs")),
-        lambda: docs(dataset(), ds.text_column, ds.val_every, True, ds.get("max_docs")),
-    )
+    return split_stores("hf", key, ds, {"train": units(False), "val": units(True)}, workers)
+
+
+def datasets(cfg: DictConfig):
+    """(train, val) token windows of the cached stores."""
+    from loom.data.tokens import front_end_datasets
+
+    return front_end_datasets(cfg, stores(cfg))

@@ -5,9 +5,9 @@ datasets; sampling is the same for all: `ResumableDistributedSampler` (one seede
 epoch, dealt to data-parallel ranks by micro batch, so a step is the same samples at any dp;
 `loom.data.position.DataPosition` keeps the position in that order in every checkpoint).
 
-Token corpora are tokenized in `prepare_data` (Lightning calls it on local rank 0 of each
-node, then every rank waits at a barrier) into the memory-mapped cache of loom.data.tokens;
-`setup` only opens the files.
+Text corpora are tokenized into cached token stores (loom.data.tokens) by the launcher before
+the ranks start, or else in `prepare_data` (Lightning calls it on local rank 0 of each node,
+then every rank waits at a barrier); `setup` only opens the stores.
 
 `LOOM_RECORD_SAMPLE_IDS=<dir>` (a test hook, off the hot path when unset): every rank appends
 `<global step> <epoch> <sample ids...>` for each micro batch it trained on to
@@ -69,9 +69,11 @@ class LoomDataModule(pl.LightningDataModule):
         return load(DATASETS[self.cfg.dataset.name].datasets)(self.cfg)
 
     def prepare_data(self) -> None:
-        """Local rank 0: tokenize into the cache (a no-op when it is there)."""
-        if DATASETS[self.cfg.dataset.name].tokenized:
-            self._build()
+        """Local rank 0: a text front end's stores, tokenized into the cache where the launcher
+        did not (a SLURM job), in this process (a no-op when they are there)."""
+        make = DATASETS[self.cfg.dataset.name].stores
+        if make is not None:
+            make(self.cfg, 1)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

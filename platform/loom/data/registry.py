@@ -56,6 +56,9 @@ class DatasetOption:
     tokenized: bool = False                # text tokenized into the cache by `prepare_data`
     check: Callable[[DictConfig, ParallelLayout], None] = no_check
     normalize: Callable[[DictConfig], None] = nothing_to_fill
+    # a text front end's token stores, prepared into the cache where missing (torch-free; the
+    # launcher calls it with every core before the ranks start): (cfg, workers) -> {split: store}
+    stores: Callable[[DictConfig, int | None], dict] | None = None
     # the token ids its data can hold, where the option knows better than its tokenizer (None: ask it)
     vocab: Callable[[DictConfig], int | None] | None = None
 
@@ -65,15 +68,16 @@ DATASETS: dict[str, DatasetOption] = {
                             stores.source, val_size=stores.val_size, check=stores.check_tokens,
                             normalize=stores.normalize_tokens, vocab=stores.vocab),
     "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True),
-                              tinycode.inputs, tinycode.source, tokenized=True,
+                              tinycode.inputs, tinycode.source, tokenized=True, stores=tinycode.stores,
                               val_size=lambda ds: checks.corpus_val_size(ds, tinycode.corpus_files(ds.max_bytes))),
     "text_files": DatasetOption(TextFilesDatasetConfig, "loom.data.text_files:datasets", _always(True),
-                                text_files.inputs, text_files.source, tokenized=True, check=checks.check_text_files,
+                                text_files.inputs, text_files.source, tokenized=True, stores=text_files.stores,
+                                check=checks.check_text_files,
                                 normalize=checks.normalize_text_files,
                                 val_size=lambda ds: checks.corpus_val_size(
                                     ds, text_files.corpus_files(list(ds.paths), ds.max_bytes))),
     "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, hf.source,
-                        tokenized=True, check=checks.check_hf, normalize=checks.normalize_hf),
+                        tokenized=True, stores=hf.stores, check=checks.check_hf, normalize=checks.normalize_hf),
     "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False), no_inputs,
                             lambda ds: "scikit-learn's 8x8 digits", val_size=checks.digits_val_size,
                             features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),

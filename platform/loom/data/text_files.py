@@ -25,6 +25,21 @@ def corpus_files(patterns: list[str], max_bytes: int | None = None) -> list[Path
     return first_bytes(files, max_bytes)
 
 
+TOKEN_SUFFIXES = (".bin", ".idx", ".npy")  # token files (nanoGPT, Megatron), never text
+
+
+def binary_files(files: list[Path], sniff: int = 200) -> list[Path]:
+    """Files that are not text: a token file's suffix, or a NUL byte in the first 4 KB (of the
+    first `sniff` files: validation stays quick on a corpus of millions of files)."""
+    found = [f for f in files if f.suffix in TOKEN_SUFFIXES]
+    for f in files[:sniff]:
+        if f not in found:
+            with open(f, "rb") as fh:
+                if b"\x00" in fh.read(4096):
+                    found.append(f)
+    return found
+
+
 def inputs(ds: DictConfig) -> DataInputs:
     return DataInputs(files=corpus_files(list(ds.paths), ds.max_bytes))
 
@@ -41,16 +56,23 @@ def window_split_every(ds: DictConfig, n_files: int) -> int | None:
     return max(2, round(1.0 / fraction))
 
 
-def datasets(cfg: DictConfig):
-    """(train, val) token windows, tokenized into the cache on first use. Validation is every
-    `val_every`-th file; a corpus of fewer files than that (a few big books) would get none, so
-    then it is every k-th window of all files instead (k = round(1 / val_fraction))."""
-    from loom.data.tokens import file_token_datasets, split_windows
+def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, object]:
+    """The train and val token stores (one store when validation is by window), prepared into
+    the cache where missing."""
+    from loom.data.tokens import file_stores
 
     ds = cfg.dataset
     files = corpus_files(list(ds.paths), ds.max_bytes)
-    k = window_split_every(ds, len(files))
-    if k is None:
-        return file_token_datasets(ds, files)
-    whole, _ = file_token_datasets(ds, files, val_every=0)
-    return split_windows(whole, 1.0 / k)
+    by_window = window_split_every(ds, len(files)) is not None
+    return file_stores(ds, files, 0 if by_window else ds.val_every, workers)
+
+
+def datasets(cfg: DictConfig):
+    """(train, val) token windows. Validation is every `val_every`-th file; a corpus of fewer
+    files than that (a few big books) would get none, so then it is every k-th window of all
+    files instead (k = round(1 / val_fraction))."""
+    from loom.data.tokens import front_end_datasets
+
+    ds = cfg.dataset
+    k = window_split_every(ds, len(corpus_files(list(ds.paths), ds.max_bytes)))
+    return front_end_datasets(cfg, stores(cfg), val_every_window=k)

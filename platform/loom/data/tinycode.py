@@ -52,8 +52,15 @@ def source(ds: DictConfig) -> str:
     return f"{len(corpus_files(ds.max_bytes))} Python standard library files"
 
 
-def datasets(cfg: DictConfig):
-    """(train, val) token windows, tokenized into the cache on first use."""
-    from loom.data.tokens import file_token_datasets
+def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, object]:
+    """The train and val token stores, prepared into the cache where missing."""
+    from loom.data.tokens import file_stores
 
-    return file_token_datasets(cfg.dataset, corpus_files(cfg.dataset.max_bytes))
+    return file_stores(cfg.dataset, corpus_files(cfg.dataset.max_bytes), cfg.dataset.val_every, workers)
+
+
+def datasets(cfg: DictConfig):
+    """(train, val) token windows of the cached stores."""
+    from loom.data.tokens import front_end_datasets
+
+    return front_end_datasets(cfg, stores(cfg))
