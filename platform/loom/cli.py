@@ -1,6 +1,6 @@
 """`loom`: the command line. Each verb parses its arguments and hands over to a stage:
 `train` to the pipeline (or a sweep of pipelines), `plan` to the plan, `report`, `probe`,
-`export` and `recipes` to their modules.
+`export`, `recipes` and `data` to their modules.
 
 Nothing here imports torch or Lightning before the config is valid and the plan feasible:
 a bad config is refused within the first second.
@@ -81,6 +81,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from loom.export import export
 
     return export(args.run_dir, args.format, out=args.out, step=args.step, dtype=args.dtype)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """`loom data prepare` / `loom data inspect`: token stores (torch is never imported)."""
+    from loom.data.prepare.command import inspect_command, prepare_command
+
+    return prepare_command(args) if args.action == "prepare" else inspect_command(args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -198,6 +205,32 @@ class _PrintVersions(argparse.Action):
         parser.exit()
 
 
+def _data_parser(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("data", help="prepare a token store from text (all cores, resumable) or inspect one")
+    dsub = d.add_subparsers(dest="action", required=True)
+    pp = dsub.add_parser("prepare", help="tokenize files, JSONL/CSV/parquet (.gz/.zst) or a saved HF dataset "
+                                         "into a Megatron-format token store")
+    pp.add_argument("inputs", nargs="+", metavar="INPUT",
+                    help="files or quoted globs ('**' recurses): text (one document per file), .jsonl/.json, "
+                         ".csv, .parquet, each optionally .gz/.zst; or a save_to_disk directory")
+    pp.add_argument("--out", required=True, metavar="DIR", help="the store directory (new, or an interrupted "
+                                                                  "prepare to resume)")
+    pp.add_argument("--tokenizer", metavar="NAME_OR_DIR",
+                    help="a local Hugging Face tokenizer directory or a cached name (default: byte-level)")
+    pp.add_argument("--field", default="text", help="the text field/column of JSONL, CSV, parquet and "
+                                                    "datasets inputs (default: text)")
+    pp.add_argument("--workers", type=int, metavar="N", help="worker processes (default: every core)")
+    pp.add_argument("--strict", action="store_true",
+                    help="refuse a document that is not UTF-8 (default: count and skip it)")
+    pp.add_argument("--shard-mb", type=float, metavar="MB",
+                    help="input per work unit and shard (default: a 64th of the input, 1 to 256); it fixes "
+                         "the output, --workers does not")
+    pp.set_defaults(func=cmd_data)
+    ins = dsub.add_parser("inspect", help="documents, tokens, tokenizer, shards and sources of a store")
+    ins.add_argument("path", metavar="PATH", help="a store directory or a Megatron prefix")
+    ins.set_defaults(func=cmd_data)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom", description="Declarative distributed training.")
     p.add_argument("--version", nargs=0, action=_PrintVersions,
@@ -256,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", metavar="fp32|bf16|fp16",
                     help="floating tensors' dtype (default: the run's checkpoint.export_dtype)")
     ex.set_defaults(func=cmd_export)
+    _data_parser(sub)
     rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
     rc.add_argument("action", choices=["list", "show", "copy"])
     rc.add_argument("name", nargs="?")
