@@ -14,6 +14,10 @@ a SIGTERM to one of its ranks, not the launcher, and validates every VAL_EVERY s
 world; zero1 (DeepSpeed's universal checkpoint) is preempted by a SIGTERM to its launcher.
 ddp's own elastic resume is the reference's strategy (it shares the sampler and accumulation
 path checked here) and the two-node tests' (test_elastic_nodes).
+
+The reference and both chains train a two-source mixture (`dataset=tokens`, weights 0.7 / 0.3,
+packed by document): its samples, the tokens drawn from each source and the per-source
+validation losses of every resumed chain equal the uninterrupted reference's.
 """
 
 from __future__ import annotations
@@ -110,15 +114,30 @@ def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher
     return LoomResult(proc.returncode, out, "", run_dir)
 
 
+def _mixture(root: Path) -> list[str]:
+    """Two byte-level stores (`loom data prepare`'s machinery, in this process) of standard
+    library files, mixed 0.7 / 0.3 and packed by document."""
+    from loom.data.prepare import file_doc_units, prepare
+    from loom.data.tinycode import corpus_files
+
+    files = corpus_files(600_000)
+    for name, part in (("lib_a", files[0::2]), ("lib_b", files[1::2][:40])):
+        prepare(file_doc_units(part), root / name, None, workers=1, progress="none")
+    return ["dataset=tokens", f"dataset.mix=[{{path: {root / 'lib_a'}, weight: 0.7}}, "
+            f"{{path: {root / 'lib_b'}, weight: 0.3}}]", "dataset.packing=documents", "dataset.val_fraction=0.05"]
+
+
 @launching_fixture(scope="module")
 def elastic(tmp_path_factory) -> dict:
     """The reference, then per strategy: 2 ranks preempted -> 1 rank -> 2 ranks (raised max_steps)."""
     root = tmp_path_factory.mktemp("elastic")
+    mix = _mixture(root)
     out: dict = {"root": root}
-    out["ref"] = _train(root, "ref", "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
+    out["ref"] = _train(root, "ref", *mix, "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
                         ids=root / "ids-ref")
     for s in CHAIN_STRATEGIES:
         ids, (more, at) = root / f"ids-{s}", CHAIN[s]
+        more = [*mix, *more]
         first = _preempted(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={PHASE_STEPS}",
                            ids=ids, at=at)
         out[f"{s}-preempted"] = first.summary() if first.rc == 143 else {}  # later phases rewrite it
@@ -162,6 +181,11 @@ def test_preempted_run_shrinks_to_one_rank_then_grows_back(elastic, strategy):
     # every step trained exactly the reference's samples: none skipped, none repeated
     root = elastic["root"]
     assert _ids(root / f"ids-{strategy}") == _ids(root / "ids-ref")
+    # the mixture's draw per source is the reference's, and within one sample of its weights
+    drawn = s["data"]["sources"]
+    assert drawn == ref.summary()["data"]["sources"], (drawn, ref.summary().get("data"))
+    assert drawn["lib_a"]["samples"] + drawn["lib_b"]["samples"] == STEPS * 4
+    assert abs(drawn["lib_b"]["samples"] - 0.3 * STEPS * 4) <= 1 and drawn["lib_b"]["tokens"] > 0
     worlds = {int(r["step"]): float(r["sys/world_size"]) for r in grown.metrics() if r.get("sys/world_size")}
     assert worlds[stopped + 1] == 1.0 and worlds[PHASE_STEPS + 1] == 2.0 and worlds[1] == 2.0
     plan = json.loads((grown.run_dir / "plan.json").read_text())
@@ -183,6 +207,8 @@ def _assert_periodic_validation(run: LoomResult, stopped: int) -> None:
     assert any(stopped < k <= PHASE_STEPS for k in val)  # one of them at world 1
     v = run.summary()["validation"]
     assert v["step"] == STEPS and abs(v["loss"] - val[STEPS]) < 1e-6, v
+    per_source = v["per_source"]  # val/loss/<source>: each source's held-out windows
+    assert set(per_source) == {"lib_a", "lib_b"} and min(per_source.values()) < v["loss"] < max(per_source.values())
 
 
 def _world_change_lines(png: Path) -> int:

@@ -47,16 +47,17 @@ def loom_config(overrides: list[str]) -> dict[str, Any]:
 
 
 def token_file(cfg: dict[str, Any]) -> Path:
-    """The train token file Loom's LoomDataModule reads for this config (built if missing)."""
-    from loom.data import tinycode
-    from loom.data.files import split
-    from loom.data.tokens import build_token_file, cache_root, fingerprint
+    """The train token file Loom's LoomDataModule reads for this config: the tinycode train
+    store's one shard of bytes (prepared if missing)."""
+    from omegaconf import OmegaConf
 
-    ds = cfg["dataset"]
-    files = tinycode.corpus_files(ds["max_bytes"])
-    train, _ = split(files, ds["val_every"])
-    key = fingerprint(files, ds["max_bytes"], ds["val_every"])
-    return build_token_file(train, cache_root(ds["cache_dir"]) / f"tinycode-{key}.train.u8")
+    from loom.data import tinycode
+
+    store = tinycode.stores(OmegaConf.create(cfg), None)["train"]
+    if len(store.shards) != 1 or store.dtype.name != "uint8":
+        raise SystemExit(f"plain_gpt.py reads one byte-level shard; {store.path} has {len(store.shards)} "
+                         f"{store.dtype.name} shard(s)")
+    return Path(store.shards[0].bin_path)
 
 
 def plain_config(cfg: dict[str, Any]) -> str:

@@ -2,10 +2,12 @@
 """The plain-PyTorch side of the benchmarks: a hand-written training loop over Loom's GPT.
 
 Imports `loom.models.gpt.GPT` (and `loom.worker.host_memory`, the glibc heap settings Loom's
-CPU ranks apply) and nothing else of Loom, so it measures what PyTorch alone costs for the
-same work as `loom train`: the same token file (non-overlapping windows of
-seq_len + 1 bytes, as loom.data.tokens.PackedTokens), the same DistributedSampler order
-(shuffle, seed, drop_last), the same AdamW groups (decay on matrices only) with linear
+CPU ranks apply, and `loom.data.index`'s numpy permutation, so the sample order is Loom's)
+and nothing else of Loom, so it measures what PyTorch alone costs for the same work as `loom
+train`: the same token file (the tinycode store's one shard of bytes, in non-overlapping
+windows of seq_len + 1, as loom.data.mix.SourceWindows), the same global order (an epoch's
+seeded permutation, each global batch the same samples; torch's DistributedSampler deals it
+to the ranks), the same AdamW groups (decay on matrices only) with linear
 warmup and cosine decay stepped per step, the same gradient clipping and the same seed
 (seeded right before the model is built, as Loom's worker does).
 
@@ -81,6 +83,24 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
+    from loom.data.index import Permutation
+    from loom.data.index.feistel import seed_key
+
+    class LoomOrder(DistributedSampler):
+        """Epoch e: Loom's permutation of the windows (a one-source mixture's, seed_key(seed,
+        0, e)), cut to whole global batches, dealt to the ranks as DistributedSampler deals."""
+
+        def __init__(self, n: int, world: int, rank: int, seed: int, global_batch: int) -> None:
+            self.n, self.world, self.rank, self.seed, self.epoch = n, world, rank, seed, 0
+            self.keep = n // global_batch * global_batch
+
+        def __len__(self) -> int:
+            return self.keep // self.world
+
+        def __iter__(self):
+            order = Permutation(self.n, seed_key(self.seed, 0, self.epoch))(np.arange(self.keep))
+            return iter(order[self.rank::self.world].tolist())
+
     class Windows(Dataset):
         def __init__(self, path: str, seq_len: int) -> None:
             self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
@@ -142,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ds = c["dataset"]
     data = Windows(c["tokens"], ds["seq_len"])
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler = LoomOrder(len(data), world, rank, seed, ds["batch_size"] * world)
     loader = DataLoader(data, batch_size=ds["batch_size"], sampler=sampler, drop_last=True,
                         pin_memory=device.type == "cuda")
     clip = float(c["trainer"].get("gradient_clip_val") or 0.0)

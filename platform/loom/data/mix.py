@@ -49,16 +49,15 @@ class SourceWindows(Dataset):
 
     def __getitem__(self, i: int):
         start = self.window(int(i)) * self.seq_len
-        chunk = self.store.read(start, self.seq_len + 1)
+        chunk = self.store.read(start, self.seq_len + 1).astype(np.int64)
         self._check_ids(chunk, start)
-        chunk = torch.from_numpy(chunk.astype(np.int64))
-        x, y = chunk[:-1], chunk[1:]
+        x, y = chunk[:-1], chunk[1:].copy()
         if not self.documents:
-            return x, y
+            return torch.from_numpy(x), torch.from_numpy(y)
         starts = self.store.doc_starts(start, start + self.seq_len + 1) - start
         positions, crossing = window_positions(np.asarray(starts, dtype=np.int64), self.seq_len)
-        y = y.masked_fill(torch.from_numpy(crossing), IGNORE)
-        return x, y, torch.from_numpy(positions)
+        y[crossing] = IGNORE
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions)
 
 
 class Mixture(Dataset):

@@ -34,6 +34,19 @@ def seed_key(*parts: int) -> int:
     return int(h[0])
 
 
+_U64 = (1 << 64) - 1
+
+
+def _mix_int(x: int) -> int:
+    """mix64 on one Python int: the same values, without numpy's per-call cost (a sample's
+    lookup is one call; arrays go through mix64)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _U64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
 class Permutation:
     """`perm(i)` for an int or an integer array: the image of i under the seed's permutation."""
 
@@ -42,7 +55,8 @@ class Permutation:
         bits = max(2, int(self.n - 1).bit_length())
         self.half = (bits + 1) // 2
         self.mask = np.uint64((1 << self.half) - 1)
-        self.keys = [np.uint64(seed_key(seed, r)) for r in range(ROUNDS)]
+        self.int_keys = [seed_key(seed, r) for r in range(ROUNDS)]
+        self.keys = [np.uint64(k) for k in self.int_keys]
 
     def _rounds(self, x: np.ndarray) -> np.ndarray:
         h = np.uint64(self.half)
@@ -51,7 +65,19 @@ class Permutation:
             left, right = right, left ^ (mix64(right ^ key) & self.mask)
         return (left << h) | right
 
+    def _one(self, x: int) -> int:
+        keys, half, mask = self.int_keys, self.half, int(self.mask)
+        while True:
+            left, right = x >> half, x & mask
+            for key in keys:
+                left, right = right, left ^ (_mix_int(right ^ key) & mask)
+            x = (left << half) | right
+            if x < self.n:
+                return x
+
     def __call__(self, i):
+        if isinstance(i, int | np.integer) and self.n > 1:
+            return self._one(int(i))
         scalar = np.isscalar(i)
         x = np.atleast_1d(np.asarray(i, dtype=np.uint64))
         if self.n <= 1:
