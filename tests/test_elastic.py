@@ -35,7 +35,8 @@ from loom.data.sampler import ResumableDistributedSampler
 
 PHASE_STEPS, STEPS = 16, 20
 TOL = 1e-4
-ARGS = ["dataset.max_bytes=2000000", "tracking=csv", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2",
+TINYCODE = ["dataset.max_bytes=2000000"]  # the runs that do not train the mixture
+ARGS = ["tracking=csv", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=2",
         "dataset.batch_size=2", "dataset.seq_len=32", "optim.warmup_steps=2", "optim.min_lr_ratio=1.0",
         "hardware.dataloader_workers=0"]
 CHAIN_STRATEGIES = ["fsdp", "zero1"]
@@ -95,13 +96,17 @@ def _ids(d: Path, dedupe_tp: int = 1) -> dict[int, list[int]]:
 
 def _train(root: Path, rid: str, *extra: str, ids: Path | None = None) -> LoomResult:
     env = {"LOOM_RECORD_SAMPLE_IDS": str(ids)} if ids else None
-    return run_loom("train", *ARGS, f"run.id={rid}", *extra, root=root, env=env)
+    return run_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root, env=env)
+
+
+def _data(extra: tuple[str, ...]) -> list[str]:
+    return [] if "dataset=tokens" in extra else TINYCODE
 
 
 def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher") -> LoomResult:
     """A 2-rank run SIGTERMed once its step-2 checkpoint exists (exit 143, preempted): at its
     launcher, or at its last rank (`at="rank"`: the ranks agree to stop at the next boundary)."""
-    proc = start_loom("train", *ARGS, f"run.id={rid}", *extra, root=root, env={"LOOM_RECORD_SAMPLE_IDS": str(ids)})
+    proc = start_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root, env={"LOOM_RECORD_SAMPLE_IDS": str(ids)})
     run_dir = root / "gpt" / rid
     wait_for(run_dir / "checkpoints" / "step-0000002.ckpt", proc)
     if at == "rank":
