@@ -173,3 +173,15 @@ def test_a_token_file_among_text_files_is_refused_naming_dataset_tokens(tmp_path
     (np.arange(600, dtype=np.uint16)).tofile(tmp_path / "train.bin")
     err = refused(tmp_path, "dataset=text_files", f"dataset.paths=[{tmp_path}/*]")
     assert "train.bin" in err and "dataset=tokens" in err and "dataset.paths" in err
+
+
+def test_the_plan_says_what_the_document_mask_saves(tmp_path):
+    from loom import data
+    from loom.pipeline import plan_run
+
+    store = _store(tmp_path / "short", [np.arange(1, 9)] * 64)  # documents of 8 tokens in 32-token windows
+    cfg = _cfg(f"dataset.mix=[{store}]", "dataset.packing=documents", "dataset.val_fraction=0")
+    note = data.packing_note(cfg, 0.5)
+    assert "documents of 8 tokens on average" in note and "about 25% of it" in note and "~38%" in note
+    assert any(w.startswith("dataset.packing=documents") for w in plan_run(cfg, show=False).warnings)
+    assert data.packing_note(_cfg(f"dataset.mix=[{store}]"), 0.5) is None  # concat: nothing to say

@@ -86,6 +86,23 @@ def check_val_split(cfg: DictConfig, layout: ParallelLayout) -> None:
             "trainer.val_every_n_steps=0.")
 
 
+def packing_note(cfg: DictConfig, attention_share: float) -> str | None:
+    """What `dataset.packing=documents` saves, for the plan: the FLOP count (and MFU) charges
+    causal attention over the whole window; within documents of mean length M < seq_len the mask
+    computes about M / seq_len of it. `attention_share`: attention's part of the FLOPs per token."""
+    ds = cfg.dataset
+    if ds.get("packing") != "documents":
+        return None
+    mean = DATASETS[ds.name].mean_document(ds)
+    head = (f"dataset.packing=documents: the FLOP count and MFU charge attention over the whole window of "
+            f"{ds.seq_len} tokens ({100 * attention_share:.0f}% of the FLOPs per token)")
+    if mean is None:
+        return head + "; the mask computes less, by the documents' lengths (unknown before the corpus is prepared)."
+    kept = min(1.0, mean / int(ds.seq_len))
+    return (head + f"; with documents of {mean:,.0f} tokens on average the mask computes about {100 * kept:.0f}% "
+            f"of it: ~{100 * (1 - kept) * attention_share:.0f}% of the counted FLOPs are skipped.")
+
+
 def prepare_stores(cfg: DictConfig, workers: int | None = None) -> None:
     """Tokenize a text front end's corpus into its cached stores before the ranks start, with
     every core (`workers` None) and progress lines; a no-op when cached or not a front end."""

@@ -59,6 +59,8 @@ class DatasetOption:
     # a text front end's token stores, prepared into the cache where missing (torch-free; the
     # launcher calls it with every core before the ranks start): (cfg, workers) -> {split: store}
     stores: Callable[[DictConfig, int | None], dict] | None = None
+    # its mean document length in tokens where known before launch (the plan's packing note)
+    mean_document: Callable[[DictConfig], float | None] = lambda ds: None
     # the token ids its data can hold, where the option knows better than its tokenizer (None: ask it)
     vocab: Callable[[DictConfig], int | None] | None = None
 
@@ -66,7 +68,8 @@ class DatasetOption:
 DATASETS: dict[str, DatasetOption] = {
     "tokens": DatasetOption(TokensDatasetConfig, "loom.data.stores:datasets", _always(True), stores.inputs,
                             stores.source, val_size=stores.val_size, check=stores.check_tokens,
-                            normalize=stores.normalize_tokens, vocab=stores.vocab),
+                            normalize=stores.normalize_tokens, vocab=stores.vocab,
+                            mean_document=stores.mean_document),
     "tinycode": DatasetOption(TinycodeDatasetConfig, "loom.data.tinycode:datasets", _always(True),
                               tinycode.inputs, tinycode.source, tokenized=True, stores=tinycode.stores,
                               val_size=lambda ds: checks.corpus_val_size(ds, tinycode.corpus_files(ds.max_bytes))),

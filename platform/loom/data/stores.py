@@ -145,6 +145,16 @@ def vocab(ds: DictConfig) -> int | None:
     return None
 
 
+def mean_document(ds: DictConfig) -> float | None:
+    """The mixture's mean document length in tokens, weighted as drawn (None: a flat store)."""
+    srcs = sources(ds)
+    stores = [open_source(ds, i, s) for i, s in enumerate(srcs)]
+    if any(not st.n_docs for st in stores):
+        return None
+    total = sum(s.weight for s in srcs)
+    return sum(s.weight * st.n_tokens / st.n_docs for s, st in zip(srcs, stores, strict=True)) / total
+
+
 def inputs(ds: DictConfig) -> DataInputs:
     """The stores' files (sizes and times only): a store rewritten is a new run."""
     files: list[Path] = []

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from loom import strategies
+from loom import data, strategies
 from loom.compose import group_options
 from loom.hardware.machine import usable_cores
 from loom.hardware.peaks import peak_flops, precision_key
@@ -220,6 +220,10 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
         out.append(f"hardware.devices={hw.devices} CPU processes on this machine's {cores} usable core(s): "
                    f"the ranks share the cores and each step is slower than with hardware.devices<={cores}"
                    + (f" (`loom train` refuses more than {4 * cores})" if hw.devices > 4 * cores else "") + ".")
+    attention = 12 * spec.n_layer * spec.d_model * spec.items_per_sample  # per token, as the FLOP count has it
+    note = data.packing_note(cfg, attention / spec.flops_per_token) if spec.flops_per_token else None
+    if note:
+        out.append(note)
     if zero_stage(cfg.strategy.name):  # e.g. a JSON scheduler whose shape is not Loom's schedule
         out += resolve_deepspeed(cfg, strategies.layout_of(cfg)).warnings
     return out + optim_warnings(cfg)  # e.g. optim.lr=0: accepted, said once
