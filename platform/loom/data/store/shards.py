@@ -32,7 +32,23 @@ def _map(path: Path, dtype: np.dtype, size: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-class IndexedShard:
+class _Mapped:
+    """A shard's tokens, memory-mapped on first use (`bin_path`, `dtype`, `n_tokens` set by the shard)."""
+
+    bin_path: Path
+    dtype: np.dtype
+    n_tokens: int
+
+    @cached_property
+    def _tokens(self) -> np.ndarray:
+        return _map(self.bin_path, self.dtype, self.n_tokens * self.dtype.itemsize)
+
+    def tokens(self, lo: int, hi: int) -> np.ndarray:
+        """A view of tokens [lo, hi) of this shard (bounds checked by the caller)."""
+        return self._tokens[lo:hi]
+
+
+class IndexedShard(_Mapped):
     """A Megatron `.idx`/`.bin` pair. Token offsets are local to the shard."""
 
     def __init__(self, prefix: Path) -> None:
@@ -107,14 +123,6 @@ class IndexedShard:
                 f"({end // isz:,} {self.dtype.name} tokens): {'truncated' if size < end else 'too long'}: {FIX}.")
         return end // isz
 
-    @cached_property
-    def _tokens(self) -> np.ndarray:
-        return _map(self.bin_path, self.dtype, self.n_tokens * self.dtype.itemsize)
-
-    def tokens(self, lo: int, hi: int) -> np.ndarray:
-        """A view of tokens [lo, hi) of this shard (bounds checked by the caller)."""
-        return self._tokens[lo:hi]
-
     def doc_starts(self, lo: int, hi: int) -> np.ndarray:
         """Local token offsets s of document starts with lo < s < hi, sorted and unique (empty
         documents share their successor's start; one past the shard's last token is no start)."""
@@ -136,7 +144,7 @@ class IndexedShard:
         return bisect_right(self.doc_index, seq) - 1
 
 
-class FlatShard:
+class FlatShard(_Mapped):
     """A nanoGPT-style token file: tokens of one dtype back to back, no document boundaries."""
 
     n_docs = None
@@ -155,13 +163,6 @@ class FlatShard:
 
     def __reduce__(self) -> tuple:
         return (FlatShard, (self.bin_path, self.dtype))
-
-    @cached_property
-    def _tokens(self) -> np.ndarray:
-        return _map(self.bin_path, self.dtype, self.n_tokens * self.dtype.itemsize)
-
-    def tokens(self, lo: int, hi: int) -> np.ndarray:
-        return self._tokens[lo:hi]
 
     def doc_starts(self, lo: int, hi: int) -> np.ndarray:
         return _EMPTY
