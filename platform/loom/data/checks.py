@@ -64,8 +64,8 @@ def normalize_text_files(cfg: DictConfig) -> None:
 
 
 def check_text_files(cfg: DictConfig, layout: ParallelLayout) -> None:
-    from loom.data.files import split
-    from loom.data.text_files import binary_files, corpus_files, expand, window_split_every
+    from loom.data.files import expand, split
+    from loom.data.text_files import binary_files, corpus_files, window_split_every
 
     ds = cfg.dataset
     if not ds.paths:

@@ -3,7 +3,14 @@ train/validation split. No torch: validation sizes the corpus before any process
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
+
+
+def expand(pattern: str) -> list[Path]:
+    """The regular files one pattern matches (`~` expanded, `**` recursive), sorted."""
+    p = str(Path(pattern).expanduser())
+    return sorted(Path(f) for f in glob.glob(p, recursive=True) if Path(f).is_file())
 
 
 def first_bytes(files: list[Path], max_bytes: int | None) -> list[Path]:

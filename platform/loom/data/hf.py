@@ -47,7 +47,7 @@ def is_saved_dataset(p: Path) -> bool:
 
 
 def data_files(path: str) -> list[Path]:
-    from loom.data.text_files import expand
+    from loom.data.files import expand
 
     p = Path(path).expanduser()
     if p.is_dir():

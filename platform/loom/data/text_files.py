@@ -4,19 +4,12 @@ globs the patterns, so a pattern that matches nothing is refused before any proc
 
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from loom.data.files import first_bytes
+from loom.data.files import expand, first_bytes
 from loom.data.fingerprint import DataInputs
-
-
-def expand(pattern: str) -> list[Path]:
-    """The regular files one pattern matches (`~` expanded, `**` recursive), sorted."""
-    p = str(Path(pattern).expanduser())
-    return sorted(Path(f) for f in glob.glob(p, recursive=True) if Path(f).is_file())
 
 
 def corpus_files(patterns: list[str], max_bytes: int | None = None) -> list[Path]:

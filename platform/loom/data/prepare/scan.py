@@ -5,23 +5,15 @@ Everything here refuses bad input with ConfigError before anything is written.""
 
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
+from loom.data.files import expand
 from loom.data.prepare.readers import csv_header, open_binary, parquet_file
 from loom.errors import ConfigError
 
 FORMATS = {".jsonl": ("lines", "jsonl"), ".json": ("lines", "jsonl"), ".csv": ("lines", "csv"),
            ".parquet": ("parquet", "")}
-
-
-def expand(pattern: str) -> list[Path]:
-    """The regular files one pattern matches (`~` expanded, `**` recursive), sorted. The same
-    rule as loom.data.text_files.expand, kept here because text_files will call this package
-    (importing it back would be a cycle)."""
-    p = str(Path(pattern).expanduser())
-    return sorted(Path(f) for f in glob.glob(p, recursive=True) if Path(f).is_file())
 
 
 def is_saved_dataset(p: Path) -> bool:
