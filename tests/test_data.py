@@ -295,14 +295,17 @@ def _weights(run_dir: Path) -> dict:
 
 @pytest.mark.launch
 def test_text_files_trains_from_its_packed_cache(tmp_path, corpus):
-    """A text_files run trains and packs its train/val windows into the cache. That a second
+    """A text_files run packed by document trains under fsdp_tp from its train/val stores in
+    the cache. That a second
     run reuses the cache without re-tokenizing is test_token_cache_is_reused_and_tokenizer_sized
     (in-process, the same datasets() call a run makes)."""
     cache = tmp_path / "cache"
     args = [*BASE, "dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={cache}",
-            "dataset.seq_len=64", "dataset.batch_size=4", "trainer.max_steps=4"]
+            "dataset.seq_len=64", "dataset.batch_size=4", "trainer.max_steps=4", "dataset.packing=documents",
+            "strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=2"]
     r = run_loom("train", *args, root=tmp_path)
     assert r.rc == 0, r.out + r.err
-    assert r.summary()["tokens"] == 4 * 2 * 4 * 64
+    assert "documents packed apart" in r.out  # document masks under tensor parallelism (2 x 2)
+    assert r.summary()["tokens"] == 4 * 2 * 4 * 64 and r.summary()["parallel"]["tp"] == 2
     stores = sorted(cache.glob("text_files-*/*/loom.json"))
     assert [f.parent.name for f in stores] == ["train", "val"]

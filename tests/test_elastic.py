@@ -15,9 +15,10 @@ world; zero1 (DeepSpeed's universal checkpoint) is preempted by a SIGTERM to its
 ddp's own elastic resume is the reference's strategy (it shares the sampler and accumulation
 path checked here) and the two-node tests' (test_elastic_nodes).
 
-The reference and both chains train a two-source mixture (`dataset=tokens`, weights 0.7 / 0.3,
-packed by document): its samples, the tokens drawn from each source and the per-source
-validation losses of every resumed chain equal the uninterrupted reference's.
+Every run here trains a two-source mixture (`dataset=tokens`, weights 0.7 / 0.3): the samples,
+the tokens drawn from each source and the per-source validation losses of every resumed chain
+equal the uninterrupted reference's. (Packed by concatenation: the pipelined run cannot take
+document masks; `dataset.packing=documents` is launched in tests/test_data.py under fsdp_tp.)
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher
 
 def _mixture(root: Path) -> list[str]:
     """Two byte-level stores (`loom data prepare`'s machinery, in this process) of standard
-    library files, mixed 0.7 / 0.3 and packed by document."""
+    library files, mixed 0.7 / 0.3."""
     from loom.data.prepare import file_doc_units, prepare
     from loom.data.tinycode import corpus_files
 
@@ -129,7 +130,7 @@ def _mixture(root: Path) -> list[str]:
     for name, part in (("lib_a", files[0::2]), ("lib_b", files[1::2][:40])):
         prepare(file_doc_units(part), root / name, None, workers=1, progress="none")
     return ["dataset=tokens", f"dataset.mix=[{{path: {root / 'lib_a'}, weight: 0.7}}, "
-            f"{{path: {root / 'lib_b'}, weight: 0.3}}]", "dataset.packing=documents", "dataset.val_fraction=0.05"]
+            f"{{path: {root / 'lib_b'}, weight: 0.3}}]", "dataset.val_fraction=0.05"]
 
 
 @launching_fixture(scope="module")
@@ -137,7 +138,7 @@ def elastic(tmp_path_factory) -> dict:
     """The reference, then per strategy: 2 ranks preempted -> 1 rank -> 2 ranks (raised max_steps)."""
     root = tmp_path_factory.mktemp("elastic")
     mix = _mixture(root)
-    out: dict = {"root": root}
+    out: dict = {"root": root, "mix": mix}
     out["ref"] = _train(root, "ref", *mix, "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
                         ids=root / "ids-ref")
     for s in CHAIN_STRATEGIES:
@@ -234,11 +235,11 @@ def _world_change_lines(png: Path) -> int:
 def test_world_that_cannot_keep_the_global_batch_is_refused_naming_the_sizes(elastic):
     run_dir = elastic["zero1"][2].run_dir
     before = (run_dir / "config.yaml").read_text()
-    r = _train(elastic["root"], "zero1", "strategy=zero1", "hardware.devices=3", f"trainer.max_steps={STEPS + 2}")
+    r = _train(elastic["root"], "zero1", *elastic["mix"], "strategy=zero1", "hardware.devices=3", f"trainer.max_steps={STEPS + 2}")
     assert r.rc == 2, r.out + r.err
     assert "world of 3 rank(s)" in r.err and "trainer.global_batch_size=4: 1, 2" in r.err, r.err
     assert "Traceback" not in r.err
-    other = _train(elastic["root"], "zero1", "strategy=fsdp", "hardware.devices=2", f"trainer.max_steps={STEPS + 2}")
+    other = _train(elastic["root"], "zero1", *elastic["mix"], "strategy=fsdp", "hardware.devices=2", f"trainer.max_steps={STEPS + 2}")
     assert other.rc == 2 and "strategy.name: 'zero1' -> 'fsdp'" in other.err, other.err
     assert (run_dir / "config.yaml").read_text() == before  # refusals leave the run as it was
 
@@ -249,7 +250,7 @@ def test_fsdp_tp_preempted_at_four_ranks_resumes_at_two_and_refuses_three(elasti
     """SIGTERM under fsdp_tp (2 x 2): the 4 ranks stop at a checkpoint; 3 ranks are refused (tp
     must divide the world), 2 ranks (1 x 2) reshard it through DCP and follow the curve."""
     root, ids = elastic["root"], elastic["root"] / "ids-tp"
-    tp = ["strategy=fsdp_tp", "strategy.tensor_parallel=2"]
+    tp = [*elastic["mix"], "strategy=fsdp_tp", "strategy.tensor_parallel=2"]
     first = _preempted(root, "tp", *tp, "hardware.devices=4", "trainer.global_batch_size=4", "trainer.max_steps=8",
                        ids=ids)
     assert first.rc == 143, first.out
@@ -277,7 +278,7 @@ def test_pipelined_nd_preempted_resumes_at_its_world_and_refuses_another(elastic
     fixes its data-parallel degree: world 4 (dp 2) is refused naming the world that keeps it, and
     the same world resumes on the reference's curve."""
     root = elastic["root"]
-    nd = ["strategy=nd", "strategy.pp=2", "dataset.batch_size=4", "trainer.global_batch_size=4",
+    nd = [*elastic["mix"], "strategy=nd", "strategy.pp=2", "dataset.batch_size=4", "trainer.global_batch_size=4",
           "trainer.max_steps=8"]
     first = _preempted(root, "nd", *nd, "hardware.devices=2", ids=root / "ids-nd")
     assert first.rc == 143, first.out

@@ -222,7 +222,8 @@ def test_finetune_hf_recipe_trains_an_hf_causal_lm_on_a_hub_dataset_from_the_loc
     s = r.summary()
     assert s["status"] == "completed" and s["tokens"] == 4 * 2 * 4 * 32
     assert s["throughput"]["tflops_per_device"] > 0
-    assert [p.suffix for p in sorted(cache.glob("hf-*.train.*"))] == [".u16"]  # tokenizer vocab: 16-bit ids
+    stores = sorted(cache.glob("hf-*/train/loom.json"))  # the hub dataset, prepared into a token store
+    assert len(stores) == 1 and json.loads(stores[0].read_text())["dtype"] == "uint16"  # tokenizer vocab: 16-bit ids
     frozen = OmegaConf.load(r.run_dir / "config.yaml")
     assert (frozen.experiment, frozen.model.name, frozen.strategy.name, frozen.optim.lr) == (
         "finetune-hf", "hf_causal_lm", "ddp", 1e-4)  # the recipe's, with its model and data swapped
