@@ -1,5 +1,5 @@
 """`loom data prepare` / `loom data inspect`: every input format round-trips to the ids
-loom.data.tokens.Encoder gives, the output does not depend on --workers, an interrupted prepare
+tests_helpers.Encoder gives, the output does not depend on --workers, an interrupted prepare
 resumes redoing only what is missing, bad input is refused (exit 2, no store), and the `data`
 verbs never import torch. In-process except the torch check and one CLI run; no training."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests_helpers import CORPUS, make_tokenizer
+from tests_helpers import CORPUS, Encoder, make_tokenizer
 
 from loom.cli import main
 from loom.data.prepare import (
@@ -28,7 +28,6 @@ from loom.data.prepare import (
 from loom.data.prepare.progress import Progress
 from loom.data.prepare.scan import line_cuts
 from loom.data.store import SIDECAR, ShardWriter, open_store
-from loom.data.tokens import Encoder
 
 DOCS = [f"{i}: " + CORPUS[i % len(CORPUS)] + ("\nsecond line, ünïcode ✓" if i % 3 == 0 else "")
         for i in range(40)]

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -184,3 +185,24 @@ def cache_hub_dataset(hf_home: Path, repo: str, corpus: Path) -> str:
     shutil.copy(built / "json-train.arrow", dest / f"{name}-train.arrow")
     shutil.rmtree(hf_home / "build")
     return repo
+
+
+class Encoder:
+    """One document at a time, as the tokenizer's own `__call__` encodes it (the reference
+    tests/test_data_prepare.py holds `loom data prepare`'s batch encoder to): byte level, each document's bytes and a
+    newline; with a tokenizer, its ids and its EOS id."""
+
+    def __init__(self, tokenizer: str | None) -> None:
+        self.tok = None
+        if tokenizer:
+            from loom.data.tokenizer import load_tokenizer
+
+            self.tok = load_tokenizer(tokenizer)
+
+    def encode_batch(self, docs: list[str | bytes]) -> list[numpy.ndarray]:
+        if self.tok is None:
+            return [numpy.frombuffer((d if isinstance(d, bytes) else d.encode()) + b"\n", dtype=numpy.uint8)
+                    for d in docs]
+        texts = [d.decode() if isinstance(d, bytes) else d for d in docs]
+        eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
+        return [numpy.asarray(ids + eos) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]

@@ -143,12 +143,10 @@ class LoomDataModule(pl.LightningDataModule):
         return self.val_set if isinstance(self.val_set, list) else [] if self.val_set is None else [self.val_set]
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        if self.val_set is None:
-            return []
         loaders = [self._loader(v, DistributedSampler(v, num_replicas=self.dp_size, rank=self.dp_rank,
                                                      shuffle=False, drop_last=True))
-                   for v in (self.val_set if isinstance(self.val_set, list) else [self.val_set])]
-        return loaders if isinstance(self.val_set, list) else loaders[0]
+                   for v in self._val_sets()]
+        return loaders if isinstance(self.val_set, list) or not loaders else loaders[0]
 
     def source_report(self) -> dict | None:
         """What a mixture drew from each source in the samples trained so far (summary.json)."""

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from omegaconf import DictConfig
 
 log = logging.getLogger("loom")
@@ -36,27 +35,6 @@ def fingerprint(files: list[Path], *extra: object) -> str:
     for e in extra:
         h.update(repr(e).encode())
     return h.hexdigest()[:16]
-
-
-class Encoder:
-    """One document at a time, as the tokenizer's own `__call__` encodes it (the reference the
-    tests hold `loom data prepare`'s batch encoder to): byte level, each document's bytes and a
-    newline; with a tokenizer, its ids and its EOS id."""
-
-    def __init__(self, tokenizer: str | None) -> None:
-        self.tok = None
-        if tokenizer:
-            from loom.data.tokenizer import load_tokenizer
-
-            self.tok = load_tokenizer(tokenizer)
-
-    def encode_batch(self, docs: list[str | bytes]) -> list[np.ndarray]:
-        if self.tok is None:
-            return [np.frombuffer((d if isinstance(d, bytes) else d.encode()) + b"\n", dtype=np.uint8)
-                    for d in docs]
-        texts = [d.decode() if isinstance(d, bytes) else d for d in docs]
-        eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
-        return [np.asarray(ids + eos) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
 
 def store_dir(name: str, key: str, ds: DictConfig, split: str) -> Path:
