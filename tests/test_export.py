@@ -120,7 +120,8 @@ def test_a_request_export_cannot_serve_is_refused_without_torch(tmp_path):
     empty, _ = _fake_run(tmp_path / "empty", steps=())
     cases = {
         "not a run dir": ([str(tmp_path / "nowhere"), "--format", "loom"], ["nowhere", "not a run dir"]),
-        "format": ([str(run), "--format", "onnx"], ["--format onnx", "valid choices: hf:", "loom:"]),
+        "format": ([str(run), "--format", "onnx"], ["--format onnx", "valid choices: hf:", "peft:", "loom:"]),
+        "peft": ([str(run), "--format", "peft"], ["--format peft", "model.lora.r=0", "use --format hf"]),
         "step": ([str(run), "--format", "loom", "--step", "3"], ["--step 3", "available steps: 2, 4"]),
         "no hf": ([str(gpt), "--format", "hf"], ["model=gpt_tiny has no Hugging Face architecture", "llama*",
                                                   "use --format loom"]),

@@ -76,8 +76,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """A finished or checkpointed run's weights as Loom's model.safetensors or a Hugging Face
-    directory, without training (torch is imported only once the request is valid)."""
+    """A finished or checkpointed run's weights as Loom's model.safetensors, a Hugging Face
+    directory or a LoRA run's peft adapter, without training (torch only once the request is valid)."""
     from loom.export import export
 
     return export(args.run_dir, args.format, out=args.out, step=args.step, dtype=args.dtype)
@@ -277,11 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where a comparison's report.md and scaling.png go "
                          "(default: the sweep dir; for run dirs given one by one, the current directory)")
     rp.set_defaults(func=cmd_report)
-    ex = sub.add_parser("export", help="write a finished or checkpointed run's weights (hf | loom) without training")
+    ex = sub.add_parser("export", help="write a finished or checkpointed run's weights (hf | peft | loom) "
+                                       "without training")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (`loom train` prints it after 'run dir:')")
-    ex.add_argument("--format", required=True, metavar="hf|loom",
-                    help="hf: the Hugging Face directory from_pretrained loads (Llama family, hf_causal_lm); "
-                         "loom: model.safetensors as in final/")
+    ex.add_argument("--format", required=True, metavar="hf|peft|loom",
+                    help="hf: the Hugging Face directory from_pretrained loads (Llama family, hf_causal_lm; a "
+                         "LoRA run's adapter merged into its base); peft: a LoRA run's adapter directory "
+                         "(PeftModel.from_pretrained); loom: model.safetensors as in final/")
     ex.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/<format>-step-<N>)")
     ex.add_argument("--step", type=int, metavar="N",
                     help="the checkpoint of step N (default: the final weights of a completed run, else "

@@ -1,13 +1,15 @@
-"""`loom export RUN_DIR --format hf|loom [--out DIR] [--step N] [--dtype D]`: the weights of a
-finished or checkpointed run, exported without training.
+"""`loom export RUN_DIR --format hf|peft|loom [--out DIR] [--step N] [--dtype D]`: the weights of
+a finished or checkpointed run, exported without training.
 
 `select.py` decides (torch-free) which weights and where: a completed run's final weights, else
 its newest checkpoint, or the checkpoint of `--step`; `<run>/export/<format>-step-<N>` unless
 `--out` says otherwise (never final/ or checkpoints/). `sources.py` reads any strategy's
 checkpoint with that format's own tool, one tensor at a time; `write.py` streams the tensors
 through the writers training's final export uses: Loom's `model.safetensors`, or the Hugging
-Face directory `checkpoint.export_format=hf` writes. torch is imported only once the request
-is valid.
+Face directory `checkpoint.export_format=hf` writes. A LoRA run (model.lora.r > 0) exports its
+adapter (`--format peft`: the directory peft saves) or, with `--format hf`, the adapter merged
+into its base by peft (`adapter.py`). Each export ends with `loom-export.json` (what it holds),
+which `loom generate` reads to reuse it. torch is imported only once the request is valid.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 step or output is refused (exit 2, one paragraph) before torch is imported.
 
 The weights come from the run's final weights (`final/`, as training wrote them: Loom's
-`model.safetensors` or a Hugging Face dir) or from one checkpoint (`checkpoints/step-N.ckpt`,
+`model.safetensors`, a Hugging Face dir, or a LoRA run's peft adapter dir) or from one checkpoint (`checkpoints/step-N.ckpt`,
 any strategy's: loom.export.sources reads each kind). Without `--step`: a completed run's final
 weights, else the newest complete checkpoint. `--step N`: the checkpoint of step N (the final
 weights when N is the final step and no checkpoint of it was kept).
@@ -10,6 +10,7 @@ weights when N is the final step and no checkpoint of it was kept).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,14 @@ from loom.rundir.safetensors_stream import EXPORT_DTYPES
 from loom.rundir.summary import read_summary
 
 FORMATS = {"hf": "the Hugging Face directory from_pretrained loads (config.json, safetensors shards + index, "
-                 "the tokenizer)",
+                 "the tokenizer); a LoRA run's adapter merged into its base",
+           "peft": "a LoRA run's adapter alone, the directory PeftModel.from_pretrained loads "
+                   "(adapter_model.safetensors, adapter_config.json)",
            "loom": "Loom's own layout, model.safetensors as in a run's final/"}
+# What an export leaves last in its directory: what it holds (format, source, step, dtype), so a
+# later `loom generate` reuses it instead of exporting again.
+MARKER = "loom-export.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a LoRA run's final/ holds it
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,18 @@ class Request:
     source: Source
     out: Path
     dtype: str  # a key of EXPORT_DTYPES
+
+    def marker(self) -> dict[str, str]:
+        """What MARKER says of this export: an export dir holding the same is this export."""
+        return {"format": self.fmt, "run_id": str(self.cfg.run.id), "step": str(self.source.step),
+                "source": str(self.source.path.relative_to(self.run_dir)), "dtype": self.dtype}
+
+    def done(self) -> bool:
+        """Whether `out` already holds this export, complete (MARKER is written last)."""
+        try:
+            return json.loads((self.out / MARKER).read_text()) == self.marker()
+        except (OSError, ValueError):
+            return False
 
 
 def _usage(what: str) -> ConfigError:
@@ -79,7 +98,7 @@ def final_weights(run_dir: Path) -> Source | None:
     if summary.get("status") != "completed" or not named or summary.get("global_step") is None:
         return None
     path = run_dir / str(named)
-    whole = path.is_file() or (path / "config.json").is_file()
+    whole = path.is_file() or any((path / f).is_file() for f in ("config.json", ADAPTER_CONFIG))
     return Source("final", path, int(summary["global_step"])) if whole else None
 
 
@@ -135,6 +154,30 @@ def _check_hf(cfg: DictConfig, run_dir: Path) -> None:
                  f"(models that have one: {able}); use --format loom (model.safetensors)")
 
 
+def lora_rank(cfg: DictConfig) -> int:
+    """The run's model.lora.r (0: no LoRA; a run frozen before LoRA existed has no model.lora)."""
+    lora = cfg.model.get("lora")
+    return int(lora.get("r") or 0) if lora else 0
+
+
+def _check_lora(cfg: DictConfig, run_dir: Path, fmt: str) -> None:
+    """A LoRA run's weights are an adapter on a frozen base: peft writes it, hf merges it into
+    the base (model.init_from, a Hugging Face dir); Loom's own layout has no place for it."""
+    r = lora_rank(cfg)
+    if fmt == "peft" and not r:
+        raise _usage(f"{run_dir} --format peft: the run trained no LoRA adapter (model.lora.r={r}: LoRA off), "
+                     "its weights are whole; use --format hf or --format loom")
+    if fmt == "loom" and r:
+        raise _usage(f"{run_dir} --format loom: the run trained a LoRA adapter (model.lora.r={r}) on a frozen "
+                     "base; use --format peft (the adapter alone) or --format hf (merged into its base)")
+    base = cfg.model.get("init_from")
+    if fmt == "hf" and r and not (base and (Path(str(base)) / "config.json").is_file()):
+        raise _usage(f"{run_dir} --format hf: merging the LoRA adapter (model.lora.r={r}) needs its base, a "
+                     f"Hugging Face directory, but model.init_from={base} is "
+                     f"{'not set' if not base else 'no directory with a config.json'}; use --format peft "
+                     "(the adapter alone)")
+
+
 def output_dir(run_dir: Path, out: str | None, fmt: str, step: int, dtype: str, run_dtype: str) -> Path:
     """--out, or <run>/export/<format>-step-<N>[-<dtype>]: never final/ or checkpoints/ (the
     run's own record, which summary.json and a resume read)."""
@@ -159,6 +202,7 @@ def request(run: str, fmt: str | None, out: str | None = None, step: int | None 
     cfg = load_frozen(run_dir / "config.yaml")
     if fmt == "hf":
         _check_hf(cfg, run_dir)
+    _check_lora(cfg, run_dir, fmt)
     run_dtype = str(cfg.checkpoint.get("export_dtype", "fp32"))
     dtype = _choice("--dtype", dtype, tuple(EXPORT_DTYPES)) if dtype is not None else run_dtype
     if step is not None and step < 0:

@@ -1,7 +1,8 @@
 """The export itself: the run's network entries, in the order and under the names of its final
 weights, read from the source one tensor at a time, cast and streamed into Loom's
 `model.safetensors` or the Hugging Face directory, through the writers training's final export
-uses (rundir.checkpoints.write_weights_file, rundir.hf_export.write_hf_dir).
+uses (rundir.checkpoints.write_weights_file, rundir.hf_export.write_hf_dir). A LoRA run's
+adapter is written, or merged, by loom.export.adapter. The directory's MARKER comes last.
 
 The entries come from the run's own network built on the meta device (no parameter storage):
 the same keys, order, shapes and dtypes as `module.model.state_dict()`, which is what the
@@ -14,14 +15,16 @@ the export (exit 2) before a file is written.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
+from loom.atomic import atomic_path
 from loom.errors import ConfigError
-from loom.export.select import Request
+from loom.export.select import MARKER, Request, lora_rank
 from loom.export.sources import WeightsSource, open_source, unwrapped
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, Spec, dtype_name
 
@@ -70,10 +73,25 @@ def plan_tensors(entries: list[Entry] | None, source: WeightsSource, dtype: torc
 
 
 def export(req: Request) -> list[Path]:
-    """Write `req`'s export into `req.out`; the files written."""
+    """Write `req`'s export into `req.out`, MARKER last (what it holds: `Request.done`); the files
+    written. A LoRA run's adapter goes through peft (loom.export.adapter)."""
+    dtype = getattr(torch, EXPORT_DTYPES[req.dtype])
+    (req.out / MARKER).unlink(missing_ok=True)  # until this export is whole, the dir holds no export
+    if lora_rank(req.cfg):
+        from loom.export.adapter import write_adapter, write_merged
+
+        paths = write_adapter(req, req.out, dtype) if req.fmt == "peft" else write_merged(req, dtype)
+    else:
+        paths = _write_whole(req, dtype)
+    with atomic_path(req.out / MARKER) as tmp:
+        tmp.write_text(json.dumps(req.marker(), indent=2) + "\n")
+    return paths
+
+
+def _write_whole(req: Request, dtype: torch.dtype) -> list[Path]:
+    """A run's whole network: Loom's model.safetensors or a Hugging Face directory."""
     from loom.rundir.checkpoints import write_weights_file
 
-    dtype = getattr(torch, EXPORT_DTYPES[req.dtype])
     where = req.source.describe(req.run_dir)
     entries = network_entries(req.cfg)
     source = open_source(req.source.path)

@@ -1,0 +1,119 @@
+"""A LoRA run's weights out: `--format peft`, the adapter directory peft itself saves, and
+`--format hf`, the adapter merged into its base by peft.
+
+A LoRA run's network names its parameters as peft does inside the model (`<path>.base_layer.weight`,
+`<path>.lora_A.default.weight`); its checkpoints hold the adapter tensors alone and its final/ is
+peft's adapter directory. The adapter's file holds the keys `PeftModel.save_pretrained` writes:
+`base_model.model.<path>.lora_A.weight`, i.e. peft's `get_peft_model_state_dict` rule (keep the
+`lora_` entries, drop the adapter name `.default`) under the PeftModel's own prefix. That rule is
+applied here by hand, because building a PeftModel to call peft's function would load the base
+model (gigabytes) to write an adapter (megabytes); the tests check the keys against peft's own save
+and load the result with `PeftModel.from_pretrained`.
+
+The merge is peft's own (`PeftModel.from_pretrained(base).merge_and_unload()`, then transformers'
+`save_pretrained`): the base is read whole by transformers, which this path accepts, so the merged
+weights are exactly what peft users get, with no second implementation of LoRA's scaling rules
+(alpha / r, rsLoRA, DoRA) to keep in step with peft's.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from loom.errors import ConfigError
+from loom.export.select import ADAPTER_CONFIG, Request
+from loom.export.sources import WeightsSource, open_source, unwrapped
+
+ADAPTER_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ADAPTER_NAME = "default"  # the one adapter a Loom LoRA run trains
+
+
+def peft_key(name: str) -> str:
+    """The key PeftModel.save_pretrained writes for a tensor the network names `name`."""
+    if name.startswith(PEFT_PREFIX):
+        return name  # already peft's (final/'s adapter file)
+    return PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}", "")
+
+
+def adapter_tensors(source: WeightsSource, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor of `source` under peft's saved keys, floating ones cast to `dtype`."""
+    out = {}
+    for raw in source.entries():
+        name = unwrapped(raw).removeprefix(source.prefix)
+        if "lora_" in name:
+            t = source.get(raw)
+            out[peft_key(name)] = t.to(dtype) if t.is_floating_point() else t
+    if not out:
+        raise ConfigError(f"Invalid usage: loom export: {where} holds no LoRA tensor (no name with lora_A / "
+                          "lora_B): it is not a LoRA run's adapter.")
+    return out
+
+
+def _source_path(path: Path) -> Path:
+    """final/ as a peft dir reads through its adapter file; other sources as they are."""
+    return path / ADAPTER_FILE if (path / ADAPTER_CONFIG).is_file() else path
+
+
+def adapter_config(req: Request, keys: list[str]) -> dict:
+    """The run's own adapter_config.json (final/'s), else peft's LoraConfig of model.lora, its
+    target modules the ones the adapter holds tensors for."""
+    own = req.run_dir / "final" / ADAPTER_CONFIG
+    if own.is_file():
+        return json.loads(own.read_text())
+    from peft import LoraConfig
+
+    lora = OmegaConf.to_container(req.cfg.model.lora, resolve=True)
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys})
+    config = LoraConfig(r=int(lora["r"]), lora_alpha=lora.get("alpha") or int(lora["r"]),
+                        lora_dropout=float(lora.get("dropout") or 0.0), target_modules=targets,
+                        base_model_name_or_path=str(req.cfg.model.get("init_from") or ""), task_type="CAUSAL_LM")
+    return config.to_dict()
+
+
+def _jsonable(config: dict) -> dict:
+    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def write_adapter(req: Request, out: Path, dtype: torch.dtype) -> list[Path]:
+    """adapter_model.safetensors and adapter_config.json of `req`'s source into `out`."""
+    from safetensors.torch import save_file
+
+    source = open_source(_source_path(req.source.path))
+    try:
+        tensors = adapter_tensors(source, dtype, req.source.describe(req.run_dir))
+    finally:
+        source.close()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    config = _jsonable(adapter_config(req, list(tensors)))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return [out / ADAPTER_CONFIG, out / ADAPTER_FILE]
+
+
+def write_merged(req: Request, dtype: torch.dtype) -> list[Path]:
+    """The base (model.init_from) with the adapter merged in, by peft, saved by transformers
+    into `req.out`, with the run's tokenizer files beside as the hf export writes them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loom.rundir.hf_export import INDEX, SINGLE, copy_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="loom-adapter-") as tmp, warnings.catch_warnings():
+        # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        write_adapter(req, Path(tmp), torch.float32)  # merged in fp32, cast after
+        base = AutoModelForCausalLM.from_pretrained(str(req.cfg.model.init_from), dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
+    for stale in [*req.out.glob("model-*-of-*.safetensors"), req.out / INDEX, req.out / SINGLE]:
+        stale.unlink(missing_ok=True)  # a re-export: no shard of the last one may stay
+    merged.to(dtype).save_pretrained(req.out, max_shard_size=int(float(req.cfg.checkpoint.export_shard_gb) * 1e9))
+    copy_tokenizer(req.out, req.cfg.dataset.get("tokenizer"))
+    return sorted(p for p in req.out.iterdir() if p.is_file())
+
