@@ -60,7 +60,7 @@ def normalize(cfg: DictConfig) -> None:
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
-    check_common(cfg.dataset)
+    check_common(cfg.dataset, DATASETS[cfg.dataset.name].packings)
     if DATASETS[cfg.dataset.name].tokenized and cfg.dataset.get("tokenizer"):
         data_vocab_size(cfg)
     DATASETS[cfg.dataset.name].check(cfg, layout)

@@ -47,13 +47,13 @@ def normalize_tokenizer(ds: DictConfig) -> None:
             ds.tokenizer = str(tok.resolve())
 
 
-def check_common(ds: DictConfig) -> None:
+def check_common(ds: DictConfig, packings: tuple[str, ...] = ("concat", "documents")) -> None:
     if ds.batch_size < 1:
         fail("dataset.batch_size", ds.batch_size, "must be a positive integer (>= 1)")
     if "seq_len" in ds and ds.seq_len < 1:
         fail("dataset.seq_len", ds.seq_len, "must be a positive integer (>= 1)")
-    if "packing" in ds and ds.packing not in ("concat", "documents"):
-        fail("dataset.packing", ds.packing, "valid choices: concat, documents (documents: attention never "
+    if "packing" in ds and ds.packing not in packings:
+        fail("dataset.packing", ds.packing, f"valid choices: {', '.join(packings)} (documents: attention never "
              "crosses a document boundary, positions restart at each document)")
     if "val_every" in ds and ds.val_every < 0:
         fail("dataset.val_every", ds.val_every, "must be >= 0 (0: no validation split)")

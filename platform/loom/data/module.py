@@ -45,7 +45,7 @@ class _Noting(Dataset):
         return len(self.inner)
 
     def __getitem__(self, i: int):
-        self.served.append(int(i))
+        self.served.append(int(i[0]) if isinstance(i, tuple) else int(i))  # chat: (id, scale)
         return self.inner[i]
 
 

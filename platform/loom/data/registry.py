@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.data import checks, hf, stores, text_files, tinycode
+from loom.data.chat import build as chat
 from loom.data.fingerprint import DataInputs, no_inputs
 from loom.data.schema import (
+    ChatDatasetConfig,
     DigitsDatasetConfig,
     HFDatasetConfig,
     SyntheticDatasetConfig,
@@ -63,6 +65,7 @@ class DatasetOption:
     mean_document: Callable[[DictConfig], float | None] = lambda ds: None
     # the token ids its data can hold, where the option knows better than its tokenizer (None: ask it)
     vocab: Callable[[DictConfig], int | None] | None = None
+    packings: tuple[str, ...] = ("concat", "documents")  # dataset.packing's choices
 
 
 DATASETS: dict[str, DatasetOption] = {
@@ -81,6 +84,9 @@ DATASETS: dict[str, DatasetOption] = {
                                     ds, text_files.corpus_files(list(ds.paths), ds.max_bytes))),
     "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, hf.source,
                         tokenized=True, stores=hf.stores, check=checks.check_hf, normalize=checks.normalize_hf),
+    "chat": DatasetOption(ChatDatasetConfig, "loom.data.chat.samples:datasets", _always(True), chat.inputs,
+                          chat.source, tokenized=True, stores=chat.stores, check=chat.check_chat,
+                          normalize=chat.normalize_chat, packings=chat.PACKINGS),
     "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False), no_inputs,
                             lambda ds: "scikit-learn's 8x8 digits", val_size=checks.digits_val_size,
                             features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),

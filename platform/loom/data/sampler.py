@@ -14,6 +14,11 @@ position is one number: the samples of the order consumed (`resume_at`).
 
 A dataset that orders itself (`ordered = True`: a mixture, whose schedule must hold at every
 prefix) is read in its own order, epoch e continuing at index e * len(dataset).
+
+A dataset whose loss is a mean over the trained tokens of the global batch (`trained_tokens(ids)`:
+chat data, loom.data.chat.samples) gets `(id, scale)` pairs instead of ids: scale is (micro
+batches per step) / (trained tokens of the step's global batch), known here because a step is
+always the next `global_batch` samples of the order.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.ordered = bool(getattr(dataset, "ordered", False))
         self.resume_epoch: int | None = None
         self.resume_samples = 0
+        self.trained_tokens = getattr(dataset, "trained_tokens", None)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -77,4 +83,16 @@ class ResumableDistributedSampler(Sampler[int]):
             start = self.resume_samples // self.micro
             self.resume_epoch, self.resume_samples = None, 0
         for k in range(start + self.rank, self.epoch_samples() // self.micro, self.dp):
-            yield from self._ids(k * self.micro, (k + 1) * self.micro).tolist()
+            ids = self._ids(k * self.micro, (k + 1) * self.micro).tolist()
+            if self.trained_tokens is None:
+                yield from ids
+            else:
+                scale = self.step_scale(k * self.micro // self.global_batch)
+                yield from ((i, scale) for i in ids)
+
+    def step_scale(self, step: int) -> float:
+        """(micro batches per step) / (trained tokens of this epoch's global batch `step`); 0 when
+        the global batch trains no token (its loss is then 0, not NaN)."""
+        lo = step * self.global_batch
+        trained = int(self.trained_tokens(self._ids(lo, lo + self.global_batch)).sum())
+        return self.global_batch / self.micro / trained if trained else 0.0

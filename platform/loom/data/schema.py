@@ -67,6 +67,28 @@ class TokensDatasetConfig:
 
 
 @dataclass
+class ChatDatasetConfig:
+    name: str = "chat"
+    batch_size: int = 4
+    seq_len: int = 512
+    path: str | None = None           # JSON lines / parquet files (a glob works) or a save_to_disk dir
+    hub: str | None = None            # or a hub dataset id (offline: from the local HF cache)
+    config: str | None = None
+    split: str = "train"
+    online: bool = False
+    format: str = "messages"          # messages: a list of {role, content} | prompt_completion
+    messages_column: str = "messages"
+    tokenizer: str | None = None      # required: the model's tokenizer (its chat template and ids)
+    chat_template: str | None = None  # a Jinja file; null: the tokenizer's own
+    train_on: str = "assistant"       # assistant | all | last (the last assistant message)
+    packing: str = "padded"           # padded: one conversation per row | documents: packed apart
+    overlong: str = "truncate"        # truncate | drop: conversations longer than seq_len + 1 tokens
+    val_every: int = 20               # every Nth conversation goes to validation (0: none)
+    max_docs: int | None = None       # only the first N rows
+    cache_dir: str | None = None
+
+
+@dataclass
 class DigitsDatasetConfig:
     name: str = "digits"
     batch_size: int = 32

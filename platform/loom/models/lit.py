@@ -34,7 +34,7 @@ from loom.optim.build import build_optimizer, sync_schedule
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets the loss leaves out (document boundaries)
 # model.* keys that configure Loom, not the network's constructor
-CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used")
+CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used", "lora")
 
 
 def network_kwargs(model_cfg: DictConfig) -> dict:
@@ -195,6 +195,19 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor, used: int | None = None) -> 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def _global_token_loss(logits: torch.Tensor, batch: dict, used: int | None = None) -> torch.Tensor:
+    """Chat data's loss (loom.data.chat.samples): the summed cross-entropy of the trained targets
+    times the sampler's `scale`, so that the mean over micro batches and ranks is the mean over
+    the global batch's trained tokens; without a scale (validation), this batch's token mean."""
+    if used is not None and used < logits.shape[-1]:
+        logits = logits[..., :used]
+    y = batch["labels"]
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum")
+    scale = batch["scale"].reshape(-1)[0]
+    own_mean = total / (y != IGNORE_INDEX).sum().clamp_min(1)
+    return torch.where(scale.isnan(), own_mean, total * scale.nan_to_num(0.0))
+
+
 class CausalLMModule(LoomModule):
     """Loom's GPT (loom.models.gpt), `model=gpt_*`."""
 
@@ -217,7 +230,11 @@ class CausalLMModule(LoomModule):
 
     def _loss(self, batch) -> torch.Tensor:
         """(x, y), or (x, y, pos) under dataset.packing=documents: pos restarts at each document
-        start, and y is already -100 where a target would cross into the next document."""
+        start, and y is already -100 where a target would cross into the next document; or chat
+        data's dict (input_ids, labels, scale[, positions])."""
+        if isinstance(batch, dict):
+            logits = self.model(batch["input_ids"], batch.get("positions"))
+            return _global_token_loss(logits, batch, self._vocab_used)
         if len(batch) == 3:
             x, y, pos = batch
             return self._lm_loss(self.model(x, pos), y)
@@ -275,6 +292,8 @@ class HFCausalLMModule(LoomModule):
         return self.model(input_ids=x, use_cache=False).logits
 
     def _loss(self, batch) -> torch.Tensor:
+        if isinstance(batch, dict):  # chat data (padded: no positions, checks refuse documents packing)
+            return _global_token_loss(self.forward(batch["input_ids"]), batch)
         x, y = batch
         return _lm_loss(self.forward(x), y)
 

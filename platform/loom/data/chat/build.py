@@ -1,0 +1,216 @@
+"""`dataset=chat`: conversations rendered with the chat template into two aligned token stores
+(the tokens, and a 0/1 store of which are trained) plus `conversations.npy` (each one's
+offset, length and trained targets), once, cached by inputs, template and tokenizer. Every row
+is rendered when the config is checked, before the run dir exists (a later run finds the cache;
+a SLURM job's rank 0 renders in `prepare_data` where it is missing), so a row that cannot be
+trained (no messages, a non-string content, an unknown role, a template that rewrites earlier
+turns, nothing to train) stops the launch with exit 2, naming the rows. No torch here.
+
+    loom train recipe=sft dataset.path=/data/chats.jsonl dataset.tokenizer=/models/Qwen2.5-0.5B-Instruct
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from loom.data.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
+from loom.data.chat.template import ChatTemplate, TemplateError, load_template
+from loom.data.fingerprint import DataInputs
+from loom.errors import ConfigError, fail
+from loom.layout import ParallelLayout
+
+log = logging.getLogger("loom")
+PACKINGS = ("padded", "documents")
+OVERLONG = ("truncate", "drop")
+SPLITS = ("train", "val")
+CONVERSATIONS = "conversations.npy"  # per conversation: token offset, length, trained targets
+SHOWN = 5  # bad rows named in the error
+
+
+def template_of(ds: DictConfig) -> ChatTemplate:
+    try:
+        return load_template(ds.get("tokenizer"), ds.get("chat_template"))
+    except TemplateError as e:
+        raise ConfigError(f"Invalid config: dataset.chat_template={ds.get('chat_template')!r}: {e}") from None
+
+
+def normalize_chat(cfg: DictConfig) -> None:
+    from loom.data.checks import _absolute
+
+    ds = cfg.dataset
+    for key in ("path", "chat_template"):
+        if ds.get(key):
+            ds[key] = _absolute(str(ds[key]))
+
+
+def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """The fields, the tokenizer and its template (rendering the first row), in a second."""
+    ds = cfg.dataset
+    for key, value, choices in (("format", ds.format, FORMATS), ("train_on", ds.train_on, TRAIN_ON),
+                                ("packing", ds.packing, PACKINGS), ("overlong", ds.overlong, OVERLONG)):
+        if value not in choices:
+            fail(f"dataset.{key}", value, f"valid choices: {', '.join(choices)}")
+    if not ds.path and not ds.hub:
+        fail("dataset.path", ds.path, "give the conversations: JSON lines / parquet files (a glob works) or a "
+             "save_to_disk directory, each row with a 'messages' list (or prompt/completion with "
+             "dataset.format=prompt_completion)")
+    if not ds.get("tokenizer"):
+        fail("dataset.tokenizer", None, "chat data needs the model's tokenizer (a local Hugging Face "
+             "tokenizer directory): its chat template and ids")
+    if layout.pp > 1:
+        fail("strategy.pp", layout.pp, "dataset=chat trains with a loss over the global batch's trained tokens, "
+             "which the pipeline schedules do not compute yet: use fsdp, ddp, zero* or fsdp_tp")
+    template = template_of(ds)
+    try:
+        template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+    except TemplateError as e:
+        fail("dataset.chat_template" if ds.get("chat_template") else "dataset.tokenizer",
+             ds.get("chat_template") or ds.tokenizer, str(e))
+    stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    from loom.data import hf
+
+    files = hf.inputs(ds).files if ds.path else []
+    extra = [Path(ds.chat_template)] if ds.get("chat_template") else []
+    return DataInputs(files=list(files) + extra)
+
+
+def source(ds: DictConfig) -> str:
+    return f"{ds.path or ds.hub} ({ds.format}, train_on={ds.train_on})"
+
+
+def _key(ds: DictConfig, template: ChatTemplate) -> str:
+    from loom.data import hf
+    from loom.data.tokens import fingerprint
+
+    spec = (ds.format, ds.get("messages_column"), ds.train_on, ds.val_every, ds.get("max_docs"),
+            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()))
+    files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
+    return fingerprint(files, *spec, None if ds.path else hf.source_key(ds, None))
+
+
+def store_root(ds: DictConfig) -> Path:
+    from loom.data.prepare import tokenizer_fingerprint
+    from loom.data.tokens import cache_root
+
+    tok = tokenizer_fingerprint(str(ds.tokenizer))[:12]
+    return cache_root(ds.get("cache_dir")) / f"chat-{_key(ds, template_of(ds))}-{tok}"
+
+
+def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
+    """{split: its directory}, rendered into the cache where missing (ConfigError: bad rows)."""
+    from loom.data.store import SIDECAR
+
+    ds = cfg.dataset
+    root = store_root(ds)
+    if not all((root / s / "tokens" / SIDECAR).is_file() for s in SPLITS):
+        _write(ds, root)
+    return {s: root / s for s in SPLITS}
+
+
+def _rows(ds: DictConfig):
+    from loom.data import hf
+
+    dataset = hf.load(ds)
+    i = 0
+    for batch in dataset.iter(batch_size=256):
+        keys = list(batch)
+        for j in range(len(batch[keys[0]]) if keys else 0):
+            if ds.get("max_docs") is not None and i >= ds.max_docs:
+                return
+            yield i, {k: batch[k][j] for k in keys}
+            i += 1
+
+
+def _write(ds: DictConfig, root: Path) -> None:
+    """Render every row; write both splits (row i is validation when i % val_every == val_every-1)."""
+    from loom.data.prepare import token_spec
+    from loom.data.prepare.encoding import load_backend
+
+    template, spec = template_of(ds), token_spec(str(ds.tokenizer))
+    tokenizer, _ = load_backend(str(ds.tokenizer))
+    out = {s: _SplitWriter(root / s, spec) for s in SPLITS}
+    bad: list[str] = []
+    n_bad = rows = 0
+    every = int(ds.val_every or 0)
+    column = ds.get("messages_column") or "messages"
+    log.info(f"dataset chat: rendering {ds.path or ds.hub} with {template.source} into {root} (once)")
+    for i, row in _rows(ds):
+        rows += 1
+        try:
+            messages, tools = conversation(row, ds.format, column)
+            rendered = render(template, tokenizer, messages, tools, ds.train_on)
+        except (RowError, TemplateError) as e:
+            n_bad += 1
+            if len(bad) < SHOWN:
+                bad.append(f"row {i}: {e}")
+            continue
+        out["val" if every > 1 and i % every == every - 1 else "train"].add(rendered)
+    if n_bad:
+        for w in out.values():
+            w.abort()
+        raise ConfigError(f"Invalid config: dataset.path={ds.path or ds.hub}: {n_bad:,} of {rows:,} rows cannot "
+                          f"be trained (nothing was written). " + "; ".join(bad)
+                          + ("; ..." if n_bad > len(bad) else ""))
+    if rows == 0 or out["train"].n == 0:
+        raise ConfigError(f"Invalid config: dataset.path={ds.path or ds.hub}: no conversation to train on")
+    for s, w in out.items():
+        w.finish(ds, template, s)
+
+
+class _SplitWriter:
+    """The tokens and mask stores of one split and its conversations array."""
+
+    def __init__(self, d: Path, spec: Any) -> None:
+        import shutil
+
+        from loom.data.store import ShardWriter
+
+        shutil.rmtree(d, ignore_errors=True)
+        self.d, self.spec = d, spec
+        self.tokens = ShardWriter(d / "tokens" / "part-00000", spec.dtype)
+        self.mask = ShardWriter(d / "mask" / "part-00000", np.uint8)
+        self.rows: list[tuple[int, int, int]] = []
+        self.offset = self.trained = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def add(self, r: Any) -> None:
+        self.tokens.add_document(r.ids)
+        self.mask.add_document(r.mask)
+        self.rows.append((self.offset, len(r.ids), r.trained))
+        self.offset += len(r.ids)
+        self.trained += r.trained
+
+    def abort(self) -> None:
+        self.tokens.abort()
+        self.mask.abort()
+
+    def finish(self, ds: DictConfig, template: ChatTemplate, split: str) -> None:
+        from loom.atomic import atomic_path
+        from loom.data.store import write_sidecar
+
+        self.tokens.finish()
+        self.mask.finish()
+        with atomic_path(self.d / CONVERSATIONS) as tmp, open(tmp, "wb") as f:
+            np.save(f, np.asarray(self.rows, dtype=np.int64).reshape(-1, 3))
+        s = self.spec
+        chat = {"train_on": ds.train_on, "template": template.source, "trained": self.trained,
+                "masked": self.offset - self.trained, "conversations": self.n, "split": split}
+        base = {"format": "loom-token-store", "version": 1, "shards": ["part-00000"], "documents": self.n,
+                "tokens": self.offset, "sources": [{"path": str(ds.path or ds.hub)}], "chat": chat}
+        write_sidecar(self.d / "mask", {**base, "tokenizer": None, "vocab_size": 2, "dtype": "uint8"})
+        write_sidecar(self.d / "tokens", {**base, "tokenizer": s.name, "tokenizer_fingerprint": s.fingerprint,
+                                          "vocab_size": s.vocab_size, "eos_id": s.eos_id, "dtype": s.dtype})
+
+

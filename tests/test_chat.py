@@ -1,0 +1,199 @@
+"""dataset=chat: assistant-only masks by prefix rendering (golden, three template families),
+refusals before anything is written, packing, and the loss over the global batch's trained tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from chat_helpers import CHATML, CONVERSATIONS, LLAMA3, MISTRAL, REWRITING, make_chat_tokenizer, write_chats
+from conftest import refused
+
+from loom.data.chat.render import RowError, conversation, render
+from loom.data.chat.template import load_template
+
+TWO_TURNS = CONVERSATIONS[2]["messages"]
+
+
+def _runs(tok, r) -> list[str]:
+    """The trained tokens, decoded run by run (a run: consecutive trained tokens)."""
+    out, cur = [], []
+    for i, m in zip(r.ids.tolist(), r.mask.tolist(), strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            out.append(tok.decode(cur, skip_special_tokens=False))
+            cur = []
+    if cur:
+        out.append(tok.decode(cur, skip_special_tokens=False))
+    return out
+
+
+def _rendered(tmp_path, template, messages, train_on="assistant", **kw):
+    from transformers import AutoTokenizer
+
+    from loom.data.prepare.encoding import load_backend
+
+    d = make_chat_tokenizer(tmp_path / "tok", template, **kw)
+    hf = AutoTokenizer.from_pretrained(str(d))
+    r = render(load_template(str(d), None), load_backend(str(d))[0], messages, None, train_on)
+    whole = hf.apply_chat_template(messages, tokenize=False)
+    assert hf.decode(r.ids.tolist(), skip_special_tokens=False) == whole  # the text transformers renders
+    return hf, r
+
+
+@pytest.mark.parametrize("family,template,kw,expected", [
+    ("llama3", LLAMA3, {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>"},
+     ["return a + b<|eot_id|>", "with five dozen liquor jugs!<|eot_id|>"]),  # its template trims
+    ("chatml", CHATML, {"bos": "<s>", "eos": "<|im_end|>"},
+     # the header's "\n" and the reply's indent are one token: trained (no reply character goes untrained)
+     ["\n    return a + b<|im_end|>\n", "with five dozen liquor jugs!<|im_end|>\n"]),
+    ("mistral", MISTRAL, {"bos": "<s>", "eos": "</s>"},
+     ["     return a + b</s>", " with five dozen liquor jugs!</s>"]),
+])
+def test_golden_assistant_masks(tmp_path, family, template, kw, expected):
+    """Exactly the assistants' replies and their end-of-turn tokens are trained; every header,
+    system, user and generation-prompt token is not (decoded run by run)."""
+    messages = [dict(m) for m in TWO_TURNS]
+    tok, r = _rendered(tmp_path, template, messages, **kw)
+    assert _runs(tok, r) == expected
+    masked = tok.decode([i for i, m in zip(r.ids.tolist(), r.mask.tolist(), strict=True) if not m],
+                        skip_special_tokens=False)
+    assert "def add(a, b):" in masked and "pack my box" in masked and "assistant" not in "".join(expected)
+    assert r.trained == int(r.mask[1:].sum()) > 0
+
+
+def test_train_on_last_and_all(tmp_path):
+    tok, last = _rendered(tmp_path, CHATML, [dict(m) for m in TWO_TURNS], train_on="last", eos="<|im_end|>")
+    assert _runs(tok, last) == ["with five dozen liquor jugs!<|im_end|>\n"]
+    _, every = _rendered(tmp_path / "b", CHATML, [dict(m) for m in TWO_TURNS], train_on="all", eos="<|im_end|>")
+    assert every.mask.all()
+
+
+def test_row_problems_are_named(tmp_path):
+    d = make_chat_tokenizer(tmp_path / "tok", CHATML)
+    tpl = load_template(str(d), None)
+    from loom.data.prepare.encoding import load_backend
+
+    tok = load_backend(str(d))[0]
+    with pytest.raises(RowError, match="role 'robot'"):
+        conversation({"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages")
+    with pytest.raises(RowError, match="list content"):
+        conversation({"messages": [{"role": "user", "content": ["a"]}]}, "messages", "messages")
+    with pytest.raises(RowError, match="no 'messages'"):
+        conversation({"text": "x"}, "messages", "messages")
+    with pytest.raises(RowError, match="no assistant"):
+        render(tpl, tok, [{"role": "user", "content": "x"}], None, "assistant")
+    rewriting = load_template(str(make_chat_tokenizer(tmp_path / "rw", REWRITING)), None)
+    with pytest.raises(RowError, match="not a prefix"):
+        render(rewriting, tok, [dict(m) for m in TWO_TURNS], None, "assistant")
+    msgs, _ = conversation({"prompt": "p", "completion": "c"}, "prompt_completion", "messages")
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+
+
+def _chat_args(tmp_path, template=CHATML, rows=None, n=40) -> list[str]:
+    tok = make_chat_tokenizer(tmp_path / "tok", template, eos="<|im_end|>")
+    data = write_chats(tmp_path / "chats.jsonl", n, rows)
+    return ["dataset=chat", f"dataset.path={data}", f"dataset.tokenizer={tok}", "model=llama_tiny",
+            "strategy=single", "dataset.seq_len=64", f"dataset.cache_dir={tmp_path / 'cache'}"]
+
+
+def test_bad_rows_refused_before_anything_is_written(tmp_path):
+    rows = [CONVERSATIONS[1], {"messages": [{"role": "user", "content": 3}]}, {"text": "no messages"},
+            {"messages": [{"role": "user", "content": "only a question"}]}]
+    err = refused(tmp_path, *_chat_args(tmp_path, rows=rows))
+    assert "3 of 4 rows cannot be trained" in err
+    assert "row 1:" in err and "row 2:" in err and "row 3:" in err and "row 0:" not in err
+
+
+def test_template_problems_refused(tmp_path):
+    err = refused(tmp_path, *_chat_args(tmp_path, template=None))
+    assert "has no chat template" in err and "dataset.chat_template" in err
+    err = refused(tmp_path / "b", *_chat_args(tmp_path / "b"), "dataset.chat_template=/nonexistent.jinja")
+    assert "not a file" in err
+    err = refused(tmp_path / "c", *_chat_args(tmp_path / "c"), "dataset.train_on=everything")
+    assert "dataset.train_on" in err and "assistant, all, last" in err
+
+
+# ---------------------------------------------------------------- the loss over the global batch
+def _chat_sets(tmp_path, n: int = 8, seq_len: int = 256):
+    """(padded, documents-packed) training samples of `n` conversations, rendered by the front end."""
+    from omegaconf import OmegaConf
+
+    from loom.data.chat.build import stores
+    from loom.data.chat.samples import ChatSamples
+
+    tok = make_chat_tokenizer(tmp_path / "tok", CHATML, eos="<|im_end|>")
+    ds = OmegaConf.merge(OmegaConf.load("conf/dataset/chat.yaml"), {
+        "path": str(write_chats(tmp_path / "chats.jsonl", n)), "tokenizer": str(tok), "val_every": 0,
+        "seq_len": seq_len, "cache_dir": str(tmp_path / "cache")})
+    dirs = stores(OmegaConf.create({"dataset": ds}))
+    return (ChatSamples(dirs["train"], "chat", seq_len, "padded", "truncate"),
+            ChatSamples(dirs["train"], "chat", seq_len, "documents", "truncate"))
+
+
+def _model(vocab: int):
+    import torch
+    from omegaconf import OmegaConf
+
+    from loom.models.lit import network_kwargs
+    from loom.models.llama import Llama
+
+    torch.manual_seed(0)
+    m = OmegaConf.load("conf/model/llama_tiny.yaml")
+    m.vocab_size, m.block_size = vocab, 256
+    return Llama(**network_kwargs(m)).double()
+
+
+def _step(model, dataset, dp: int, micro: int, global_batch: int, naive: bool = False):
+    """One optimizer step's (logged loss, gradients) as DDP/FSDP and Lightning compute them: each
+    rank sums its micro batches' loss / accumulation, the ranks' gradients are averaged; the
+    logged loss is the mean over micro batches and ranks (tracking.recorder)."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from loom.data.sampler import ResumableDistributedSampler
+    from loom.models.lit import _global_token_loss
+
+    accum = global_batch // (micro * dp)
+    grads, losses = None, []
+    for rank in range(dp):
+        model.zero_grad()
+        sampler = ResumableDistributedSampler(dataset, dp, rank, micro_batch=micro, global_batch=global_batch,
+                                              shuffle=False)
+        items = list(sampler)[:micro * accum]
+        for k in range(accum):
+            batch = default_collate([dataset[it] for it in items[k * micro:(k + 1) * micro]])
+            if naive:
+                batch["scale"] = torch.full_like(batch["scale"], float("nan"))  # the micro batch's own mean
+            logits = model(batch["input_ids"], batch.get("positions"))
+            loss = _global_token_loss(logits, batch)
+            (loss / accum).backward()
+            losses.append(float(loss))
+        g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]) / dp
+        grads = g if grads is None else grads + g
+    return float(np.mean(losses)), grads
+
+
+def test_loss_is_the_global_token_mean_whatever_the_layout(tmp_path):
+    """Padded vs packed, 1 vs 2 ranks, accumulation 1 vs 4: the same loss and gradients (the loss
+    is computed in float32: to 1e-6), where a per-micro-batch mean differs by 1e-2."""
+    import torch
+
+    padded, packed = _chat_sets(tmp_path)
+    assert len(padded) == 8 and 1 < len(packed) < 8  # packing put several conversations in a row
+    vocab = int(max(padded.store.read(0, padded.store.n_tokens).max(), 0)) + 1
+    model = _model(max(vocab, 512))
+    ids = np.arange(len(padded))
+    trained = int(padded.trained_tokens(ids).sum())
+    assert trained == int(packed.trained_tokens(np.arange(len(packed))).sum())
+    ref_loss, ref_grad = _step(model, padded, dp=1, micro=8, global_batch=8)
+    for dp, micro in ((1, 2), (2, 1), (2, 2), (1, 1)):
+        loss, grad = _step(model, padded, dp=dp, micro=micro, global_batch=8)
+        assert loss == pytest.approx(ref_loss, rel=1e-6), (dp, micro)
+        assert torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-8), (dp, micro)
+    loss, grad = _step(model, packed, dp=1, micro=len(packed), global_batch=len(packed))
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-8)
+    naive, _ = _step(model, padded, dp=1, micro=2, global_batch=8, naive=True)
+    print(f'global token mean {ref_loss:.6f}; per-micro-batch mean {naive:.6f}')
+    assert abs(naive - ref_loss) > 1e-3  # what a per-micro-batch mean would have trained on
