@@ -1,6 +1,6 @@
 """`loom`: the command line. Each verb parses its arguments and hands over to a stage:
 `train` to the pipeline (or a sweep of pipelines), `plan` to the plan, `report`, `probe`,
-`export`, `recipes` and `data` to their modules.
+`export`, `generate`, `recipes` and `data` to their modules.
 
 Nothing here imports torch or Lightning before the config is valid and the plan feasible:
 a bad config is refused within the first second.
@@ -81,6 +81,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from loom.export import export
 
     return export(args.run_dir, args.format, out=args.out, step=args.step, dtype=args.dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Text from a run's weights through their Hugging Face export and transformers' generate
+    (torch is imported only once the request is valid)."""
+    from loom.generate import Settings, generate
+
+    settings = Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    return generate(args.run_dir, args.prompt, args.chat, step=args.step, settings=settings)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -231,6 +240,27 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     ins.set_defaults(func=cmd_data)
 
 
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="text from a run's final weights or a checkpoint (--prompt, or --chat "
+                                        "on stdin), through its Hugging Face export and transformers")
+    g.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (`loom train` prints it after 'run dir:')")
+    g.add_argument("--prompt", metavar="TEXT", help="the text to continue; the continuation is printed")
+    g.add_argument("--chat", action="store_true",
+                   help="a conversation: user turns from stdin, one a line (a prompt on a terminal), each reply "
+                        "printed; ends at EOF or an empty line. Needs a chat template (the tokenizer's or "
+                        "dataset.chat_template)")
+    g.add_argument("--step", type=int, metavar="N",
+                   help="the checkpoint of step N (default: the final weights of a completed run, else the "
+                        "newest checkpoint), as `loom export`")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0: greedy (the default); above 0: sampled at that temperature")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sampling: keep the likeliest tokens holding this mass (default 1.0: all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling: the random seed (default 0)")
+    g.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom", description="Declarative distributed training.")
     p.add_argument("--version", nargs=0, action=_PrintVersions,
@@ -291,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", metavar="fp32|bf16|fp16",
                     help="floating tensors' dtype (default: the run's checkpoint.export_dtype)")
     ex.set_defaults(func=cmd_export)
+    _generate_parser(sub)
     _data_parser(sub)
     rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
     rc.add_argument("action", choices=["list", "show", "copy"])
