@@ -197,3 +197,11 @@ def test_loss_is_the_global_token_mean_whatever_the_layout(tmp_path):
     naive, _ = _step(model, padded, dp=1, micro=2, global_batch=8, naive=True)
     print(f'global token mean {ref_loss:.6f}; per-micro-batch mean {naive:.6f}')
     assert abs(naive - ref_loss) > 1e-3  # what a per-micro-batch mean would have trained on
+
+
+def test_hf_refuses_messages_as_text(tmp_path):
+    """The silent failure this option replaces: dataset=hf on a messages column trained the list's repr."""
+    data = write_chats(tmp_path / "chats.jsonl", 4)
+    err = refused(tmp_path, "dataset=hf", f"dataset.path={data}", "dataset.text_column=messages",
+                  "strategy=single")
+    assert "dataset.text_column='messages'" in err and "dataset=chat" in err

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from loom.compose import hydra_options, recipes, removal
 from loom.compose.groups import GROUP_PACKAGES, open_dicts, valid_keys
@@ -23,6 +23,15 @@ from loom.hardware.machine import auto_overrides, user_set
 from loom.schema import unknown_key_message
 
 __all__ = ["GROUP_PACKAGES", "compose", "conf_dir", "group_options", "valid_keys"]
+
+
+def _if_lora(on: Any, off: Any, *, _root_: DictConfig) -> Any:
+    """`${loom.if_lora:ON,OFF}`: ON when the run trains LoRA adapters (model.lora.r > 0), else OFF
+    (recipes/sft.yaml's learning rate: 2e-4 for adapters, 2e-5 for a full fine-tune)."""
+    return on if (OmegaConf.select(_root_, "model.lora.r", default=0) or 0) > 0 else off
+
+
+OmegaConf.register_new_resolver("loom.if_lora", _if_lora, replace=True)
 
 
 def compose(overrides: list[str]) -> DictConfig:

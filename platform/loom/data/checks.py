@@ -123,8 +123,21 @@ def check_hf(cfg: DictConfig, layout: ParallelLayout) -> None:
              f"{where} has no such column; its columns: {', '.join(columns) or '(none)'}")
     if rows == 0:
         fail("dataset.path" if ds.path else "dataset.hub", ds.path or ds.hub, "the dataset is empty (0 rows)")
+    if ds.path and _column_is_text(ds) is False:
+        fail("dataset.text_column", ds.text_column, "holds lists or records, not text: it would be trained as "
+             "their Python repr. Conversations (a list of {role, content}) train with dataset=chat (the chat "
+             "template, assistant-only loss); otherwise name a text column")
     if ds.max_docs is not None and ds.max_docs < 1:
         fail("dataset.max_docs", ds.max_docs, "must be >= 1, or null for every document")
+
+
+def _column_is_text(ds: DictConfig) -> bool | None:
+    from loom.data import hf
+
+    try:
+        return hf.column_is_text(ds.path, ds.split, ds.text_column)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _hf_local(ds: DictConfig) -> tuple[list[str], int | None, str]:

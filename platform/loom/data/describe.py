@@ -33,7 +33,9 @@ def summary_line(cfg: DictConfig, train, val, dp: int) -> str:
     vals = val if isinstance(val, list) else [] if val is None else [val]
     n_val = sum(len(v) for v in vals)
     stores = _stores(train, *vals)
-    if stores:  # token windows of stores
+    if hasattr(train, "describe"):  # conversations: what is trained, what is masked, what was cut
+        size = train.describe(n_val)
+    elif stores:  # token windows of stores
         total = sum(int(st.n_tokens) for st in stores)
         packing = ", documents packed apart" if ds.get("packing") == "documents" else ""
         size = (f"{total:,} tokens -> {len(train):,} train / {n_val:,} val windows of {ds.seq_len} tokens"

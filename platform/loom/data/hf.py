@@ -127,6 +127,35 @@ def local_columns(path: str, split: str) -> tuple[list[str], int | None]:
     return (list(rec) if isinstance(rec, dict) else []), None
 
 
+def column_is_text(path: str, split: str, column: str) -> bool | None:
+    """Whether a local source's `column` holds strings (None: cannot tell without loading it).
+    A list of chat messages would otherwise be tokenized as its Python repr."""
+    p = Path(path).expanduser()
+    if is_saved_dataset(p):
+        d, _ = _saved_split_dir(p, split)
+        info = d / "dataset_info.json" if d is not None else None
+        if info is None or not info.is_file():
+            return None
+        feature = (json.loads(info.read_text()).get("features") or {}).get(column)
+        return isinstance(feature, dict) and feature.get("dtype") in ("string", "large_string")
+    files = data_files(path)
+    if not files or files[0].suffix not in (".json", ".jsonl", ".parquet"):
+        return None
+    if files[0].suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        field = pq.read_schema(files[0]).field(column)
+        return pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+    with open(files[0]) as fh:
+        line = fh.readline().strip()
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return not isinstance(rec, dict) or isinstance(rec.get(column), str | type(None))
+
+
 def load(ds: DictConfig) -> Any:
     """The `datasets.Dataset` of the configured split."""
     set_offline(ds)

@@ -11,7 +11,6 @@ from omegaconf import DictConfig
 
 from loom.errors import require
 from loom.layout import ParallelLayout
-from loom.schema import nothing_to_fill as normalize  # noqa: F401  (the group interface)
 
 
 @dataclass
@@ -22,6 +21,7 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 10
+    warmup_ratio: float | None = None  # a share of trainer.max_steps; when set, it gives warmup_steps
     min_lr_ratio: float = 0.1
     fused: Any = "auto"         # auto | true | false: torch's fused kernel (auto: where torch has one)
 
@@ -34,6 +34,7 @@ class SGDConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
     warmup_steps: int = 10
+    warmup_ratio: float | None = None  # a share of trainer.max_steps; when set, it gives warmup_steps
     min_lr_ratio: float = 0.1
     fused: Any = "auto"
 
@@ -80,6 +81,16 @@ def run_warnings(cfg: DictConfig) -> list[str]:
         return ["optim.lr=0: the optimizer never changes the weights (a frozen evaluation or a round "
                 "trip); the loss is still computed and logged every step."]
     return []
+
+
+def normalize(cfg: DictConfig) -> None:
+    """`optim.warmup_ratio` (SFT's usual 3%) becomes the concrete warmup_steps the frozen config shows."""
+    o = cfg.optim
+    ratio = o.get("warmup_ratio")
+    if ratio is not None:
+        require(0 <= ratio < 1, "optim.warmup_ratio", ratio, "must be in [0, 1): the share of trainer.max_steps "
+                "spent warming up (null: optim.warmup_steps)")
+        o.warmup_steps = round(float(ratio) * int(cfg.trainer.max_steps))
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:

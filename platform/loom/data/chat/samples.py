@@ -69,6 +69,15 @@ class ChatSamples(Dataset):
     def trained_targets(self) -> int:
         return int(self.conv[:, 2].sum())
 
+    def describe(self, n_val: int) -> str:
+        """The dataset line's middle: conversations, trained and masked tokens, overlong ones."""
+        tokens, trained = int(self.conv[:, 1].sum()), self.trained_targets
+        cut = (f"; {self.overlong:,} longer than seq_len+1 {'dropped' if self.dropped else 'truncated'}"
+               if self.overlong else "")
+        rows = "rows of whole conversations packed apart" if self.documents else "padded rows, one conversation each"
+        return (f"{len(self.conv):,} conversations, {tokens:,} tokens: {trained:,} trained, {tokens - trained:,} "
+                f"masked{cut} -> {len(self):,} train / {n_val:,} val {rows} of {self.seq_len} tokens")
+
     def trained_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Trained targets of samples `ids` (the sampler's global-batch normalizer)."""
         return self.row_trained[ids]
