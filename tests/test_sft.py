@@ -1,0 +1,96 @@
+"""Issue 38's fine-tuning launches, real processes: `recipe=sft` on conversations (dataset=chat)
+from a tiny pretrained Llama checkpoint made here (test_llama_runs' `LlamaForCausalLM`).
+
+`full`: every weight trained, conversations packed whole (`packing=documents`) on 2 ddp ranks with
+accumulation 2. Its first step's loss is checked against transformers' own LlamaForCausalLM on
+the same checkpoint, each conversation of the first global batch run alone: the sum of the
+trained tokens' cross-entropy over their count. A per-micro-batch or per-rank mean, attention
+across packed conversations, or a wrong mask would each move it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from chat_helpers import CHATML, make_chat_tokenizer, write_chats
+from conftest import FAST, launching_fixture
+from test_llama_runs import _hf_checkpoint
+
+STEPS = 4
+GLOBAL = 8  # rows per step: 2 ranks x micro batch 2 x accumulation 2
+
+
+def _inputs(root: Path) -> dict[str, Path]:
+    """The checkpoint, a tokenizer within its 320-id vocabulary, 80 conversations (once per session)."""
+    d = root / "sft-inputs"
+    if not d.is_dir():
+        d.mkdir()
+        _hf_checkpoint(d / "tiny-llama")
+        make_chat_tokenizer(d / "tok", CHATML, eos="<|im_end|>", vocab_size=300)
+        write_chats(d / "chats.jsonl", 80)
+    return {"model": d / "tiny-llama", "tok": d / "tok", "data": d / "chats.jsonl", "cache": d / "cache"}
+
+
+def sft_args(shared, name: str) -> tuple[str, ...]:
+    i = _inputs(shared.root)
+    common = [*FAST[1:], "hardware=cpu", "recipe=sft", f"model.init_from={i['model']}", f"dataset.path={i['data']}",
+              f"dataset.tokenizer={i['tok']}", f"dataset.cache_dir={i['cache']}", f"trainer.max_steps={STEPS}",
+              "dataset.seq_len=256", "trainer.log_every_n_steps=1"]
+    runs = {"full": ["strategy=ddp", "hardware.devices=2", "dataset.batch_size=2", "trainer.accumulate_grad_batches=2",
+                     "dataset.packing=documents", "dataset.val_every=0"]}
+    return (*common, *runs[name])
+
+
+@launching_fixture(scope="module")
+def sft_runs(shared) -> dict:
+    out = {name: shared.get(*sft_args(shared, name)) for name in ("full",)}
+    for name, r in out.items():
+        assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
+    return out
+
+
+def _reference_first_loss(run_dir: Path) -> tuple[float, int]:
+    """(the mean cross-entropy over the trained tokens of step 1's global batch, their count), by
+    transformers' LlamaForCausalLM on each conversation of the batch alone."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaForCausalLM
+
+    from loom.data.chat.build import stores
+    from loom.data.chat.samples import ChatSamples
+    from loom.data.sampler import ResumableDistributedSampler
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    ds = cfg.dataset
+    samples = ChatSamples(stores(cfg)["train"], "chat", ds.seq_len, ds.packing, ds.overlong)
+    sampler = ResumableDistributedSampler(samples, 1, 0, micro_batch=GLOBAL, global_batch=GLOBAL, seed=cfg.seed)
+    rows = [i for i, _ in list(sampler)[:GLOBAL]]
+    model = LlamaForCausalLM.from_pretrained(str(cfg.model.init_from)).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            for c in samples._conversations(row):
+                off, n = (int(v) for v in samples.conv[c, :2])
+                ids = torch.from_numpy(samples.store.read(off, n).astype(np.int64))
+                trained = torch.from_numpy(samples.mask.read(off, n).astype(bool))[1:]
+                logits = model(input_ids=ids[None]).logits[0, :-1].float()
+                ce = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+                total += float(ce[trained].sum())
+                count += int(trained.sum())
+    return total / count, count
+
+
+def test_full_sft_first_loss_is_the_global_token_mean(sft_runs):
+    r = sft_runs["full"]
+    said = re.search(r"dataset chat: .*?(\d[\d,]*) conversations, ([\d,]+) tokens: ([\d,]+) trained, ([\d,]+) masked", r.out)
+    assert said, r.out[-3000:]
+    assert 0 < int(said[3].replace(",", "")) < int(said[4].replace(",", ""))  # the prompts are masked
+    expected, count = _reference_first_loss(r.run_dir)
+    losses = r.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[1] == pytest.approx(expected, rel=2e-5), (losses[1], expected, count)
+    s = r.summary()
+    assert s["status"] == "completed" and s["world_size"] == 2
