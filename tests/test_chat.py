@@ -205,3 +205,34 @@ def test_hf_refuses_messages_as_text(tmp_path):
     err = refused(tmp_path, "dataset=hf", f"dataset.path={data}", "dataset.text_column=messages",
                   "strategy=single")
     assert "dataset.text_column='messages'" in err and "dataset=chat" in err
+
+
+def test_template_from_tokenizer_config_and_tool_turns_kept(tmp_path):
+    """A template in tokenizer_config.json (the named-list form: `default`), and tool calls and tool
+    results reach the template (rendered, masked as prompt except the assistant's own turn)."""
+    import json
+
+    tool_tpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+                "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments | tojson }})"
+                "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    d = make_chat_tokenizer(tmp_path / "tok", None, eos="<|im_end|>")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": tool_tpl}, {"name": "rag", "template": "x"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from loom.data.prepare.encoding import load_backend
+
+    tpl = load_template(str(d), None)
+    assert tpl.text == tool_tpl and tpl.special["eos_token"] == "<|im_end|>"
+    messages, _ = conversation({"messages": [
+        {"role": "user", "content": "add 2 and 3"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "It is 5."}]}, "messages", "messages")
+    tok = load_backend(str(d))[0]
+    from transformers import AutoTokenizer
+
+    r = render(tpl, tok, messages, None, "assistant")
+    hf = AutoTokenizer.from_pretrained(str(d))
+    assert _runs(hf, r) == ['add({"a": 2, "b": 3})<|im_end|>\n', "It is 5.<|im_end|>\n"]
