@@ -11,7 +11,8 @@ model (gigabytes) to write an adapter (megabytes); the tests check the keys agai
 and load the result with `PeftModel.from_pretrained`.
 
 The merge is peft's own (`PeftModel.from_pretrained(base).merge_and_unload()`, then transformers'
-`save_pretrained`): the base is read whole by transformers, which this path accepts, so the merged
+`save_pretrained`) into the base's directory (model.init_from, or hf_causal_lm's model.config:
+select.merge_base): the base is read whole by transformers, which this path accepts, so the merged
 weights are exactly what peft users get, with no second implementation of LoRA's scaling rules
 (alpha / r, rsLoRA, DoRA) to keep in step with peft's.
 """
@@ -27,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from loom.errors import ConfigError
-from loom.export.select import ADAPTER_CONFIG, Request
+from loom.export.select import ADAPTER_CONFIG, Request, merge_base
 from loom.export.sources import WeightsSource, open_source, unwrapped
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -73,8 +74,14 @@ def adapter_config(req: Request, keys: list[str]) -> dict:
     targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys})
     config = LoraConfig(r=int(lora["r"]), lora_alpha=lora.get("alpha") or int(lora["r"]),
                         lora_dropout=float(lora.get("dropout") or 0.0), target_modules=targets,
-                        base_model_name_or_path=str(req.cfg.model.get("init_from") or ""), task_type="CAUSAL_LM")
+                        base_model_name_or_path=_base_name(req.cfg), task_type="CAUSAL_LM")
     return config.to_dict()
+
+
+def _base_name(cfg) -> str | None:
+    """What adapter_config.json names as the base: model.init_from, else model.config (training's rule)."""
+    base = cfg.model.get("init_from") or cfg.model.get("config")
+    return str(base) if base else None
 
 
 def _jsonable(config: dict) -> dict:
@@ -109,7 +116,7 @@ def write_merged(req: Request, dtype: torch.dtype) -> list[Path]:
         # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         write_adapter(req, Path(tmp), torch.float32)  # merged in fp32, cast after
-        base = AutoModelForCausalLM.from_pretrained(str(req.cfg.model.init_from), dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(merge_base(req.cfg)[0]), dtype=torch.float32)
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
     for stale in [*req.out.glob("model-*-of-*.safetensors"), req.out / INDEX, req.out / SINGLE]:
         stale.unlink(missing_ok=True)  # a re-export: no shard of the last one may stay

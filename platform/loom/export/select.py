@@ -160,9 +160,30 @@ def lora_rank(cfg: DictConfig) -> int:
     return int(lora.get("r") or 0) if lora else 0
 
 
+def merge_base(cfg: DictConfig) -> tuple[Path | None, str]:
+    """The Hugging Face directory a LoRA run's base weights are in (what peft merges into), or
+    None and why not: model.init_from when it is one; hf_causal_lm's model.config when it holds
+    the weights the run started from (no model.random_init, no model.overrides)."""
+    m = cfg.model
+    if m.get("init_from"):
+        base = Path(str(m.init_from))
+        why = f"model.init_from={m.init_from} is no Hugging Face directory (no config.json)"
+        return (base, "") if (base / "config.json").is_file() else (None, why)
+    config = Path(str(m.get("config") or "")).expanduser()
+    if m.get("config") and (config / "config.json").is_file():
+        from loom.models.hf import has_local_weights
+
+        if m.get("random_init") or m.get("overrides") or not has_local_weights(str(config)):
+            return None, (f"the base started from model.config={m.config} "
+                          f"{'with model.overrides' if m.get('overrides') else 'without its weights'}, which no "
+                          "directory holds")
+        return config, ""
+    return None, "the base was initialized by Loom from the seed (no model.init_from), which no directory holds"
+
+
 def _check_lora(cfg: DictConfig, run_dir: Path, fmt: str) -> None:
     """A LoRA run's weights are an adapter on a frozen base: peft writes it, hf merges it into
-    the base (model.init_from, a Hugging Face dir); Loom's own layout has no place for it."""
+    the base's Hugging Face directory; Loom's own layout has no place for it."""
     r = lora_rank(cfg)
     if fmt == "peft" and not r:
         raise _usage(f"{run_dir} --format peft: the run trained no LoRA adapter (model.lora.r={r}: LoRA off), "
@@ -170,12 +191,11 @@ def _check_lora(cfg: DictConfig, run_dir: Path, fmt: str) -> None:
     if fmt == "loom" and r:
         raise _usage(f"{run_dir} --format loom: the run trained a LoRA adapter (model.lora.r={r}) on a frozen "
                      "base; use --format peft (the adapter alone) or --format hf (merged into its base)")
-    base = cfg.model.get("init_from")
-    if fmt == "hf" and r and not (base and (Path(str(base)) / "config.json").is_file()):
-        raise _usage(f"{run_dir} --format hf: merging the LoRA adapter (model.lora.r={r}) needs its base, a "
-                     f"Hugging Face directory, but model.init_from={base} is "
-                     f"{'not set' if not base else 'no directory with a config.json'}; use --format peft "
-                     "(the adapter alone)")
+    if fmt == "hf" and r:
+        base, why = merge_base(cfg)
+        if base is None:
+            raise _usage(f"{run_dir} --format hf: merging the LoRA adapter (model.lora.r={r}) needs its base as a "
+                         f"Hugging Face directory, but {why}; use --format peft (the adapter alone)")
 
 
 def output_dir(run_dir: Path, out: str | None, fmt: str, step: int, dtype: str, run_dtype: str) -> Path:
