@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from loom.errors import fail
 from loom.layout import ParallelLayout
-from loom.models import checks, init_from
+from loom.models import checks, init_from, lora_checks
 from loom.models.registry import MODELS
 from loom.models.spec import ModelSpec, Parts
 from loom.schema import load
@@ -36,6 +36,8 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     option.check(cfg, layout)
     checks.check_packing(cfg, layout, option.document_masks, splittable("document_masks"))
     init_from.check(cfg, MODELS[cfg.model.name].shapes)  # the source's tensors against the model's, before launch
+    lora_checks.check(cfg, layout, option.lora_targets,
+                      " and ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.lora_targets)))
     _check_export_format(cfg)
 
 
@@ -47,6 +49,15 @@ def _check_export_format(cfg: DictConfig) -> None:
     fail("checkpoint.export_format", "hf",
          f"model={cfg.model.name} has no Hugging Face architecture to export to (models that have one: "
          f"{able}); keep checkpoint.export_format=loom (final/model.safetensors)")
+
+
+def trainable_params(cfg: DictConfig) -> int | None:
+    """Parameters the optimizer updates when fewer than all: LoRA's adapters, r x (in + out) per
+    wrapped Linear (models.lora_checks); None when every parameter trains."""
+    option = MODELS[cfg.model.name]
+    if not lora_checks.lora_on(cfg.get("model")) or option.lora_targets is None:
+        return None
+    return lora_checks.adapter_params(cfg, option.lora_targets(cfg))
 
 
 def model_parts(cfg: DictConfig) -> Parts | None:

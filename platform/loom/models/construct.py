@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from loom.models.init import FileInit, initialize, materialize, padding_rows, params_on_meta
+from loom.models.lora_checks import lora_on
 
 log = logging.getLogger("loom")
 
@@ -49,6 +50,7 @@ def _construct(module: Any, strategy: Any | None) -> str:
             materialize(model, device, init)
         elif zero3:
             initialize(model, init, device)
+    init = getattr(init, "base", init)  # a LoRA run's initializer wraps the model's
     if isinstance(init, FileInit) and init.elements_wanted:
         how += f" ({init.elements_read / init.elements_wanted:.0%} of its elements read on this rank)"
     return how
@@ -81,6 +83,9 @@ def parallelized(module: Any, strategy: Any | None) -> tuple[torch.nn.Module, An
     if source is not None:
         how += f", weights from model.init_from={source}"
     module.model = model
+    if lora_on(module.cfg.get("model")):  # before AC, compile and fully_shard, which must see the adapters
+        init = _lora(module, model, init, on_meta=model is meta_model, zero3=zero3)
+        how += f", LoRA r={module.cfg.model.lora.r} adapters (base frozen)"
     with _outside_zero_init(zero3):  # the wrapper holds no parameters; zero.Init's hooks break it
         _activation_checkpointing(module, model)
     parallelize = getattr(strategy, "parallelize", None)
@@ -88,6 +93,16 @@ def parallelized(module: Any, strategy: Any | None) -> tuple[torch.nn.Module, An
     if parallelize is not None:
         parallelize(module)
     return model, init, model is meta_model, how
+
+
+def _lora(module: Any, model: torch.nn.Module, init: Any, on_meta: bool, zero3: bool) -> Any:
+    """peft's adapters in `model` (outside zero.Init: the engine partitions them at its start) and
+    the initializer under peft's names (loom.models.lora)."""
+    from loom.models import lora
+
+    with _outside_zero_init(zero3):
+        lora.apply(module, model, on_meta)
+    return lora.wrap_init(init, int(module.cfg.seed))
 
 
 def _file_init(module: Any, path: str) -> FileInit:

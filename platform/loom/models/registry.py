@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import checks, hf, init_from, llama_hf, spec
+from loom.models import checks, hf, init_from, llama_hf, lora_checks, spec
 from loom.models.schema import (
     GPT_SIZES,
     LLAMA_OPTIONS,
@@ -56,6 +56,9 @@ class ModelOption:
     # whether its forward takes per-document positions and masks attention to each document
     # (`dataset.packing=documents`, loom.models.document_mask); checks.check_packing refuses the rest
     document_masks: bool = False
+    # the Linear modules LoRA adapters can wrap, name -> (in, out) (`model.lora`, models.lora_checks);
+    # None: the family has no LoRA (GPT: one fused qkv Linear, not q/k/v modules to adapt)
+    lora_targets: Callable[[DictConfig], lora_checks.Targets] | None = None
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
@@ -67,7 +70,8 @@ _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "
                      tensor_parallel=True, pipeline=True, family="llama*",
                      hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),
                      parts=lambda cfg: spec.llama_parts(cfg.model),
-                     largest=lambda cfg: float(spec.llama_parts(cfg.model).largest), document_masks=True)
+                     largest=lambda cfg: float(spec.llama_parts(cfg.model).largest), document_masks=True,
+                     lora_targets=lora_checks.llama_targets)
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},
@@ -79,7 +83,8 @@ MODELS: dict[str, ModelOption] = {
                                 init_from.hf_shapes, normalize=checks.normalize_hf,
                                 hf_config=lambda cfg: hf.config_dict(cfg.model), largest=spec.hf_largest,
                                 built_on_host=lambda cfg: hf.loads_whole(cfg.model),
-                                zero3_problem=lambda cfg: hf.zero3_problem(cfg.model)),
+                                zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
+                                lora_targets=lora_checks.hf_targets),
     "custom": ModelOption(CustomModelConfig, checks.check_custom, spec.custom_spec, "loom.models.build:custom",
                           init_from.custom_shapes, normalize=checks.normalize_custom,
                           built_on_host=lambda cfg: True),  # its own __init__ allocates

@@ -7,6 +7,19 @@ from typing import Any
 
 
 @dataclass
+class LoraConfig:
+    """`model.lora`: LoRA adapters through peft (loom.models.lora); r=0: off, the full model trains."""
+
+    r: int = 0                        # the adapters' rank; > 0 freezes the base and trains adapters only
+    alpha: float = 16.0               # peft's lora_alpha: the update is scaled by alpha / r
+    dropout: float = 0.0              # peft's lora_dropout, on the adapter's input
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # Linear module names
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
 class GPTModelConfig:
     name: str = "gpt_tiny"
     n_layer: int = 2
@@ -43,6 +56,7 @@ class LlamaModelConfig:
     init_from: str | None = None      # a run dir, a .safetensors file, or a Hugging Face dir
     init_from_fingerprint: str | None = None  # set by Loom: the files' sizes and mtimes
     vocab_used: int | None = None     # set by Loom: the tokenizer's ids below a padded vocab_size
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -66,6 +80,7 @@ class HFCausalLMModelConfig:
     random_init: bool = False         # false: load the weights when they are local, else random
     init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
     init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -47,10 +47,13 @@ def use_fused(setting: Any, params: list[torch.Tensor], scaled_clipping: bool = 
 
 
 def _groups(named_params: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay on matrices only (not biases, norms' gains)."""
+    """Decay on matrices only (not biases, norms' gains). Trainable parameters only (LoRA: the
+    adapters; the frozen base gets no state), and no empty group: DeepSpeed drops one (a LoRA run
+    has matrices alone), and the schedule's per-group lists would no longer match its groups."""
     decay = [p for _, p in named_params if p.requires_grad and _ndim(p) >= 2]
     no_decay = [p for _, p in named_params if p.requires_grad and _ndim(p) < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], optim: DictConfig,

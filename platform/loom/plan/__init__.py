@@ -18,7 +18,7 @@ from loom.compose import group_options
 from loom.hardware.machine import usable_cores
 from loom.hardware.peaks import peak_flops, precision_key
 from loom.layout import ParallelLayout
-from loom.models import model_spec
+from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
 from loom.plan.memory import (
@@ -109,6 +109,8 @@ class Plan:
     # {seq_len, micro_batch, accumulate_grad_batches, global_batch}: each {value, key, source,
     # detail}, where the value came from (plan/assumptions.py; filled by pipeline.plan_run)
     assumptions: dict[str, Any] = field(default_factory=dict)
+    # parameters with gradients and optimizer state when not all (model.lora: the adapters); null: all
+    trainable_params: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +167,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         build_host_bytes_per_rank=build, build_host_source=build_source, build_host_ok=build_ok,
         host_capacity_bytes=HOST_USABLE * float(hw.host_memory_gb) * GB,
         warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
+        trainable_params=trainable_params(cfg),
     )
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
-from loom.models import MODELS, model_parts
+from loom.models import MODELS, model_parts, trainable_params
 from loom.optim import state_slots
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
@@ -115,6 +115,7 @@ def state_bytes(
     per_param: tuple[float, float, float] | None = None,
     offload_optimizer: bool | None = None,
     offload_params: bool = False,
+    trainable: float | None = None,
 ) -> MemoryEstimate:
     """Params / grads / optimizer bytes per device for one strategy (activations excluded).
 
@@ -122,15 +123,17 @@ def state_bytes(
     `per_param` gives the split. `n_shards` is the data-parallel size the states are
     partitioned over (ignored by single/ddp). Offload moves the optimizer states (and with
     `offload_params` the parameter shards) to host memory: `host_offload`. Which states a
-    strategy partitions is its registry entry's `states`.
+    strategy partitions is its registry entry's `states`. `trainable`: the parameters that get
+    gradients and optimizer state when not all do (LoRA's adapters; the frozen base has weights only).
     """
     P, N = float(n_params), max(1, int(n_shards))
+    T = P if trainable is None else float(trainable)
     p, g, o = per_param or ((2.0, 2.0, 12.0) if mixed else (4.0, 4.0, 8.0))
     states = strategies.option(strategy).states
     mem = MemoryEstimate(
         p * P / (N if states == "all" else 1),
-        g * P / (N if states in ("all", "optimizer+grads") else 1),
-        o * P / (N if states != "none" else 1),
+        g * T / (N if states in ("all", "optimizer+grads") else 1),
+        o * T / (N if states != "none" else 1),
         0.0,
     )
     if offload_optimizer is None:
@@ -204,6 +207,7 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
         offload_params=bool(s.get("offload_params", False)) if own else False,
     )
     mixed, tp = hw.precision != "32-true", layout.tp
+    kw["trainable"] = trainable_params(cfg) if tp == 1 else None  # LoRA's adapters (validation: tp=1); None: all
     if tp > 1:  # TP-split Block weights over dp x tp; what TP replicates over dp only
         rep = min(params, tp_replicated_params(cfg))
         split = state_bytes(name, params - rep, layout.dp_shard * tp, mixed, **kw)
@@ -239,22 +243,24 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     group = layout.dp_shard if layout.hybrid else layout.dp  # the group states are reduced over
     frac = (group - 1) / group if group > 1 else 0.0
     local = params / (layout.tp * layout.pp)  # a pipeline rank reduces its stages' gradients only
+    # gradients of the trainable parameters only (LoRA: the adapters'; zero1-2 gather those back)
+    trained = (trainable_params(cfg) or params) / (layout.tp * layout.pp)
     states = strategies.option(name).states
     if states == "none":
-        out["all_reduce"] = 2 * frac * g * local
+        out["all_reduce"] = 2 * frac * g * trained
     elif states == "optimizer":
-        out["reduce_scatter"] = frac * g * local
-        out["all_gather"] = frac * p * local
+        out["reduce_scatter"] = frac * g * trained
+        out["all_gather"] = frac * p * trained
     elif states == "optimizer+grads":
-        out["reduce_scatter"] = accum * frac * g * local
-        out["all_gather"] = frac * p * local
+        out["reduce_scatter"] = accum * frac * g * trained
+        out["all_gather"] = frac * p * trained
     else:
         gathers = 1 if own and s.get("reshard_after_forward") is False else 2
         out["all_gather"] = accum * gathers * frac * p * local
-        out["reduce_scatter"] = accum * frac * g * local
+        out["reduce_scatter"] = accum * frac * g * trained
         if layout.hybrid:  # HSDP: all-reduce the grad shards across the replicas (on one node too)
             reps = layout.dp_replicate
-            out["all_reduce"] = 2 * (reps - 1) / reps * g * local / group
+            out["all_reduce"] = 2 * (reps - 1) / reps * g * trained / group
     out["all_reduce"] += tp_bytes(cfg, layout)
     return out
 

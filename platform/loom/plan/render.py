@@ -34,6 +34,7 @@ def render(plan: dict[str, Any]) -> None:
         ("model", (f"{plan['params'] / 1e6:,.1f}M params, " if plan["params"] is not None else "params unknown, ")
                   + (f"{plan['flops_per_token'] / 1e9:,.3f} GFLOP/token, {plan['flops_per_step'] / 1e12:,.2f} "
                      "TFLOP/step" if plan["flops_per_token"] is not None else "FLOPs unknown")),
+        *_trainable_rows(plan),
         ("precision", f"{plan['precision']} ({bpp['params']:g}/{bpp['grads']:g}/{bpp['optimizer']:g} "
                       "bytes per param: params/grads/optimizer)"),
         ("params / grads / optim", f"{mem['params'] / GB:,.2f} / {mem['grads'] / GB:,.2f} / "
@@ -216,3 +217,12 @@ def _device_shortfall(plan: dict[str, Any]) -> str | None:
                 f"but the host has {plan['host_capacity_bytes'] / GB:,.1f} GB ({HOST_USABLE:.0%} of "
                 "hardware.host_memory_gb)")
     return f"needs {mem['total'] / GB:,.1f} GB per device but has {cap / GB:,.1f} GB ({plan['capacity_source']})"
+
+
+def _trainable_rows(plan: dict) -> list[tuple[str, str]]:
+    """LoRA: the adapters the optimizer trains (grads and optimizer bytes count them alone)."""
+    n, total = plan.get("trainable_params"), plan.get("params")
+    if n is None:
+        return []
+    share = f" ({100 * n / total:.2f}% of {total / 1e6:,.1f}M; the base is frozen)" if total else ""
+    return [("trainable", f"{n / 1e6:,.2f}M params, LoRA adapters{share}")]

@@ -62,6 +62,24 @@ class LoomStrategy:
         return full.detach().cpu() if trainer.is_global_zero else None
 
     # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict:
+        """The strategy's module state; a LoRA run's adapter alone (loom.models.lora)."""
+        from loom.models.lora import adapter_state
+
+        return adapter_state(self.lightning_module, super().lightning_module_state_dict())
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """A LoRA checkpoint's adapter, strictly (every adapter key, nothing else), into the rebuilt
+        model; strategies that load elsewhere (DCP, DeepSpeed) hand no `state_dict` here."""
+        from loom.models.lora import adapter_only, check_keys, trainable_keys
+
+        module = self.lightning_module
+        if adapter_only(module) and "state_dict" in checkpoint:
+            check_keys(checkpoint["state_dict"], trainable_keys(module), "the checkpoint")
+            module.load_state_dict(checkpoint["state_dict"], strict=False)
+            return
+        super().load_model_state_dict(checkpoint, strict)
+
     @property
     def checkpoint_io(self):
         """Lightning's TorchCheckpointIO, minus its BytesIO staging (see `DirectCheckpointIO`)."""

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 from loom.layout import ParallelLayout
+from loom.models.lora_checks import lora_on
 from loom.strategies import deepspeed_universal
 from loom.strategies.base import LoomStrategy, param_bytes, tensor_bytes
 from loom.strategies.deepspeed_config import resolved_deepspeed_config
@@ -79,7 +82,8 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
         universal = deepspeed_universal.prepare(self, Path(checkpoint_path)) if Path(checkpoint_path).is_dir() \
             else None
         if universal is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            with _strict_adapter_keys(self.deepspeed_engine, self.lightning_module):
+                return super().load_checkpoint(checkpoint_path, weights_only)
         with deepspeed_universal.loading_universal(self.deepspeed_engine, self.config, universal):
             return super().load_checkpoint(universal, weights_only)
 
@@ -159,6 +163,29 @@ class LoomDeepSpeedStrategy(LoomStrategy, DeepSpeedStrategy):
         return params, optim
 
 
+@contextmanager
+def _strict_adapter_keys(engine, module) -> Iterator[None]:
+    """A LoRA run's checkpoint is saved without the frozen base (`exclude_frozen_parameters`) and
+    loaded non-strictly (the module's `strict_loading`): check here that its module state holds
+    exactly the adapter's parameters, strict for those (loom.models.lora.check_keys)."""
+    from loom.models.lora import adapter_only, check_keys, trainable_keys
+
+    if not adapter_only(module):
+        yield
+        return
+    original = engine.load_module_state_dict
+
+    def load_module_state_dict(checkpoint, *args, **kwargs):
+        check_keys(checkpoint["module"], trainable_keys(module), "the DeepSpeed checkpoint")
+        return original(checkpoint, *args, **kwargs)
+
+    engine.load_module_state_dict = load_module_state_dict
+    try:
+        yield
+    finally:
+        del engine.load_module_state_dict  # the class's method again
+
+
 class CPUDeepSpeedStrategy(LoomDeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy, minus its CUDA-only guards (see the module docstring)."""
 
@@ -219,8 +246,10 @@ def build(cfg: DictConfig, layout: ParallelLayout):
     # optimizer block Lightning would let DeepSpeed replace Loom's optimizer (and schedule).
     ds_config.pop("optimizer", None)
     ds_config.pop("scheduler", None)
+    frozen_out = lora_on(cfg.model)  # a LoRA checkpoint holds the adapter alone (loom.models.lora)
     if hw.accelerator == "cpu":
         use_cpu_accelerator()
-        return CPUDeepSpeedStrategy(config=ds_config, process_group_backend="gloo")
+        return CPUDeepSpeedStrategy(config=ds_config, process_group_backend="gloo", exclude_frozen_parameters=frozen_out)
     import_deepspeed()
-    return LoomDeepSpeedStrategy(config=ds_config, process_group_backend=hw.backend)
+    return LoomDeepSpeedStrategy(config=ds_config, process_group_backend=hw.backend,
+                                 exclude_frozen_parameters=frozen_out)

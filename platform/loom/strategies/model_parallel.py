@@ -90,7 +90,17 @@ def _model_parallel_strategy_class():
                 return super().lightning_module_state_dict()
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(self.model)
+            from loom.models.lora import adapter_state
+
+            return adapter_state(self.lightning_module, get_model_state_dict(self.model))
+
+        def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+            """Lightning's, or a LoRA checkpoint's adapter alone (`_load_adapter`)."""
+            from loom.models.lora import adapter_only
+
+            if not adapter_only(self.lightning_module):
+                return super().load_checkpoint(checkpoint_path, weights_only)
+            return _load_adapter(self, Path(self.broadcast(checkpoint_path)), weights_only)
 
         def optimizer_state(self, optimizer) -> dict:
             """As `lightning_module_state_dict`: sharded, not offloaded, under checkpoint.async."""
@@ -107,6 +117,40 @@ def _model_parallel_strategy_class():
                 future.result()
 
     return LoomModelParallelStrategy
+
+
+def _load_adapter(strategy, path: Path, weights_only: bool | None) -> dict:
+    """Lightning's sharded load (`_load_checkpoint`) for a checkpoint without the frozen base: it asks
+    DCP for every parameter of the model, which fails on the base's. Here only the trainable ones
+    are asked for, after checking the checkpoint holds exactly those (strict for the adapter); the
+    base keeps what the build gave it (model.init_from, read again). Returns the non-tensor state."""
+    import torch
+    from lightning_fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from loom.models.lora import check_keys
+
+    model = strategy.model
+    state = {"state_dict": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    check_keys([k.removeprefix("state_dict.") for k in saved if k.startswith("state_dict.")], state["state_dict"],
+               f"checkpoint {path.name}")
+    load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=False))
+    for i, optimizer in enumerate(strategy.optimizers):
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+        load(optim_state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
 def hybrid_mesh(device_type: str, lay: ParallelLayout):

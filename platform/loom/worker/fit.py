@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from loom import data, models, strategies
 from loom.layout import ParallelLayout, world_of
+from loom.models.lora_checks import lora_on
 from loom.plan import Plan
 from loom.rundir import checkpoints
 from loom.worker import results
@@ -52,7 +53,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         datamodule = data.build_datamodule(cfg, layout, rank)
         progress.phase = "building the model"
         module = models.build_module(cfg)
-        if resume is None and cfg.model.get("init_from"):  # a resume restores the checkpoint's weights
+        # a resume restores the checkpoint's weights; a LoRA checkpoint holds the adapter alone: the base is read again
+        if cfg.model.get("init_from") and (resume is None or lora_on(cfg.model)):
             module.init_source = cfg.model.init_from
         if layout.pp > 1:  # the pipeline schedule runs forward and backward (strategies.pipeline)
             module.automatic_optimization = False

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
+from loom.models.lora_checks import lora_on
 from loom.models.spec import ModelSpec
 from loom.plan import Plan
 from loom.rundir import checkpoints
@@ -64,6 +65,10 @@ class RunResults:
         loads (loom.rundir.hf_export). Returns what summary.json's `final_weights` names."""
         import torch
 
+        if lora_on(self.cfg.model):  # final/ is a peft adapter directory (loom.models.lora)
+            from loom.models.lora import export_adapter
+
+            return export_adapter(self.run_dir / "final", self.cfg, trainer, module, self.rank)
         strategy, ckpt = trainer.strategy, self.cfg.checkpoint
         dtype = getattr(torch, EXPORT_DTYPES[ckpt.export_dtype])
         entries = strategy.model_state_entries(trainer, module)
