@@ -194,15 +194,16 @@ def test_hf_causal_lm_takes_adapters_under_its_own_names(base_dir, tmp_path):
 
 
 def test_the_plan_counts_grads_and_optimizer_on_the_adapters():
-    """llama3_8b on h100x8 under fsdp: r=16 on q/k/v/o/gate/up/down adds 41.9M parameters, the
-    weights stay, gradients and AdamW states shrink to the adapters' (1/191 of the model's)."""
+    """llama3_8b on h100x8 under fsdp: r=16 on q/k/v/o/gate/up/down adds 41.9M parameters beside
+    the frozen weights; gradients and AdamW states shrink to the adapters' (1/191 of the model's).
+    (`loom plan --rehearse` measures the same bytes for llama_tiny: +0% on all three.)"""
     args = ["model=llama3_8b", "hardware=h100x8", "strategy=fsdp"]
     full, adapted = make_plan(resolve(args)), make_plan(resolve([*args, "model.lora.r=16"]))
     assert full.trainable_params is None and adapted.trainable_params == 32 * 16 * (
         2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
     f, a = full.memory_per_device_bytes, adapted.memory_per_device_bytes
-    assert a["params"] == f["params"]
     ratio = adapted.trainable_params / adapted.params
+    assert a["params"] == pytest.approx(f["params"] * (1 + ratio))  # the frozen base and the adapters
     assert a["grads"] == pytest.approx(f["grads"] * ratio) and a["optimizer"] == pytest.approx(f["optimizer"] * ratio)
     assert a["total"] < f["total"] - 11e9
 

@@ -207,7 +207,8 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
         offload_params=bool(s.get("offload_params", False)) if own else False,
     )
     mixed, tp = hw.precision != "32-true", layout.tp
-    kw["trainable"] = trainable_params(cfg) if tp == 1 else None  # LoRA's adapters (validation: tp=1); None: all
+    kw["trainable"] = adapters = trainable_params(cfg) if tp == 1 else None  # LoRA (validation: tp=1); None: all
+    params += adapters or 0  # the adapters' weights beside the frozen base's
     if tp > 1:  # TP-split Block weights over dp x tp; what TP replicates over dp only
         rep = min(params, tp_replicated_params(cfg))
         split = state_bytes(name, params - rep, layout.dp_shard * tp, mixed, **kw)
