@@ -4,7 +4,9 @@ loads, or the adapter merged into its base by peft.
 No launch: the run dir is made here following the LoRA run contract (issue 38): config.yaml with
 `model.lora`, checkpoints holding the adapter tensors alone under the network's peft-style names
 (`model.<path>.lora_A.default.weight`), final/ the directory `PeftModel.save_pretrained` writes.
-The adapter is peft's own, on a tiny LlamaForCausalLM saved here (the run's model.init_from).
+The adapter is peft's own, on a tiny LlamaForCausalLM saved here (the run's model.init_from); one
+more check saves the adapters of Loom's own LoRA network (loom.models.lora, built in-process as the
+worker builds it) as a checkpoint does, and exports them.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ def _base(path: Path) -> Path:
 
 
 def _logits(model) -> torch.Tensor:
+    """A transformers model's logits, or Loom's network's (it returns the tensor)."""
     with torch.no_grad():
-        return model(X).logits
+        out = model(X)
+    return getattr(out, "logits", out)
 
 
 def _peft_logits(base: Path, adapter: Path) -> torch.Tensor:
@@ -155,3 +159,40 @@ def test_what_a_lora_run_or_a_whole_run_cannot_export_is_refused(lora_run, tmp_p
     OmegaConf.save(cfg, moved / "config.yaml")
     rc, _, err = _loom("export", str(moved), "--format", "hf")
     assert rc == 2 and "initialized by Loom from the seed" in err and "use --format peft" in err, err
+
+
+def test_a_checkpoint_of_looms_own_lora_network_exports_what_peft_and_transformers_load(tmp_path):
+    """Loom's LoRA llama built as the worker builds it (model.lora.r=4 on model.init_from), its
+    adapters moved and saved as a single/ddp checkpoint holds them: the peft export loads in
+    PeftModel and the hf export in transformers, each with the logits of Loom's network."""
+    from loom.models import build_module
+    from loom.pipeline import resolve
+    from loom.rundir.config_file import frozen_yaml
+
+    base = _base(tmp_path / "base")
+    cfg = resolve(["model=llama", f"model.init_from={base}", *ONE_CPU, "run.id=real", "model.lora.r=4",
+                   "model.lora.alpha=8"])
+    module = build_module(cfg)
+    module.init_source = cfg.model.init_from
+    module.configure_model()
+    network = module.model.eval()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in network.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(frozen_yaml(cfg))
+    state = {f"model.{k}": v for k, v in network.state_dict().items() if "lora_" in k}
+    torch.save({"state_dict": state, "global_step": 3}, run / "checkpoints" / "step-0000003.ckpt")
+    want = _logits(network)
+    rc, out, err = _loom("export", str(run), "--format", "peft")
+    assert rc == 0, err
+    assert (_peft_logits(base, _wrote(out)) - want).abs().max().item() < 1e-5
+    rc, out, err = _loom("export", str(run), "--format", "hf")
+    assert rc == 0, err
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(_wrote(out), dtype=torch.float32).eval()
+    assert (_logits(merged) - want).abs().max().item() < 1e-4

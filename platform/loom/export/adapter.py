@@ -109,9 +109,11 @@ def write_merged(req: Request, dtype: torch.dtype) -> list[Path]:
     into `req.out`, with the run's tokenizer files beside as the hf export writes them."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from loom.rundir.hf_export import INDEX, SINGLE, copy_tokenizer
 
+    hf_logging.disable_progress_bar()  # loading and writing shards: the verb prints its own lines
     with tempfile.TemporaryDirectory(prefix="loom-adapter-") as tmp, warnings.catch_warnings():
         # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
