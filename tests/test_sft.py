@@ -6,6 +6,13 @@ accumulation 2. Its first step's loss is checked against transformers' own Llama
 the same checkpoint, each conversation of the first global batch run alone: the sum of the
 trained tokens' cross-entropy over their count. A per-micro-batch or per-rank mean, attention
 across packed conversations, or a wrong mask would each move it.
+
+`lora`: `model.lora.r=4` under fsdp on 2 ranks, one padded conversation per row, validated at the
+end, checkpointed. Its first loss is the base model's (lora_B starts at zero), checked the same
+way; its checkpoints and optimizer state hold the adapters alone (tests/lora_helpers.py), final/
+is what peft loads, `loom export --format hf` merges it into the base with the logits of
+`PeftModel`, and `loom generate` continues a prompt with it. Resume exactness and the frozen base's
+bytes are tests/test_lora.py's, in-process.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from conftest import FAST, launching_fixture
 from test_llama_runs import _hf_checkpoint
 
 STEPS = 4
-GLOBAL = 8  # rows per step: 2 ranks x micro batch 2 x accumulation 2
+GLOBAL = {"full": 8, "lora": 4}  # rows per step: 2 ranks x micro batch 2 (x accumulation 2)
 
 
 def _inputs(root: Path) -> dict[str, Path]:
@@ -41,19 +48,21 @@ def sft_args(shared, name: str) -> tuple[str, ...]:
               f"dataset.tokenizer={i['tok']}", f"dataset.cache_dir={i['cache']}", f"trainer.max_steps={STEPS}",
               "dataset.seq_len=256", "trainer.log_every_n_steps=1"]
     runs = {"full": ["strategy=ddp", "hardware.devices=2", "dataset.batch_size=2", "trainer.accumulate_grad_batches=2",
-                     "dataset.packing=documents", "dataset.val_every=0"]}
+                     "dataset.packing=documents", "dataset.val_every=0"],
+            "lora": ["strategy=fsdp", "hardware.devices=2", "dataset.batch_size=2", "model.lora.r=4",
+                     "model.lora.alpha=8", "dataset.val_every=10", "checkpoint.every_n_steps=2"]}
     return (*common, *runs[name])
 
 
 @launching_fixture(scope="module")
 def sft_runs(shared) -> dict:
-    out = {name: shared.get(*sft_args(shared, name)) for name in ("full",)}
+    out = {name: shared.get(*sft_args(shared, name)) for name in GLOBAL}
     for name, r in out.items():
         assert r.rc == 0, (name, r.out[-3000:], r.err[-3000:])
     return out
 
 
-def _reference_first_loss(run_dir: Path) -> tuple[float, int]:
+def _reference_first_loss(run_dir: Path, rows_per_step: int) -> tuple[float, int]:
     """(the mean cross-entropy over the trained tokens of step 1's global batch, their count), by
     transformers' LlamaForCausalLM on each conversation of the batch alone."""
     from omegaconf import OmegaConf
@@ -66,8 +75,9 @@ def _reference_first_loss(run_dir: Path) -> tuple[float, int]:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     ds = cfg.dataset
     samples = ChatSamples(stores(cfg)["train"], "chat", ds.seq_len, ds.packing, ds.overlong)
-    sampler = ResumableDistributedSampler(samples, 1, 0, micro_batch=GLOBAL, global_batch=GLOBAL, seed=cfg.seed)
-    rows = [i for i, _ in list(sampler)[:GLOBAL]]
+    sampler = ResumableDistributedSampler(samples, 1, 0, micro_batch=rows_per_step, global_batch=rows_per_step,
+                                          seed=cfg.seed)
+    rows = [i for i, _ in list(sampler)[:rows_per_step]]
     model = LlamaForCausalLM.from_pretrained(str(cfg.model.init_from)).eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -88,9 +98,55 @@ def test_full_sft_first_loss_is_the_global_token_mean(sft_runs):
     said = re.search(r"dataset chat: .*?(\d[\d,]*) conversations, ([\d,]+) tokens: ([\d,]+) trained, ([\d,]+) masked", r.out)
     assert said, r.out[-3000:]
     assert 0 < int(said[3].replace(",", "")) < int(said[4].replace(",", ""))  # the prompts are masked
-    expected, count = _reference_first_loss(r.run_dir)
+    expected, count = _reference_first_loss(r.run_dir, GLOBAL["full"])
     losses = r.losses()
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[1] == pytest.approx(expected, rel=2e-5), (losses[1], expected, count)
     s = r.summary()
     assert s["status"] == "completed" and s["world_size"] == 2
+
+
+def test_lora_sft_under_fsdp_trains_the_adapters_alone(sft_runs, tmp_path):
+    from lora_helpers import (
+        assert_adapter_only_checkpoint,
+        assert_optimizer_state_is_the_adapters,
+        assert_peft_final,
+    )
+    from omegaconf import OmegaConf
+
+    r = sft_runs["lora"]
+    base = Path(OmegaConf.load(r.run_dir / "config.yaml").model.init_from)
+    assert OmegaConf.load(r.run_dir / "config.yaml").optim.lr == pytest.approx(2e-4)  # the recipe's LoRA rate
+    expected, _ = _reference_first_loss(r.run_dir, GLOBAL["lora"])
+    assert r.losses()[1] == pytest.approx(expected, rel=2e-5)  # step 1 is the base model's
+    assert r.summary()["validation"]["loss"] > 0
+    assert_adapter_only_checkpoint(r.run_dir)
+    assert_optimizer_state_is_the_adapters(r.run_dir)
+    assert_peft_final(r.run_dir, base)
+
+
+def test_lora_run_exports_merged_and_generates(sft_runs, tmp_path, capsys):
+    """`loom export --format hf` of the LoRA run: peft's merge, with PeftModel's logits; `loom
+    generate` on it (in this process: no launch)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loom import cli
+
+    r = sft_runs["lora"]
+    out = tmp_path / "merged"
+    assert cli.main(["export", str(r.run_dir), "--format", "hf", "--out", str(out)]) == 0
+    from omegaconf import OmegaConf
+
+    base = str(OmegaConf.load(r.run_dir / "config.yaml").model.init_from)
+    x = torch.tensor([[5, 17, 42, 7, 99, 3]])
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(r.run_dir / "final"))
+        want = peft(input_ids=x).logits
+        got = AutoModelForCausalLM.from_pretrained(str(out))(input_ids=x).logits
+        unmerged = AutoModelForCausalLM.from_pretrained(base)(input_ids=x).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(unmerged, want, atol=1e-5)  # the adapter moved the logits
+    capsys.readouterr()
+    assert cli.main(["generate", str(r.run_dir), "--prompt", "Hello", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
