@@ -16,7 +16,6 @@ import io
 import json
 import logging
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from conftest import ROOT, launching_fixture
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_llama_runs import HF_SHAPE, completed_llama_runs, llama_args
+from tests_helpers import assert_refused_without_torch
 
 from loom import cli
 
@@ -129,23 +129,7 @@ def test_a_request_export_cannot_serve_is_refused_without_torch(tmp_path):
         "final": ([str(run), "--format", "loom", "--out", str(run / "final")], ["final/ is the run's own record"]),
         "dtype": ([str(run), "--format", "loom", "--dtype", "int8"], ["--dtype int8", "fp32, bf16, fp16"]),
     }
-    script = (
-        "import json, sys, io, contextlib\nfrom loom import cli\nout = {}\n"
-        f"for name, argv in {json.dumps({k: v[0] for k, v in cases.items()})}.items():\n"
-        "    err = io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err):\n"
-        "        out[name] = [cli.main(['export', *argv]), err.getvalue()]\n"
-        "out['torch imported'] = 'torch' in sys.modules\nprint(json.dumps(out))\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout.splitlines()[-1])
-    assert got.pop("torch imported") is False
-    for name, (_, needles) in cases.items():
-        rc, err = got[name]
-        assert rc == 2, (name, err)
-        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
-        for needle in needles:
-            assert needle in err, (name, needle, err)
+    assert_refused_without_torch('export', cases, ROOT)
 
 
 def test_a_checkpoint_exports_under_the_networks_names_in_its_order(tmp_path):

@@ -12,8 +12,6 @@ sharded checkpoint, read in one process) with its export.
 from __future__ import annotations
 
 import io
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from omegaconf import OmegaConf
 from test_export import _fake_run, _loom
 from test_export_lora import lora_run  # noqa: F401  (a LoRA run dir made in-process)
 from test_llama_runs import completed_llama_runs
-from tests_helpers import make_tokenizer
+from tests_helpers import assert_refused_without_torch, make_tokenizer
 
 PROMPT = "def add(a, b):"
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
@@ -190,23 +188,7 @@ def test_a_request_generate_cannot_serve_is_refused_without_torch(runs):
         "no template": ([plain, "--chat"], ["has no chat template", "dataset.chat_template"]),
         "template gone": ([str(runs["missing"]), "--chat"], ["dataset.chat_template=", "gone.jinja", "no file"]),
     }
-    script = (
-        "import json, sys, io, contextlib\nfrom loom import cli\nout = {}\n"
-        f"for name, argv in {json.dumps({k: v[0] for k, v in cases.items()})}.items():\n"
-        "    err = io.StringIO()\n"
-        "    with contextlib.redirect_stderr(err):\n"
-        "        out[name] = [cli.main(['generate', *argv]), err.getvalue()]\n"
-        "out['torch imported'] = 'torch' in sys.modules\nprint(json.dumps(out))\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, p.stderr
-    got = json.loads(p.stdout.splitlines()[-1])
-    assert got.pop("torch imported") is False
-    for name, (_, needles) in cases.items():
-        rc, err = got[name]
-        assert rc == 2, (name, err)
-        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
-        for needle in needles:
-            assert needle in err, (name, needle, err)
+    assert_refused_without_torch('generate', cases, ROOT)
 
 
 @launching_fixture(scope="module")

@@ -206,3 +206,28 @@ class Encoder:
         texts = [d.decode() if isinstance(d, bytes) else d for d in docs]
         eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
         return [numpy.asarray(ids + eos) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
+
+
+def assert_refused_without_torch(verb: str, cases: dict[str, tuple[list[str], list[str]]], cwd: Path) -> None:
+    """Each case `name: (argv, needles)` of `loom <verb> argv` exits 2 with one line holding every
+    needle and no traceback, all in one fresh interpreter that never imports torch."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys, io, contextlib\nfrom loom import cli\nout = {}\n"
+        f"for name, argv in {json.dumps({k: v[0] for k, v in cases.items()})}.items():\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        f"        out[name] = [cli.main([{verb!r}, *argv]), err.getvalue()]\n"
+        "out['torch imported'] = 'torch' in sys.modules\nprint(json.dumps(out))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got.pop("torch imported") is False
+    for name, (_, needles) in cases.items():
+        rc, err = got[name]
+        assert rc == 2, (name, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
+        for needle in needles:
+            assert needle in err, (name, needle, err)
