@@ -206,6 +206,10 @@ def test_the_plan_counts_grads_and_optimizer_on_the_adapters():
     assert a["params"] == pytest.approx(f["params"] * (1 + ratio))  # the frozen base and the adapters
     assert a["grads"] == pytest.approx(f["grads"] * ratio) and a["optimizer"] == pytest.approx(f["optimizer"] * ratio)
     assert a["total"] < f["total"] - 11e9
+    # FLOPs (MFU): the frozen weights' gradient (2 of their 6 per token) is not computed; the adapters' is
+    n = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096 + 128256 * 4096  # 6N's N
+    assert adapted.flops_per_token == pytest.approx(full.flops_per_token - 2 * n + 6 * adapted.trainable_params)
+    assert adapted.flops_per_token / full.flops_per_token == pytest.approx(0.674, abs=0.001)
 
 
 @pytest.mark.parametrize("overrides, named", [

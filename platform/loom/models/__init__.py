@@ -7,6 +7,7 @@ launcher); `build_module` imports torch and Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omegaconf import DictConfig
@@ -22,8 +23,16 @@ SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:
-    """Parameter count and training FLOPs per item of the configured model."""
-    return MODELS[cfg.model.name].spec(cfg)
+    """Parameter count and training FLOPs per item of the configured model. With LoRA the frozen
+    weights get no gradient: of their 6 FLOPs per weight per token (forward 2, backward 4) the 2
+    of the weight gradient are not done, and each adapter weight costs the usual 6, so MFU counts
+    the work the step does: 6N - 2N + 6 * adapters (+ attention)."""
+    spec = MODELS[cfg.model.name].spec(cfg)
+    adapters = trainable_params(cfg)
+    if adapters is None or spec.flops_per_token is None or spec.matmul_params is None:
+        return spec
+    flops = spec.flops_per_token - 2 * spec.matmul_params + 6 * adapters
+    return dataclasses.replace(spec, flops_per_token=float(flops))
 
 
 def normalize(cfg: DictConfig) -> None:

@@ -27,6 +27,7 @@ class ModelSpec:
     n_layer: int
     d_model: int
     items_per_sample: int = 1    # tokens per sample (seq_len), 1 for classification
+    matmul_params: int | None = None  # the N of 6N: weights multiplied per item (a tied head included)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def gpt_spec(m: DictConfig, seq_len: int) -> ModelSpec:
     total = embeddings + L * per_block + final_ln + head
     non_embedding = total - embeddings
     flops = 6 * non_embedding + 12 * L * d * seq_len
-    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len)
+    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len, non_embedding)
 
 
 def gpt_spec_of(cfg: DictConfig) -> ModelSpec:
@@ -135,8 +136,9 @@ def llama_spec(m: DictConfig, seq_len: int) -> ModelSpec:
     head = V * d
     total = embedding + L * per_layer + d + (0 if m.tie_embeddings else head)
     non_embedding = total - embedding
-    flops = 6 * (non_embedding + (head if m.tie_embeddings else 0)) + 12 * L * q * seq_len
-    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len)
+    matmul = non_embedding + (head if m.tie_embeddings else 0)
+    flops = 6 * matmul + 12 * L * q * seq_len
+    return ModelSpec(total, non_embedding, float(flops), L, d, seq_len, matmul)
 
 
 def llama_spec_of(cfg: DictConfig) -> ModelSpec:
@@ -177,7 +179,7 @@ def hf_spec(cfg: DictConfig) -> ModelSpec:
     non_embedding = params - embedding
     head = hf.config_dict(cfg.model).get("vocab_size", 0) * d if tied else 0  # tied: a matmul, no params
     flops = 6 * (non_embedding + head) + 12 * L * d * T if L and d else None
-    return ModelSpec(params, non_embedding, float(flops) if flops else None, L, d, T)
+    return ModelSpec(params, non_embedding, float(flops) if flops else None, L, d, T, non_embedding + head)
 
 
 def custom_spec(cfg: DictConfig) -> ModelSpec:
