@@ -3,6 +3,8 @@ refusals before anything is written, packing, and the loss over the global batch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from chat_helpers import CHATML, CONVERSATIONS, LLAMA3, MISTRAL, REWRITING, make_chat_tokenizer, write_chats
@@ -236,3 +238,33 @@ def test_template_from_tokenizer_config_and_tool_turns_kept(tmp_path):
     r = render(tpl, tok, messages, None, "assistant")
     hf = AutoTokenizer.from_pretrained(str(d))
     assert _runs(hf, r) == ['add({"a": 2, "b": 3})<|im_end|>\n', "It is 5.<|im_end|>\n"]
+
+
+def test_overlong_conversations_truncated_or_dropped_and_counted(tmp_path):
+    """seq_len 80: of 8 conversations of 94, 65 or 98 tokens, 5 do not fit seq_len+1."""
+    from loom.data.chat.build import CONVERSATIONS
+    from loom.data.chat.samples import ChatSamples
+
+    padded, _ = _chat_sets(tmp_path, seq_len=80)
+    d = Path(padded.store.path).parent
+    raw = np.load(d / CONVERSATIONS)  # offset, length, trained targets as rendered
+    lengths = raw[:, 1].tolist()
+    cut = ChatSamples(d, "chat", 80, "padded", "truncate")
+    dropped = ChatSamples(d, "chat", 80, "padded", "drop")
+    assert sorted(set(lengths)) == [65, 94, 98]
+    long = sum(n > 81 for n in lengths)
+    assert cut.overlong == dropped.overlong == long and len(cut) == 8 and len(dropped) == 8 - long
+    assert all(cut[i]["input_ids"].shape == (80,) for i in range(len(cut)))
+    kept = raw[:, 1] <= 81
+    assert (cut.conv[kept, 2] == raw[kept, 2]).all() and (cut.conv[~kept, 2] < raw[~kept, 2]).all()
+    for i in range(len(cut)):  # the trained targets counted are the ones the sample trains
+        assert int((cut[i]["labels"] != -100).sum()) == int(cut.trained_tokens(np.array([i]))[0])
+    assert f"{long} longer than seq_len+1 truncated" in cut.describe(0)
+    assert f"{long} longer than seq_len+1 dropped" in dropped.describe(0)
+
+
+def test_a_template_that_does_not_render_is_refused(tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    err = refused(tmp_path, *_chat_args(tmp_path), f"dataset.chat_template={bad}")
+    assert "dataset.chat_template" in err and "does not render" in err
