@@ -170,7 +170,7 @@ def _step(model, dataset, dp: int, micro: int, global_batch: int, naive: bool = 
             logits = model(batch["input_ids"], batch.get("positions"))
             loss = _global_token_loss(logits, batch)
             (loss / accum).backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]) / dp
         grads = g if grads is None else grads + g
     return float(np.mean(losses)), grads
