@@ -130,6 +130,22 @@ def test_qwen2_takes_every_field_from_config_json(tmp_path):
     _logits_match(hf, loom, 300)
 
 
+def test_mistral_without_a_sliding_window_is_llama(tmp_path):
+    """issue 39: `model=llama` takes a MistralForCausalLM checkpoint whose window never binds (Mistral
+    v0.2+: sliding_window null), with transformers' logits; one with a window is refused."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+    path = _save(MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)), tmp_path / "mistral", sharded=False)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg, loom = _loom_from(path)
+    assert not cfg.model.qkv_bias and cfg.model.n_kv_heads == TINY["num_key_value_heads"]
+    _logits_match(hf, loom, 300)
+    windowed = _save(MistralForCausalLM(MistralConfig(**TINY, sliding_window=16)), tmp_path / "windowed",
+                     sharded=False)
+    with pytest.raises(ConfigError, match="sliding_window=16 < max_position_embeddings"):
+        resolve(["model=llama", f"model.init_from={windowed}"])
+
+
 @pytest.mark.parametrize("name", SIZED)
 def test_spec_counts_the_module_built_on_the_meta_device(name):
     cfg = resolve([f"model={name}"])
@@ -237,7 +253,7 @@ def test_an_unsupported_architecture_names_the_supported_ones_and_the_fallback(t
     with pytest.raises(ConfigError) as e:
         resolve(["model=llama", f"model.init_from={tmp_path}"])
     msg = str(e.value)
-    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM, Qwen2ForCausalLM" in msg
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM" in msg
     assert f"model=hf_causal_lm model.config={tmp_path}" in msg
 
 

@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError
 
 # architecture (config.json "architectures"[0]) -> whether its q/k/v projections carry biases
-SUPPORTED = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}
+# (Mistral is Llama's network with an optional sliding window: accepted without one)
+SUPPORTED = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True, "MistralForCausalLM": False}
 # llama3 rotary scaling: each key with its JSON type (transformers warns on every load of a config.json
 # whose original_max_position_embeddings is not an integer; the model schema holds them all as floats)
 ROPE_SCALING_TYPES: dict[str, type] = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,
@@ -76,6 +77,9 @@ def _unsupported_features(data: dict[str, Any], arch: str) -> list[str]:
         out.append("mlp_bias=true")
     if data.get("use_sliding_window") or "sliding_attention" in (data.get("layer_types") or []):
         out.append("sliding-window attention")
+    window, longest = data.get("sliding_window"), data.get("max_position_embeddings")
+    if arch == "MistralForCausalLM" and window is not None and (longest is None or window < longest):
+        out.append(f"sliding-window attention (sliding_window={window} < max_position_embeddings={longest})")
     return out
 
 
