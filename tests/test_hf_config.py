@@ -116,3 +116,26 @@ def test_the_implicit_weights_of_model_config_are_checked_before_launch(hf_dirs)
     assert "remove model.overrides (n_embd)" in err
     planned(hf_dirs["root"], *base, "model.overrides.n_layer=1")
     planned(hf_dirs["root"], *base, "model.vocab_size=300", "model.random_init=true")
+
+
+def test_attention_flops_follow_each_layers_window_and_head_dim(tmp_path):
+    """issue 39, counted correctly: 12 * Q * (the keys each layer attends over) per token, Q = heads x
+    head_dim. Mistral with a window of 16 at seq_len 64 attends 16 keys per layer; Gemma-2 alternates
+    sliding and full layers (layer_types) and its head_dim (32) is not hidden_size / heads (16)."""
+    from transformers import Gemma2Config, MistralConfig
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    MistralConfig(**shape, sliding_window=16).save_pretrained(tmp_path / "mistral")
+    MistralConfig(**shape, sliding_window=None).save_pretrained(tmp_path / "mistral-full")
+    Gemma2Config(**shape, head_dim=32, sliding_window=16).save_pretrained(tmp_path / "gemma2")
+
+    def spec(name: str):
+        return model_spec(resolve(["model=hf_causal_lm", f"model.config={tmp_path / name}", "model.random_init=true",
+                                   "dataset=synthetic", "dataset.seq_len=64", "dataset.vocab_size=256"]))
+
+    full, windowed, gemma = spec("mistral-full"), spec("mistral"), spec("gemma2")
+    assert full.params == windowed.params
+    assert full.flops_per_token - windowed.flops_per_token == 12 * (4 * 16) * 4 * (64 - 16)
+    n = gemma.matmul_params
+    assert gemma.flops_per_token == 6 * n + 12 * (4 * 32) * (2 * 16 + 2 * 64)

@@ -162,6 +162,26 @@ def _no_init_weights():
     return no_init_weights()
 
 
+def attention_spans(m: DictConfig, seq_len: int) -> tuple[int, list[int]]:
+    """(query width = heads x head_dim, the keys each layer's queries attend over: `seq_len`, or
+    its sliding window where the config has one for that layer: `layer_types` naming
+    `sliding_attention` (Gemma-2/3, Qwen3, ...), else `sliding_window` on every layer unless
+    `use_sliding_window` is false (Mistral; Qwen2 off by default)). The FLOP count's attention
+    term follows them: a windowed layer's scores and values cost its window, not the sequence."""
+    config = auto_config(m)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    width = int(getattr(config, "hidden_size", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", 0) or (width // heads if heads else 0))
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        windowed = [t == "sliding_attention" for t in types[:layers]]
+    else:
+        windowed = [bool(window) and getattr(config, "use_sliding_window", True) is not False] * layers
+    return heads * head_dim, [min(seq_len, int(window)) if w and window else seq_len for w in windowed]
+
+
 def count(m: DictConfig) -> tuple[int, int, int, int, bool]:
     """(params, embedding params, layers, width, tied head) of the model, built on the meta device."""
     import torch

@@ -172,13 +172,17 @@ def hf_largest(cfg: DictConfig) -> float:
 
 
 def hf_spec(cfg: DictConfig) -> ModelSpec:
+    """A transformers decoder, counted from its meta-device build. FLOPs per token: 6N + 12 * Q * the
+    sum over layers of the keys attended (seq_len, or a sliding window: hf.attention_spans), Q =
+    heads x head_dim (Gemma's head_dim is not hidden_size / heads)."""
     from loom.models import hf
 
     T = items_per_sample(cfg)
     params, embedding, L, d, tied = hf.count(cfg.model)
     non_embedding = params - embedding
     head = hf.config_dict(cfg.model).get("vocab_size", 0) * d if tied else 0  # tied: a matmul, no params
-    flops = 6 * (non_embedding + head) + 12 * L * d * T if L and d else None
+    q, spans = hf.attention_spans(cfg.model, T)  # each layer's window where it has one (hf.attention_spans)
+    flops = 6 * (non_embedding + head) + 12 * q * sum(spans) if L and d else None
     return ModelSpec(params, non_embedding, float(flops) if flops else None, L, d, T, non_embedding + head)
 
 
