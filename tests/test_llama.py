@@ -216,9 +216,16 @@ def test_llama3_8b_fits_fsdp_on_h100x8_but_not_ddp():
 
 
 def test_fsdp_shard_units_name_the_llama_classes():
+    """Each family names its module classes in the registry (no config-key sniffing in strategies)."""
     assert resolve(["model=llama_tiny", "strategy=fsdp", "strategy.shard_units=[DecoderLayer]"])
     with pytest.raises(ConfigError, match="valid choices: DecoderLayer"):
         resolve(["model=llama_tiny", "strategy=fsdp", "strategy.shard_units=[Block]"])
+    assert resolve(["model=gpt_tiny", "strategy=fsdp", "strategy.shard_units=[Block]"])
+    with pytest.raises(ConfigError, match="valid choices: Block"):
+        resolve(["model=gpt_tiny", "strategy=fsdp", "strategy.shard_units=[DecoderLayer]"])
+    with pytest.raises(ConfigError, match="must divide model.n_head=4"):
+        resolve(["model=gpt_tiny", "strategy=fsdp_tp", "hardware=cpu", "hardware.devices=3",
+                 "strategy.tensor_parallel=3"])
 
 
 @pytest.mark.parametrize("overrides,named", [

@@ -69,6 +69,16 @@ def trainable_params(cfg: DictConfig) -> int | None:
     return lora_checks.adapter_params(cfg, option.lora_targets(cfg))
 
 
+def module_classes(cfg: DictConfig) -> tuple[str, ...]:
+    """The model's module class names (strategy.shard_units' choices); empty: not known before torch."""
+    return MODELS[cfg.model.name].module_classes
+
+
+def attention_heads(cfg: DictConfig) -> int | None:
+    """The attention heads a tensor-parallel rank holds whole parts of (None: not known here)."""
+    return MODELS[cfg.model.name].heads(cfg)
+
+
 def model_parts(cfg: DictConfig) -> Parts | None:
     """Where the model's parameters sit by layer (None: not a layered decoder Loom splits)."""
     parts = MODELS[cfg.model.name].parts

@@ -20,6 +20,10 @@ VOCAB_MULTIPLE = 64  # a tokenizer-sized vocabulary is padded to it: matmul-frie
 TENSOR_HINT = "feature datasets: digits, synthetic (dataset.kind=tensors)"
 
 
+# The module classes of Loom's GPT (loom.models.gpt), named here because validation runs before
+# torch is imported: the choices for strategy.shard_units (the registry's `module_classes`).
+GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
+
 def _vocab(cfg: DictConfig, have: int, key: str = "model.vocab_size", also: str = "") -> None:
     """The model's vocabulary covers the data's token ids; `also`: what the advice needs besides
     the size (a model whose weights are loaded with it: model.random_init=true)."""

@@ -59,19 +59,25 @@ class ModelOption:
     # the Linear modules LoRA adapters can wrap, name -> (in, out) (`model.lora`, models.lora_checks);
     # None: the family has no LoRA (GPT: one fused qkv Linear, not q/k/v modules to adapt)
     lora_targets: Callable[[DictConfig], lora_checks.Targets] | None = None
+    # its module class names (torch-free: the choices of strategy.shard_units; empty: not checked)
+    # and the attention heads each tensor-parallel rank must hold whole (None: not known here)
+    module_classes: tuple[str, ...] = ()
+    heads: Callable[[DictConfig], int | None] = lambda cfg: None
 
 
 _GPT = ModelOption(GPTModelConfig, checks.check_gpt, spec.gpt_spec_of, "loom.models.build:gpt",
                    lambda cfg: init_from.gpt_shapes(cfg.model), normalize=checks.size_vocab_to_tokenizer,
                    tensor_parallel=True, pipeline=True, family="gpt_*", parts=lambda cfg: spec.gpt_parts(cfg.model),
-                   largest=lambda cfg: float(spec.gpt_parts(cfg.model).largest), document_masks=True)
+                   largest=lambda cfg: float(spec.gpt_parts(cfg.model).largest), document_masks=True,
+                   module_classes=checks.GPT_MODULE_CLASSES, heads=lambda cfg: int(cfg.model.n_head))
 _LLAMA = ModelOption(LlamaModelConfig, checks.check_llama, spec.llama_spec_of, "loom.models.build:llama",
                      lambda cfg: llama_hf.llama_shapes(cfg.model), normalize=checks.normalize_llama,
                      tensor_parallel=True, pipeline=True, family="llama*",
                      hf_config=lambda cfg: llama_hf.config_from_fields(cfg.model),
                      parts=lambda cfg: spec.llama_parts(cfg.model),
                      largest=lambda cfg: float(spec.llama_parts(cfg.model).largest), document_masks=True,
-                     lora_targets=lora_checks.llama_targets)
+                     lora_targets=lora_checks.llama_targets, module_classes=llama_hf.MODULE_CLASSES,
+                     heads=lambda cfg: int(cfg.model.n_head))
 
 MODELS: dict[str, ModelOption] = {
     **{size: _GPT for size in GPT_SIZES},

@@ -8,13 +8,9 @@ from omegaconf import DictConfig
 from loom.bundle import shipped_path
 from loom.errors import fail, require
 from loom.layout import ParallelLayout
-from loom.models import MODELS, llama_hf, splits, splittable
+from loom.models import MODELS, attention_heads, module_classes, splits, splittable
 from loom.strategies.schema import COMM_HOOKS
 
-# The module classes of Loom's GPT (loom.models.gpt), named here because validation runs
-# before torch is imported: the choices for strategy.shard_units.
-GPT_MODULE_CLASSES = ("Block", "CausalSelfAttention", "MLP", "Linear", "Embedding", "LayerNorm")
-LLAMA_MODULE_CLASSES = llama_hf.MODULE_CLASSES  # loom.models.llama's (DecoderLayer: its default unit)
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
 
 
@@ -87,14 +83,13 @@ def check_ddp(cfg: DictConfig, layout: ParallelLayout) -> None:
 def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
     """fsdp / fsdp_tp: sharding units exist in the model; the TP size fits devices and heads."""
     s, hw, model = cfg.strategy, cfg.hardware, cfg.model
-    is_gpt = "n_head" in model
     if s.shard_units is not None:
         units = list(s.shard_units)
         require(len(units) > 0, "strategy.shard_units", units,
                 "list at least one module class name, or null for the model's default "
-                "(GPT: Block, Llama: DecoderLayer)")
-        if is_gpt:
-            classes = LLAMA_MODULE_CLASSES if "n_kv_heads" in model else GPT_MODULE_CLASSES
+                "(its layers: GPT's Block, Llama's DecoderLayer, a transformers model's _no_split_modules)")
+        classes = module_classes(cfg)  # the model family's names (models.registry); empty: not known here
+        if classes:
             bad = [u for u in units if u not in classes]
             require(not bad, "strategy.shard_units", units,
                     f"{', '.join(map(str, bad))} is not a module class of model={model.name}; "
@@ -105,14 +100,14 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
             f"ModelParallelStrategy does not provide; valid choices: {', '.join(MODEL_PARALLEL_PRECISIONS)}. "
             "Use hardware.precision=bf16-mixed, or strategy=ddp or zero1/zero2/zero3 for 16-mixed")
     if "tensor_parallel" in s:
-        _check_tensor_parallel(cfg, layout, is_gpt)
+        _check_tensor_parallel(cfg, layout)
 
 
-def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool) -> None:
+def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
     s, hw, model = cfg.strategy, cfg.hardware, cfg.model
     tp = s.tensor_parallel
     require(tp >= 1, "strategy.tensor_parallel", tp, "must be a positive integer (>= 1)")
-    heads = model.get("n_head") if is_gpt else None
+    heads = attention_heads(cfg)
 
     def whole_heads(d: int) -> bool:  # each tensor-parallel rank holds whole heads
         return heads is None or heads % d == 0
@@ -127,8 +122,8 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout, is_gpt: bool
     require(splits(cfg, "tensor_parallel"), "model.name", model.name,
             f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: "
             f"{splittable('tensor_parallel')}. Use strategy=fsdp for this model")
-    require(model.n_head % tp == 0, "strategy.tensor_parallel", tp,
-            f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads)")
+    require(whole_heads(tp), "strategy.tensor_parallel", tp,
+            f"must divide model.n_head={heads} (each tensor-parallel rank holds whole heads)")
 
 
 def normalize_zero(cfg: DictConfig) -> None:
