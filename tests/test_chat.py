@@ -138,7 +138,7 @@ def _model(vocab: int):
     from omegaconf import OmegaConf
 
     from loom.models.lit import network_kwargs
-    from loom.models.llama import Llama
+    from loom.models.llama.network import Llama
 
     torch.manual_seed(0)
     m = OmegaConf.load("conf/model/llama_tiny.yaml")

@@ -133,7 +133,8 @@ def test_the_schedule_after_an_extension_follows_the_new_total():
 def test_older_separate_qkv_weights_load_as_the_fused_layout(tmp_path):
     from safetensors.torch import save_file
 
-    from loom.models.gpt import GPT, fuse_qkv, split_qkv
+    from loom.models.gpt import separate_qkv
+    from loom.models.gpt.network import GPT, read_fused_qkv, split_qkv
     from loom.models.init import FileInit
     from loom.models.init_from import file_shapes
 
@@ -145,8 +146,9 @@ def test_older_separate_qkv_weights_load_as_the_fused_layout(tmp_path):
         old |= {f"blocks.0.attn.q.{kind}": q, f"blocks.0.attn.k.{kind}": k, f"blocks.0.attn.v.{kind}": v}
     path = tmp_path / "old.safetensors"
     save_file({k: v.contiguous() for k, v in old.items()}, str(path))
-    assert file_shapes(path) == {k: tuple(v.shape) for k, v in state.items()}
-    init = FileInit(str(path), partial(fuse_qkv, head_dim=head_dim))
+    found = file_shapes(path)
+    assert separate_qkv(None, path, found) == [] and found == {k: tuple(v.shape) for k, v in state.items()}
+    init = FileInit(str(path), partial(read_fused_qkv, head_dim=head_dim))
     got = init.full_value("blocks.0.attn.qkv.weight", (96, 32), torch.device("cpu"))
     assert torch.equal(got, state["blocks.0.attn.qkv.weight"])
 
@@ -184,8 +186,9 @@ def test_a_completed_run_without_a_checkpoint_points_to_init_from(tmp_path):
 def test_expected_shapes_are_the_modules_state_dicts():
     from omegaconf import OmegaConf
 
-    from loom.models.gpt import GPT
-    from loom.models.init_from import gpt_shapes, mlp_shapes
+    from loom.models.gpt import shapes as gpt_shapes
+    from loom.models.gpt.network import GPT
+    from loom.models.init_from import mlp_shapes
     from loom.models.mlp import MLPClassifier
 
     def shapes(module: torch.nn.Module) -> dict:

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf, open_dict
 from loom.errors import EXIT_INVALID, ConfigError
 from loom.models.activation_checkpointing import apply_activation_checkpointing, clean_name
 from loom.models.document_mask import attend, document_ids, document_mask
-from loom.models.gpt import GPT, Block
+from loom.models.gpt.network import GPT, Block
 from loom.models.lit import _lm_loss
-from loom.models.llama import DecoderLayer, Llama
+from loom.models.llama.network import DecoderLayer, Llama
 
 T, VOCAB = 16, 32
 ROWS = ([5, 9, 2], [7, 1, 8])  # document lengths per packed row (row 1: a window starting mid-document)

@@ -11,7 +11,7 @@ from conftest import run_loom
 from safetensors.torch import load_file
 from test_tracking import DDP_ARGS, SENTINELS, STEPS
 
-from loom.models.gpt import GPT
+from loom.models.gpt.network import GPT
 
 pytestmark = pytest.mark.slow
 

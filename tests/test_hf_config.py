@@ -61,7 +61,7 @@ def test_overrides_in_every_documented_syntax_reach_the_model(hf_dirs, override)
     args = ["model=hf_causal_lm", f"model.config={hf_dirs['gpt2w']}", *DATA, override]
     cfg = resolve(args)
     assert dict(cfg.model.overrides) == {"n_layer": 1}
-    assert model_spec(cfg).n_layer == 1
+    assert model_spec(cfg).layers == 1
     assert "│ model" in planned(hf_dirs["root"], *args)
 
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from loom.models import build_module
-from loom.models.hf import config_dict
-from loom.models.llama_hf import config_from_fields
+from loom.models.hf.config import config_dict
+from loom.models.llama.hf_config import config_from_fields
 from loom.pipeline import resolve
 from loom.rundir.hf_export import INDEX, plan_shards, write_hf_dir
 from loom.rundir.safetensors_stream import dtype_name, tensor_bytes

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from loom.errors import ConfigError
 from loom.models import build_module, model_spec
-from loom.models.llama_hf import llama_shapes
+from loom.models.llama.hf_config import llama_shapes
 from loom.pipeline import resolve
 
 SIZED = ["llama_tiny", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b"]
@@ -178,7 +178,7 @@ def test_flops_per_token_agree_with_torch_flop_counter():
 
 def test_fresh_init_is_name_seeded_and_follows_the_llama_rule():
     from loom.models.lit import network_kwargs
-    from loom.models.llama import Llama
+    from loom.models.llama.network import Llama
 
     cfg = resolve(["model=llama_tiny", "seed=5"])
     module = build_module(cfg)
@@ -314,7 +314,7 @@ def test_tp_plan_splits_every_linear_of_a_decoder_layer_by_whole_heads(fake_worl
     from torch.distributed.tensor import DTensor, Shard
 
     from loom.models.init import params_on_meta
-    from loom.models.llama import DecoderLayer
+    from loom.models.llama.network import DecoderLayer
     from loom.strategies.model_parallel import _apply_tensor_parallel
 
     module = build_module(resolve(UNTIED))

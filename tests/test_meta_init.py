@@ -22,7 +22,8 @@ from conftest import FAST, launching_fixture, run_loom
 from torch import nn
 
 from loom.models import build_module
-from loom.models.init import CHUNK, NamedInit, gpt_rule
+from loom.models.gpt.network import gpt_rule
+from loom.models.init import CHUNK, NamedInit
 from loom.pipeline import resolve
 
 # plain SGD: the build is what these runs measure, and AdamW's first step over 207M parameters
@@ -64,7 +65,7 @@ def test_any_range_of_a_parameter_draws_the_same_values():
 
 
 def test_meta_build_equals_a_plain_gpt_with_the_same_seed():
-    from loom.models.gpt import GPT
+    from loom.models.gpt.network import GPT
     from loom.models.lit import network_kwargs
 
     cfg = resolve(["model=gpt_tiny", "strategy=single", "hardware=cpu", "hardware.devices=1"])

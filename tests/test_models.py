@@ -270,7 +270,7 @@ def test_custom_nn_module_with_a_loss_trains_on_synthetic_tokens(tmp_path):
 def test_gpt_125m_trains_for_real(loom):
     """The largest GPT this 24 GiB machine can train (87M params; gpt_1b/gpt_7b states alone need
     19 / 103 GB in fp32 Adam, so those two are checked on the meta device above)."""
-    from loom.models.spec import gpt_spec
+    from loom.models.gpt import spec as gpt_spec
 
     r = loom("train", "model=gpt_125m", "strategy=single", *FAST, "dataset.batch_size=1", "dataset.seq_len=32",
              "trainer.max_steps=2", "trainer.limit_val_batches=1", timeout=400)
@@ -293,7 +293,7 @@ def _attention_by_parts(x: torch.Tensor, q, k, v, proj, head_dim: int) -> torch.
 
 
 def test_fused_qkv_computes_the_separate_projections_and_loads_their_weights():
-    from loom.models.gpt import CausalSelfAttention, split_qkv
+    from loom.models.gpt.network import CausalSelfAttention, split_qkv
 
     torch.manual_seed(0)
     d, H = 32, 4
@@ -314,7 +314,7 @@ def test_fused_qkv_computes_the_separate_projections_and_loads_their_weights():
 def test_a_colwise_split_of_the_fused_qkv_holds_whole_heads(tp):
     """Each tensor-parallel rank's contiguous rows of qkv (ColwiseParallel) and columns of proj
     (RowwiseParallel) compute its heads; the sum over ranks (the all-reduce) is the full output."""
-    from loom.models.gpt import CausalSelfAttention
+    from loom.models.gpt.network import CausalSelfAttention
 
     torch.manual_seed(1)
     d, H = 32, 4
@@ -339,7 +339,7 @@ def test_attention_runs_on_the_flash_kernel_up_to_the_block_size():
     contiguous); on CPU this is its CPU flash kernel, on GPU the same checks pick flash/cuDNN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from loom.models.gpt import GPT
+    from loom.models.gpt.network import GPT
 
     model = GPT(n_layer=1, n_head=4, d_model=64, vocab_size=64, block_size=128)
     idx = torch.randint(0, 64, (2, 128))

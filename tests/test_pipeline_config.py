@@ -174,7 +174,7 @@ def test_plan_per_stage_memory(schedule, flight):
     last) and the activations of its microbatches in flight: under 1F1B the first stage holds
     pp of them (the most), under GPipe every stage holds all m. The device total is the
     fullest stage's."""
-    from loom.models.spec import gpt_spec
+    from loom.models.gpt import spec as gpt_spec
     from loom.pipeline import resolve
 
     plan = _plan("strategy=pp", "hardware.devices=4", f"strategy.pp_schedule={schedule}", "strategy.pp_microbatches=8")

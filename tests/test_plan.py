@@ -423,7 +423,7 @@ def test_old_plan_json_still_reads_and_renders():
 def _tiny_gpt():
     import torch
 
-    from loom.models.gpt import GPT
+    from loom.models.gpt.network import GPT
 
     torch.manual_seed(0)
     return GPT(n_layer=4, n_head=2, d_model=32, vocab_size=64, block_size=16)
@@ -432,7 +432,7 @@ def _tiny_gpt():
 def test_apply_activation_checkpointing_counts_keys_and_gradients():
     torch = pytest.importorskip("torch")
     from loom.models.activation_checkpointing import apply_activation_checkpointing, clean_name
-    from loom.models.gpt import Block
+    from loom.models.gpt.network import Block
 
     ref = _tiny_gpt()
     keys = list(ref.state_dict())
@@ -456,7 +456,7 @@ def test_apply_activation_checkpointing_counts_keys_and_gradients():
         assert got.keys() == expected.keys()
         assert all(torch.allclose(got[k], expected[k], atol=0, rtol=0) for k in got), mode
     with torch.device("meta"):  # right after a meta build, before any sharding
-        from loom.models.gpt import GPT
+        from loom.models.gpt.network import GPT
 
         meta = GPT(n_layer=4, n_head=2, d_model=32, vocab_size=64, block_size=16)
     assert apply_activation_checkpointing(meta, (Block,), "full") == 4

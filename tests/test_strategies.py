@@ -34,7 +34,7 @@ STEP1_TOL = 1e-4
 def _params() -> int:
     from omegaconf import OmegaConf
 
-    from loom.models.spec import gpt_spec
+    from loom.models.gpt import spec as gpt_spec
 
     m = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "gpt_tiny.yaml")
     return gpt_spec(m, 64).params

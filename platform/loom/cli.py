@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "without training")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (`loom train` prints it after 'run dir:')")
     ex.add_argument("--format", required=True, metavar="hf|peft|loom",
-                    help="hf: the Hugging Face directory from_pretrained loads (Llama family, hf_causal_lm; a "
+                    help="hf: the Hugging Face directory from_pretrained loads (models with a transformers architecture; a "
                          "LoRA run's adapter merged into its base); peft: a LoRA run's adapter directory "
                          "(PeftModel.from_pretrained); loom: model.safetensors as in final/")
     ex.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/<format>-step-<N>)")

@@ -130,18 +130,13 @@ def field_names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-# What a key that some options of a group have means for the others (appended to the refusal).
-KEY_NOTES = {
-    "model.lora": "model.lora (LoRA adapters) is for model=llama* and model=hf_causal_lm: the GPT family's attention "
-                  "is one fused qkv Linear, not the separate q/k/v projections adapters wrap",
-}
-
-
-def unknown_key_message(full_key: str, value: Any, valid: list[str]) -> str:
+def unknown_key_message(full_key: str, value: Any, valid: list[str], key_notes: dict[str, str] | None = None) -> str:
+    """The refusal of an unknown key; `key_notes`: what a key that some options of a group have
+    means for the others (the groups' own, e.g. loom.models.KEY_NOTES), appended."""
     parent, _, _ = full_key.rpartition(".")
     shown = f"={value}" if value is not None else ""
     where = f"under {parent}" if parent else "at the top level"
-    notes = [n for k, n in KEY_NOTES.items() if full_key == k or full_key.startswith(f"{k}.")]
+    notes = [n for k, n in (key_notes or {}).items() if full_key == k or full_key.startswith(f"{k}.")]
     return (f"Invalid config: unknown key {full_key}{shown}. Valid keys {where}: {', '.join(valid)}."
             + "".join(f" {n}." for n in notes))
 

@@ -28,7 +28,7 @@ from _bench import REPO, write_json
 def _model(name: str):
     import yaml
 
-    from loom.models.gpt import GPT
+    from loom.models.gpt.network import GPT
 
     cfg = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
     return GPT(**{k: v for k, v in cfg.items() if k in inspect.signature(GPT).parameters})

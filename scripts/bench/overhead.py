@@ -2,7 +2,7 @@
 """Loom's per-step cost on one process vs a plain PyTorch loop over the same model.
 
 `loom train strategy=single hardware.devices=1` (Lightning, Loom's callbacks, the in-process
-launch) against plain_gpt.py: the same GPT (loom.models.gpt, the only Loom import of that
+launch) against plain_gpt.py: the same GPT (loom.models.gpt.network, the only Loom import of that
 side), the same token file, sampler order, AdamW groups and schedule, clipping and seed, and
 the same thread count (cores // processes, as Loom's worker sets it).
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The plain-PyTorch side of the benchmarks: a hand-written training loop over Loom's GPT.
 
-Imports `loom.models.gpt.GPT` (and `loom.worker.host_memory`, the glibc heap settings Loom's
+Imports `loom.models.gpt.network.GPT` (and `loom.worker.host_memory`, the glibc heap settings Loom's
 CPU ranks apply, and `loom.data.index`'s numpy permutation, so the sample order is Loom's)
 and nothing else of Loom, so it measures what PyTorch alone costs for the same work as `loom
 train`: the same token file (the tinycode store's one shard of bytes, in non-overlapping
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from loom.models.gpt import GPT
-    from loom.models.llama import Llama
+    from loom.models.gpt.network import GPT
+    from loom.models.llama.network import Llama
 
     torch.set_num_threads(threads)
     device = torch.device(args.device)

@@ -153,8 +153,10 @@ def hydra_compose(overrides: list[str]) -> DictConfig:
     except HydraException as e:
         key = getattr(e.__cause__, "full_key", None)
         if key:
+            from loom.models import key_notes
+
             raise ConfigError(unknown_key_message(key, _override_value(overrides, key),
-                                                  valid_keys(key.rpartition(".")[0]))) from None
+                                                  valid_keys(key.rpartition(".")[0]), key_notes())) from None
         raise ConfigError(f"Invalid config: {' '.join(str(e).split())}") from None
 
 

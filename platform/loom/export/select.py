@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
-from loom.models.registry import MODELS
+from loom.models.registry import FAMILIES, MODELS
 from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
 from loom.rundir.safetensors_stream import EXPORT_DTYPES
@@ -149,7 +149,7 @@ def _check_hf(cfg: DictConfig, run_dir: Path) -> None:
     """--format hf needs a transformers architecture that holds the run's model."""
     if MODELS[cfg.model.name].hf_config is not None:
         return
-    able = ", ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.hf_config is not None))
+    able = ", ".join(f.name for f in FAMILIES if f.hf_config is not None)
     raise _usage(f"{run_dir} --format hf: model={cfg.model.name} has no Hugging Face architecture to export to "
                  f"(models that have one: {able}); use --format loom (model.safetensors)")
 
@@ -163,21 +163,15 @@ def lora_rank(cfg: DictConfig) -> int:
 def merge_base(cfg: DictConfig) -> tuple[Path | None, str]:
     """The Hugging Face directory a LoRA run's base weights are in (what peft merges into), or
     None and why not: model.init_from when it is one; hf_causal_lm's model.config when it holds
-    the weights the run started from (no model.random_init, no model.overrides)."""
+    the weights the run started from (its family's `weights_dir`)."""
     m = cfg.model
     if m.get("init_from"):
         base = Path(str(m.init_from))
         why = f"model.init_from={m.init_from} is no Hugging Face directory (no config.json)"
         return (base, "") if (base / "config.json").is_file() else (None, why)
-    config = Path(str(m.get("config") or "")).expanduser()
-    if m.get("config") and (config / "config.json").is_file():
-        from loom.models.hf import has_local_weights
-
-        if m.get("random_init") or m.get("overrides") or not has_local_weights(str(config)):
-            return None, (f"the base started from model.config={m.config} "
-                          f"{'with model.overrides' if m.get('overrides') else 'without its weights'}, which no "
-                          "directory holds")
-        return config, ""
+    weights_dir = MODELS[m.name].weights_dir
+    if weights_dir is not None:
+        return weights_dir(cfg)
     return None, "the base was initialized by Loom from the seed (no model.init_from), which no directory holds"
 
 

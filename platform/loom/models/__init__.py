@@ -1,5 +1,6 @@
-"""Models as config groups (conf/model/): Loom's GPT and Llama families, an MLP classifier, transformers
-causal LMs from a local config, and your own module (`model=custom`).
+"""Models as config groups (conf/model/): one folder per model family (`gpt/`, `llama/`, `hf/`),
+an MLP classifier and your own module (`model=custom`). The rest of Loom asks these functions,
+which ask the option's family (loom.models.registry): never a family's names or config keys.
 
 This package's top level stays free of torch (schemas, checks and `model_spec` run in the
 launcher); `build_module` imports torch and Lightning.
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 from loom.errors import fail
 from loom.layout import ParallelLayout
 from loom.models import checks, init_from, lora_checks
-from loom.models.registry import MODELS
+from loom.models.registry import FAMILIES, MODELS
 from loom.models.spec import ModelSpec, Parts
 from loom.schema import load
 
@@ -43,10 +44,9 @@ def normalize(cfg: DictConfig) -> None:
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     option = MODELS[cfg.model.name]
     option.check(cfg, layout)
-    checks.check_packing(cfg, layout, option.document_masks, splittable("document_masks"))
-    init_from.check(cfg, MODELS[cfg.model.name].shapes)  # the source's tensors against the model's, before launch
-    lora_checks.check(cfg, layout, option.lora_targets,
-                      " and ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.lora_targets)))
+    checks.check_packing(cfg, layout, option.document_masks, document_maskers())
+    init_from.check(cfg, option, list(FAMILIES))  # the source's tensors against the model's, before launch
+    lora_checks.check(cfg, layout, option.lora_targets, " and ".join(f.name for f in FAMILIES if f.lora_targets))
     _check_export_format(cfg)
 
 
@@ -54,7 +54,7 @@ def _check_export_format(cfg: DictConfig) -> None:
     """checkpoint.export_format=hf needs a transformers architecture that holds this model."""
     if cfg.checkpoint.get("export_format", "loom") != "hf" or MODELS[cfg.model.name].hf_config is not None:
         return
-    able = ", ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.hf_config is not None))
+    able = ", ".join(f.name for f in FAMILIES if f.hf_config is not None)
     fail("checkpoint.export_format", "hf",
          f"model={cfg.model.name} has no Hugging Face architecture to export to (models that have one: "
          f"{able}); keep checkpoint.export_format=loom (final/model.safetensors)")
@@ -90,15 +90,54 @@ def hf_export_config(cfg: DictConfig) -> dict[str, Any]:
     return dict(MODELS[cfg.model.name].hf_config(cfg))
 
 
+def key_notes() -> dict[str, str]:
+    """What a model.* key some families have means for the others (appended to an unknown-key refusal)."""
+    lora = " and ".join(f"model={f.name}" for f in FAMILIES if f.lora_targets)
+    return {"model.lora": f"model.lora (LoRA adapters) is for {lora}: the other families have no separate "
+                          "q/k/v projections for adapters to wrap"}
+
+
+def split_problem(cfg: DictConfig, how: str) -> str | None:
+    """Why `cfg.model` cannot be split `how` ("tensor_parallel" | "pipeline"), None when it can:
+    its family's answer, so strategies' checks ask the model instead of recognizing names."""
+    problem = MODELS[cfg.model.name].split_problem
+    if problem is None:
+        return f"model={cfg.model.name} has no {how.replace('_', '-')} split"
+    return problem(cfg, how)
+
+
 def splits(cfg: DictConfig, how: str) -> bool:
-    """Whether `cfg.model` can be split `how` ("tensor_parallel" | "pipeline"): the registry's
-    answer, so strategies' checks ask the model instead of recognizing model names."""
-    return bool(getattr(MODELS[cfg.model.name], how))
+    return split_problem(cfg, how) is None
 
 
 def splittable(how: str) -> str:
-    """The model families that can be split `how`, for refusals: "gpt_*, llama*"."""
-    return ", ".join(dict.fromkeys(o.family for o in MODELS.values() if getattr(o, how)))
+    """The model families that can be split `how` (some members may not be), for refusals."""
+    return ", ".join(f.name for f in FAMILIES if f.split_problem is not None)
+
+
+def document_maskers() -> str:
+    """The families whose forward masks attention per document, for refusals."""
+    return ", ".join(f.name for f in FAMILIES if f.document_masks)
+
+
+def model_width(cfg: DictConfig) -> int:
+    """The hidden size of `cfg.model` (activations a layer passes on); 0: not a decoder."""
+    return MODELS[cfg.model.name].width(cfg)
+
+
+def vocab_size(cfg: DictConfig) -> int:
+    """The model's vocabulary (logits per token); 0: not a language model."""
+    return MODELS[cfg.model.name].vocab(cfg)
+
+
+def model_key(cfg: DictConfig, what: str) -> str:
+    """The key a user sets for the model's `what` ("layers" | "heads"), for refusals."""
+    return MODELS[cfg.model.name].keys.get(what, f"the model's {what}")
+
+
+def layer_count(cfg: DictConfig) -> int:
+    """The decoder layers of `cfg.model` (pipeline stages hold whole ones); 0: not a decoder."""
+    return MODELS[cfg.model.name].layers(cfg)
 
 
 def build_module(cfg: DictConfig) -> Any:

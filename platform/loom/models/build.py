@@ -1,4 +1,5 @@
-"""Build each model option's LightningModule from the frozen config (imports torch, Lightning)."""
+"""Build the LightningModule of the options without a family folder (mlp, custom) from the frozen
+config (imports torch, Lightning); a family builds its own (`<family>/module.py:build`)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,11 @@ from loom.models import custom as custom_module
 from loom.models import lit
 
 
-def gpt(cfg: DictConfig) -> Any:
-    return lit.CausalLMModule(cfg)
-
-
-def llama(cfg: DictConfig) -> Any:
-    return lit.LlamaModule(cfg)
-
-
 def mlp(cfg: DictConfig) -> Any:
     from loom.models.mlp import MLPClassifier
 
     m = cfg.model
     return lit.ClassifierModule(cfg, lambda: MLPClassifier(m.in_features, list(m.hidden), m.num_classes, m.dropout))
-
-
-def hf(cfg: DictConfig) -> Any:
-    return lit.HFCausalLMModule(cfg)
 
 
 def custom(cfg: DictConfig) -> Any:

@@ -106,15 +106,10 @@ def _lora(module: Any, model: torch.nn.Module, init: Any, on_meta: bool, zero3: 
 
 
 def _file_init(module: Any, path: str) -> FileInit:
-    """A FileInit for `path`; Loom's GPT also accepts older separate attn.q/k/v weights."""
-    from functools import partial
-
-    from loom.models.gpt import fuse_qkv
-    from loom.models.schema import GPT_SIZES
-
-    m = module.cfg.model
-    head_dim = int(m.d_model) // int(m.n_head) if m.get("name") in GPT_SIZES else None
-    return FileInit(path, partial(fuse_qkv, head_dim=head_dim) if head_dim else None)
+    """A FileInit for `path`, with the module's `weight_adapter` where it has one (a family's
+    older layout of the same weights)."""
+    adapter = getattr(module, "weight_adapter", None)
+    return FileInit(path, adapter() if adapter is not None else None)
 
 
 @contextmanager

@@ -26,42 +26,14 @@ from loom.models.activation_checkpointing import clean_name
 
 # (kind, std) for a parameter's name and shape: ("normal", std) | ("zeros", 0) | ("ones", 0)
 Rule = Callable[[str, tuple[int, ...]], tuple[str, float]]
+# (a parameter's name, the names a file holds, a reader of one of them) -> its value, or None
+Derive = Callable[[str, set[str], Callable[[str], torch.Tensor]], torch.Tensor | None]
 
 
 def param_seed(seed: int, name: str) -> int:
     """A stable 63-bit seed per (run seed, parameter name); Python's hash() is salted per process."""
     digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def gpt_rule(n_layer: int) -> Rule:
-    """loom.models.gpt: GPT-2's init (normal 0.02, residual projections scaled by 1/sqrt(2L))."""
-
-    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
-        if name.endswith("bias"):
-            return "zeros", 0.0
-        if ".ln_" in name or name.startswith("ln_"):
-            return "ones", 0.0
-        if name.endswith("proj.weight"):
-            return "normal", 0.02 / math.sqrt(2 * n_layer)
-        return "normal", 0.02
-
-    return rule
-
-
-def llama_rule(std: float = 0.02) -> Rule:
-    """loom.models.llama: transformers' Llama init (`initializer_range` 0.02 for every matrix,
-    embeddings included; zero biases; unit RMSNorm weights), so a from-scratch Loom Llama
-    starts as `LlamaForCausalLM.from_config` would."""
-
-    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
-        if name.endswith("bias"):
-            return "zeros", 0.0
-        if name.endswith("norm.weight"):
-            return "ones", 0.0
-        return "normal", std
-
-    return rule
 
 
 def std_rule(std: float, constants: dict[str, float] | None = None) -> Rule:
@@ -310,16 +282,17 @@ class FileInit(NamedInit):
     (`safe_open(...).get_slice`), so no rank reads the whole checkpoint; a whole value (a
     replicated or tensor-parallel parameter) is read whole, one tensor at a time.
     `elements_read` / `elements_wanted` count what was read against the full tensors filled
-    (the construction log line says the ratio). Separate `attn.q/k/v` entries of older GPT
-    weights are fused into `attn.qkv` by `fuse_qkv` (q, k, v) when given (loom.models.gpt's)."""
+    (the construction log line says the ratio). A tensor the file holds under other names (a
+    family's older layout) comes from `derive(name, the file's names, read)`, the family's
+    weight adapter (its LightningModule's `weight_adapter`), None where it has none."""
 
-    def __init__(self, path: str, fuse_qkv: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, path: str, derive: Derive | None = None) -> None:
         from pathlib import Path
 
         from loom.models.init_from import tensor_files
 
         super().__init__(0, lambda name, shape: ("zeros", 0.0))
-        self.path, self.fuse_qkv = path, fuse_qkv
+        self.path, self.derive = path, derive
         self._where = tensor_files(Path(path))  # tensor name -> the file holding it
         self._keys = set(self._where)
         self._open: dict = {}  # file -> its safe_open handle (opened at first use)
@@ -368,10 +341,9 @@ class FileInit(NamedInit):
     def _read(self, name: str) -> torch.Tensor:
         if name in self._keys:
             return self._get(name)
-        prefix, _, kind = name.rpartition(".qkv.")
-        parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
-        if self.fuse_qkv is not None and prefix and all(p in self._keys for p in parts):
-            return self.fuse_qkv(*(self._get(p) for p in parts))
+        derived = self.derive(name, self._keys, self._get) if self.derive is not None else None
+        if derived is not None:
+            return derived
         raise KeyError(f"model.init_from={self.path} has no tensor {name}")
 
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:

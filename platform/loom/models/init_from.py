@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,10 @@ from omegaconf import DictConfig
 
 from loom.errors import ConfigError
 from loom.errors import fail as _fail
-from loom.models import llama_hf
-from loom.models.schema import LLAMA_OPTIONS
+from loom.models.family import ModelFamily, Shapes
 
 FINAL = Path("final") / "model.safetensors"
 HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"  # a Hugging Face dir's weights
-Shapes = dict[str, tuple[int, ...]]
 MAX_LISTED = 8  # tensors named per kind of mismatch in the refusal
 
 
@@ -105,21 +102,6 @@ def normalize(cfg: DictConfig) -> None:
     m.init_from_fingerprint = fingerprint(path)
 
 
-def gpt_shapes(m: DictConfig) -> Shapes:
-    """loom.models.gpt's state_dict, from the config (a test checks it against the module)."""
-    d, V, T = int(m.d_model), int(m.vocab_size), int(m.block_size)
-    out: Shapes = {"wte.weight": (V, d), "wpe.weight": (T, d)}
-    for i in range(int(m.n_layer)):
-        b = f"blocks.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[f"{b}{ln}.weight"], out[f"{b}{ln}.bias"] = (d,), (d,)
-        out |= {f"{b}attn.qkv.weight": (3 * d, d), f"{b}attn.qkv.bias": (3 * d,),
-                f"{b}attn.proj.weight": (d, d), f"{b}attn.proj.bias": (d,),
-                f"{b}mlp.fc.weight": (4 * d, d), f"{b}mlp.fc.bias": (4 * d,),
-                f"{b}mlp.proj.weight": (d, 4 * d), f"{b}mlp.proj.bias": (d,)}
-    return out | {"ln_f.weight": (d,), "ln_f.bias": (d,), "lm_head.weight": (V, d)}
-
-
 def mlp_shapes(m: DictConfig) -> Shapes:
     """loom.models.mlp: Sequential(Flatten, [Linear, GELU, Dropout] per hidden layer, Linear)."""
     widths = [int(m.in_features), *(int(h) for h in m.hidden), int(m.num_classes)]
@@ -129,19 +111,8 @@ def mlp_shapes(m: DictConfig) -> Shapes:
     return out
 
 
-def _state_shapes(model: Any) -> Shapes:
+def state_shapes(model: Any) -> Shapes:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def hf_shapes(cfg: DictConfig) -> Shapes:
-    """A transformers architecture's state dict, built on the meta device (imports torch)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from loom.models import hf
-
-    with torch.device("meta"):
-        return _state_shapes(AutoModelForCausalLM.from_config(hf.auto_config(cfg.model)))
 
 
 def custom_shapes(cfg: DictConfig) -> Shapes:
@@ -158,12 +129,11 @@ def custom_shapes(cfg: DictConfig) -> Shapes:
               f"needs a model Loom builds; model.module._target_={target} is a {kind}, which "
               "builds its own weights: load them in it, or wrap an nn.Module class instead")
     with torch.device("meta"):
-        return _state_shapes(custom.instantiate(cfg.model.module))
+        return state_shapes(custom.instantiate(cfg.model.module))
 
 
 def file_shapes(path: Path) -> Shapes:
-    """Names and shapes in the file (a Hugging Face dir: in all its shards); older GPT weights'
-    separate attn.q/k/v count as the fused attn.qkv they load as (loom.models.gpt)."""
+    """Names and shapes in the file (a Hugging Face dir: in all its shards)."""
     shapes: Shapes = {}
     try:
         for f in sorted(set(tensor_files(path).values())):
@@ -171,14 +141,6 @@ def file_shapes(path: Path) -> Shapes:
     except (OSError, ValueError) as e:
         raise ConfigError(f"Invalid config: model.init_from={str(path)!r}: not readable safetensors "
                           f"({e}).") from None
-    for k in [k for k in shapes if k.endswith(".attn.q.weight") or k.endswith(".attn.q.bias")]:
-        prefix, kind = k.rsplit(".q.", 1)
-        parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
-        if all(p in shapes for p in parts) and f"{prefix}.qkv.{kind}" not in shapes:
-            q = shapes[parts[0]]
-            for p in parts:
-                shapes.pop(p)
-            shapes[f"{prefix}.qkv.{kind}"] = (3 * q[0], *q[1:])
     return shapes
 
 
@@ -203,44 +165,33 @@ def mismatches(expected: Shapes, found: Shapes) -> list[str]:
     return out
 
 
-def _llama_problems(m: DictConfig, path: Path, found: Shapes) -> list[str]:
-    """A Llama from a Hugging Face dir: a tied head stored anyway is dropped from `found` (never
-    read); once the tensors fit, a sized option's shape-free fields must agree with config.json."""
-    data = llama_hf.read_config(path) if path.is_dir() else None
-    if data is None:
-        return []
-    fields = llama_hf.fields_from_config(data, str(path))
-    if fields["tie_embeddings"] and m.tie_embeddings:
-        found.pop("lm_head.weight", None)
-    if m.name == "llama" or mismatches(llama_hf.llama_shapes(m), found):
-        return []
-    return llama_hf.field_mismatches(m, fields)
-
-
-def _hint(name: str, path: Path) -> str:
-    """The option that fits a Hugging Face dir: Loom's Llama for its architectures, else
+def _hint(path: Path, families: list[ModelFamily]) -> str:
+    """The option that fits a Hugging Face dir: a family that reads its architecture, else
     hf_causal_lm, which loads the dir's weights itself (model.config, not model.init_from)."""
     if not path.is_dir():
         return "change the model overrides to match the source run's config.yaml"
-    data = llama_hf.read_config(path) or {}
-    if (data.get("architectures") or [None])[0] in llama_hf.SUPPORTED:
-        return "use model=llama, which takes every field from the directory's config.json"
+    config = path / "config.json"
+    data = json.loads(config.read_text()) if config.is_file() else {}
+    able = [f.name for f in families if f.takes_hf_dir(data)]
+    if able:
+        return f"use model={able[0]}, which takes every field from the directory's config.json"
     return (f"use model=hf_causal_lm model.config={path} without model.init_from (it loads that "
             "directory's weights itself)")
 
 
-def check(cfg: DictConfig, expected_shapes: Callable[[DictConfig], Shapes]) -> None:
-    """Refuse (exit 2) a source whose tensors do not fit the configured model (`expected_shapes`:
-    its registry entry's `shapes`), before launch."""
+def check(cfg: DictConfig, family: ModelFamily, families: list[ModelFamily]) -> None:
+    """Refuse (exit 2) a source whose tensors do not fit the configured model (its family's
+    `shapes` and `init_from_problems`), before launch; `families`: every registered one, for
+    the hint."""
     m = cfg.model
     if not m.get("init_from"):
         return
     path = Path(str(m.init_from))
     found = file_shapes(path)
-    fields = _llama_problems(m, path, found) if m.name in LLAMA_OPTIONS else []
-    problems = mismatches(expected_shapes(cfg), found) or fields
+    fields = family.init_from_problems(cfg, path, found)
+    problems = mismatches(family.shapes(cfg), found) or fields
     if problems:
         raise ConfigError(
             f"Invalid config: model.init_from={str(path)!r} does not fit model={m.name}: "
-            f"{'; '.join(problems)}. Start from weights of the same architecture, or {_hint(m.name, path)}."
+            f"{'; '.join(problems)}. Start from weights of the same architecture, or {_hint(path, families)}."
         )

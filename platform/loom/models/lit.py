@@ -18,18 +18,7 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
-from loom.models.gpt import GPT, Block
-from loom.models.init import (
-    FileInit,
-    NamedInit,
-    ResetParametersInit,
-    gpt_rule,
-    llama_rule,
-    meta_capable,
-    own_constants,
-    std_rule,
-)
-from loom.models.llama import DecoderLayer, Llama
+from loom.models.init import NamedInit, ResetParametersInit, meta_capable
 from loom.optim.build import build_optimizer, sync_schedule
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets the loss leaves out (document boundaries)
@@ -38,7 +27,7 @@ CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used", 
 
 
 def network_kwargs(model_cfg: DictConfig) -> dict:
-    """The constructor arguments of Loom's own networks (GPT, Llama) from `cfg.model`."""
+    """The constructor arguments of Loom's own networks from `cfg.model`."""
     m = OmegaConf.to_container(model_cfg)
     return {k: v for k, v in m.items() if k not in CONFIG_ONLY_KEYS}
 
@@ -208,25 +197,14 @@ def _global_token_loss(logits: torch.Tensor, batch: dict, used: int | None = Non
     return torch.where(scale.isnan(), own_mean, total * scale.nan_to_num(0.0))
 
 
-class CausalLMModule(LoomModule):
-    """Loom's GPT (loom.models.gpt), `model=gpt_*`."""
+class DecoderModule(LoomModule):
+    """A causal LM written in Loom (a family's `network`, built from `cfg.model`'s fields):
+    subclasses name the network, its sharding units, tensor-parallel plan and init rule."""
 
-    sharding_units = (Block,)
-    # Tensor parallelism, per unit class: submodule -> colwise | rowwise (Megatron-style:
-    # the fused qkv and the MLP's up projection split by output features, i.e. by heads (qkv's
-    # rows are grouped by head, loom.models.gpt, so a contiguous split holds whole heads of q,
-    # k and v); the two output projections by input features: one all-reduce per branch).
-    tensor_parallel_plan = {
-        Block: {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"},
-    }
-
-    network: type[nn.Module] = GPT
+    network: type[nn.Module]
 
     def build_model(self) -> nn.Module:
         return self.network(**network_kwargs(self.cfg.model))
-
-    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
-        return NamedInit(int(self.cfg.seed), gpt_rule(int(self.cfg.model.n_layer))), None
 
     def _loss(self, batch) -> torch.Tensor:
         """(x, y), or (x, y, pos) under dataset.packing=documents: pos restarts at each document
@@ -240,62 +218,6 @@ class CausalLMModule(LoomModule):
             return self._lm_loss(self.model(x, pos), y)
         x, y = batch
         return self._lm_loss(self.model(x), y)
-
-
-class LlamaModule(CausalLMModule):
-    """Loom's Llama (loom.models.llama), `model=llama*`: FSDP and activation checkpointing
-    units are its decoder layers; its pipeline split is the network's (`Llama.pipeline_split`)."""
-
-    network = Llama
-    sharding_units = (DecoderLayer,)
-    # transformers' `base_model_tp_plan` and torchtitan's llama3 plan: q/k/v and the SwiGLU's gate
-    # and up projections split by output features (whole query and key/value heads per rank:
-    # validation asks tp to divide n_kv_heads), o and down by input features: one all-reduce per
-    # branch. Embedding and head stay whole on every TP rank (FSDP2 shards them over the
-    # data-parallel ranks), as for the GPT, so the loss path is the same; a tied head then
-    # reads the same whole embedding, with no special case.
-    tensor_parallel_plan = {
-        DecoderLayer: {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-                       "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                       "mlp.down_proj": "rowwise"},
-    }
-
-    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
-        return NamedInit(int(self.cfg.seed), llama_rule()), None
-
-
-class HFCausalLMModule(LoomModule):
-    """A transformers AutoModelForCausalLM, `model=hf_causal_lm`. FSDP units: the classes the
-    model names in `_no_split_modules` (its decoder layers)."""
-
-    def build_model(self) -> nn.Module:
-        from loom.models import hf
-
-        model = hf.build(self.cfg.model)
-        names = set(getattr(model, "_no_split_modules", None) or [])
-        self.sharding_units = tuple({type(mod) for mod in model.modules() if type(mod).__name__ in names})
-        return model
-
-    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
-        from loom.models import hf
-
-        m = self.cfg.model
-        weights = hf.safetensors_dir(m)
-        if weights is not None:  # each rank reads what it holds of the pretrained safetensors
-            return FileInit(str(weights)), None
-        if not m.random_init and hf.has_local_weights(str(m.config)):
-            return None, "its pretrained weights are .bin files, which transformers loads whole"
-        std = float(getattr(meta_model.config, "initializer_range", 0.02))
-        return NamedInit(int(self.cfg.seed), std_rule(std, own_constants(meta_model))), None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, use_cache=False).logits
-
-    def _loss(self, batch) -> torch.Tensor:
-        if isinstance(batch, dict):  # chat data (padded: no positions, checks refuse documents packing)
-            return _global_token_loss(self.forward(batch["input_ids"]), batch)
-        x, y = batch
-        return _lm_loss(self.forward(x), y)
 
 
 class ClassifierModule(LoomModule):

@@ -13,11 +13,9 @@ ones is not silently dropped.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Callable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from loom.errors import fail, require
 from loom.layout import ParallelLayout
@@ -37,39 +35,6 @@ def lora_on(m: DictConfig | None) -> bool:
 def matches(module: str, target: str) -> bool:
     """peft's rule for a list of target names: the whole name, or its last dotted parts."""
     return module == target or module.endswith(f".{target}")
-
-
-def llama_targets(cfg: DictConfig) -> Targets:
-    """loom.models.llama's Linear modules (q/k/v/o, gate/up/down per layer; lm_head when untied)."""
-    from loom.models.llama_hf import llama_shapes
-
-    return {name.removesuffix(".weight"): (shape[1], shape[0]) for name, shape in llama_shapes(cfg.model).items()
-            if name.endswith("_proj.weight") or name == "lm_head.weight"}
-
-
-def hf_targets(cfg: DictConfig) -> Targets:
-    """A transformers model's Linear (and GPT-2 Conv1D) modules, from its meta-device build."""
-    m = OmegaConf.to_container(cfg.model)
-    m.pop("lora", None)  # the network does not depend on it: one build for every lora setting
-    return dict(_hf_targets(json.dumps(m, sort_keys=True, default=str)))
-
-
-@functools.lru_cache(maxsize=8)
-def _hf_targets(key: str) -> tuple[tuple[str, tuple[int, int]], ...]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from loom.models import hf
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf.auto_config(OmegaConf.create(json.loads(key))))
-    out = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            out.append((name, (mod.in_features, mod.out_features)))
-        elif type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None:  # GPT-2: (in, out)
-            out.append((name, (int(mod.weight.shape[0]), int(mod.weight.shape[1]))))
-    return tuple(out)
 
 
 def adapted(cfg: DictConfig, targets: Targets) -> Targets:

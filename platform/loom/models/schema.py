@@ -1,4 +1,5 @@
-"""The schemas of the model options (conf/model/)."""
+"""The schemas shared by families (LoRA) and of the options without a family folder (mlp, custom);
+a family's own schema lives in its folder (conf/model/)."""
 
 from __future__ import annotations
 
@@ -20,46 +21,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
-class GPTModelConfig:
-    name: str = "gpt_tiny"
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 128
-    vocab_size: int = 256
-    block_size: int = 256
-    dropout: float = 0.0
-    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
-    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
-    vocab_used: int | None = None     # set by Loom: the tokenizer's ids below a padded vocab_size
-
-
-@dataclass
-class LlamaModelConfig:
-    """loom.models.llama (conf/model/llama*.yaml). A null field is filled from the config.json
-    of the Hugging Face directory `init_from` names (`model=llama`: every shape comes from it)."""
-
-    name: str = "llama_tiny"
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_kv_heads: int | None = None     # key/value heads (GQA); = n_head: multi-head attention
-    d_model: int | None = None
-    intermediate_size: int | None = None  # the SwiGLU MLP's width (gate/up rows)
-    vocab_size: int | None = None
-    block_size: int | None = None     # longest sequence (config.json max_position_embeddings)
-    rope_theta: float | None = None
-    # Llama-3.1 frequency scaling {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; null: plain rotary
-    rope_scaling: dict[str, float] | None = None
-    rms_norm_eps: float | None = None
-    tie_embeddings: bool | None = None  # the head reuses model.embed_tokens.weight (no lm_head.weight)
-    qkv_bias: bool | None = None      # biases on q/k/v_proj (Qwen2)
-    init_from: str | None = None      # a run dir, a .safetensors file, or a Hugging Face dir
-    init_from_fingerprint: str | None = None  # set by Loom: the files' sizes and mtimes
-    vocab_used: int | None = None     # set by Loom: the tokenizer's ids below a padded vocab_size
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
 class MLPModelConfig:
     name: str = "mlp"
     in_features: int | None = None    # null: from the dataset (digits: 64)
@@ -71,19 +32,6 @@ class MLPModelConfig:
 
 
 @dataclass
-class HFCausalLMModelConfig:
-    name: str = "hf_causal_lm"
-    config: str | None = None         # a local dir with config.json, or a name in the HF cache
-    # set on the AutoConfig: any key of its class, checked before launch (models.hf_checks), e.g. {n_layer: 2}
-    overrides: dict[str, Any] = field(default_factory=dict)
-    vocab_size: int | None = None     # null: the config's
-    random_init: bool = False         # false: load the weights when they are local, else random
-    init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
-    init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
 class CustomModelConfig:
     name: str = "custom"
     # `_target_` (+ its keyword arguments): a LightningModule, or an nn.Module trained with `loss`
@@ -91,9 +39,3 @@ class CustomModelConfig:
     loss: dict[str, Any] = field(default_factory=lambda: {"_target_": "torch.nn.CrossEntropyLoss"})
     init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
     init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
-
-
-# Loom's GPT family: one schema, several sizes (conf/model/gpt_*.yaml).
-GPT_SIZES = ("gpt_tiny", "gpt_small", "gpt_125m", "gpt_1b", "gpt_7b")
-# The Llama family: sized options, and `llama` whose sizes come from model.init_from's config.json.
-LLAMA_OPTIONS = ("llama_tiny", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b", "llama")

@@ -223,7 +223,7 @@ def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float |
         out.append(f"hardware.devices={hw.devices} CPU processes on this machine's {cores} usable core(s): "
                    f"the ranks share the cores and each step is slower than with hardware.devices<={cores}"
                    + (f" (`loom train` refuses more than {4 * cores})" if hw.devices > 4 * cores else "") + ".")
-    attention = 12 * spec.n_layer * spec.d_model * spec.items_per_sample  # per token, as the FLOP count has it
+    attention = 12 * spec.layers * spec.width * spec.items_per_sample  # per token, as the FLOP count has it
     note = data.packing_note(cfg, attention / spec.flops_per_token) if spec.flops_per_token else None
     if note:
         out.append(note)

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import conf_dir
 from loom.layout import ParallelLayout
-from loom.models import MODELS, model_parts, trainable_params
+from loom.models import MODELS, layer_count, model_parts, model_width, trainable_params, vocab_size
 from loom.optim import state_slots
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
@@ -171,17 +171,17 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     full, plus one layer's recompute. The logits and their gradient (fp32, 2*4*b*s*V bytes)
     are split over TP ranks (the head is column-parallel).
     """
-    m = cfg.model
-    if "d_model" not in m:
+    h, L = model_width(cfg), layer_count(cfg)
+    if not h or not L:
         return 0.0
     mode = mode or cfg.trainer.get("activation_checkpointing", "none")
-    b, s, h, L = cfg.dataset.batch_size, cfg.dataset.seq_len, m.d_model, m.n_layer
+    b, s = cfg.dataset.batch_size, cfg.dataset.seq_len
     parts = model_parts(cfg)
     full = parts.layer_activation_bytes(s * b, tp, mixed) if parts else layer_activation_bytes(s, b, h, tp, mixed)
     ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
     kept_input = s * b * h * (2.0 if mixed else 4.0)
     stored = (L - ckpt) * full + ckpt * kept_input + (full if ckpt else 0.0)
-    logits = 2 * 4 * b * s * m.vocab_size / tp  # fp32 logits and their gradient
+    logits = 2 * 4 * b * s * vocab_size(cfg) / tp  # fp32 logits and their gradient
     return stored + logits
 
 
@@ -192,7 +192,7 @@ def tp_replicated_params(cfg: DictConfig) -> float:
     from loom.models import model_parts
 
     parts = model_parts(cfg)
-    return float(parts.tp_whole(int(cfg.model.n_layer), True, True)) if parts else 0.0
+    return float(parts.tp_whole(layer_count(cfg), True, True)) if parts else 0.0
 
 
 def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
@@ -271,10 +271,10 @@ def tp_bytes(cfg: DictConfig, layout: ParallelLayout) -> float:
     batch across the TP group."""
     if layout.tp == 1:
         return 0.0
-    m, tp = cfg.model, layout.tp
+    tp = layout.tp
     act = 2.0 if cfg.hardware.precision != "32-true" else 4.0
-    volume = cfg.dataset.batch_size * cfg.dataset.seq_len * m.d_model * act
-    return cfg.trainer.accumulate_grad_batches * 4 * (m.n_layer / layout.pp) * 2 * (tp - 1) / tp * volume
+    volume = cfg.dataset.batch_size * cfg.dataset.seq_len * model_width(cfg) * act
+    return cfg.trainer.accumulate_grad_batches * 4 * (layer_count(cfg) / layout.pp) * 2 * (tp - 1) / tp * volume
 
 
 def capacity(hw: DictConfig) -> tuple[float | None, str]:

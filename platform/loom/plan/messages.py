@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from loom import strategies
 from loom.layout import ParallelLayout
+from loom.models import layer_count
 from loom.strategies.degrees import PP_SCHEDULES
 
 DDP_BUCKET_BYTES = 25e6   # torch DDP's default bucket_cap_mb; ZeRO's reduce buckets are of this order too
@@ -28,7 +29,7 @@ def comm_messages(cfg: DictConfig, name: str, params: float, layout: ParallelLay
     if layout.world == 1:
         return out
     accum = int(cfg.trainer.accumulate_grad_batches)
-    blocks = int(cfg.model.get("n_layer") or 1) / layout.pp        # this device's blocks
+    blocks = (layer_count(cfg) or 1) / layout.pp        # this device's blocks
     micro = int(layout.pp_microbatches or 1) if layout.pp > 1 else 1  # forward/backward passes per micro batch
     if layout.dp > 1:
         out["data_parallel"] = _data_parallel_calls(cfg, name, params / (layout.tp * layout.pp), blocks,

@@ -35,6 +35,7 @@ from math import ceil
 from omegaconf import DictConfig
 
 from loom import strategies
+from loom.models import layer_count
 from loom.plan import Plan
 from loom.plan.messages import DDP_BUCKET_BYTES
 from loom.strategies.deepspeed_config import zero_stage
@@ -91,7 +92,7 @@ def _sharded(cfg: DictConfig, plan: Plan, wire: Wire, fwd: float, bwd: float, pa
     """FSDP2-style prefetch over the units of each pass: forward gathers, then backward's
     gathers (when resharded after forward) and reductions, each pipelined behind the units'
     compute (`fwd`, `bwd`: the step's hiding compute, already scaled by the overlap)."""
-    units = int(cfg.model.get("n_layer") or 1) / int(plan.parallel.get("pp", 1)) + 1  # blocks + the root
+    units = (layer_count(cfg) or 1) / int(plan.parallel.get("pp", 1)) + 1  # blocks + the root
     n = max(1, round(units))
     gathers = 1 if plan.strategy_config.get("reshard_after_forward") is False else 2
     g_fwd = wire.gather / gathers

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import model_parts
+from loom.models import layer_count, model_parts, model_width, vocab_size
 from loom.plan.memory import MemoryEstimate, per_param_bytes, state_bytes
 from loom.strategies.degrees import PP_SCHEDULES
 from loom.strategies.pipeline import stage_blocks, stage_ids
@@ -79,9 +79,9 @@ def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, l
     and what runs outside autocast's 16-bit ops (the residual stream, the norms' inputs: the 10
     s*b*h per layer tensor parallelism repeats) stays fp32. `loom plan --rehearse` measured both
     (a 70B shape, tp 8, pp 4: activations 4.06 GB planned before, 21.6 GB rehearsed)."""
-    m, mixed = cfg.model, cfg.hardware.precision != "32-true"
+    mixed = cfg.hardware.precision != "32-true"
     autocast = cfg.hardware.precision in ("bf16-mixed", "16-mixed")
-    s, h = cfg.dataset.seq_len, m.d_model
+    s, h = cfg.dataset.seq_len, model_width(cfg)
     parts = model_parts(cfg)
     full = parts.layer_activation_bytes(s * micro, layout.tp, mixed)
     if autocast:
@@ -90,7 +90,7 @@ def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, l
     ckpt = {"none": 0, "selective": (n_blocks + 1) // 2, "full": n_blocks}[mode]
     stored = (n_blocks - ckpt) * full + ckpt * s * micro * h * (2.0 if mixed else 4.0) + (full if ckpt else 0.0)
     copies = 2.0 * n_blocks * layer_params / layout.tp if autocast else 0.0
-    return stored + copies + (2 * 4 * micro * s * m.vocab_size / layout.tp if last else 0.0)
+    return stored + copies + (2 * 4 * micro * s * vocab_size(cfg) / layout.tp if last else 0.0)
 
 
 def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[StagePlan]:
@@ -99,7 +99,7 @@ def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[Stag
     parts = model_parts(cfg)
     if layout.pp == 1 or parts is None:
         return []
-    m, sched = cfg.model, str(layout.pp_schedule)
+    sched = str(layout.pp_schedule)
     v = PP_SCHEDULES[sched].stages_per_rank
     n_stages, mb = layout.pp * v, int(layout.pp_microbatches or layout.pp)
     micro = max(1, cfg.dataset.batch_size // mb)
@@ -107,8 +107,8 @@ def stage_plans(cfg: DictConfig, name: str, layout: ParallelLayout) -> list[Stag
     out = []
     for r in range(layout.pp):
         stages = stage_ids(r, layout.pp, v, style)
-        chunks = [(len(stage_blocks(st, n_stages, m.n_layer)), st == n_stages - 1) for st in stages]
-        blocks = [b for st in stages for b in stage_blocks(st, n_stages, m.n_layer)]
+        chunks = [(len(stage_blocks(st, n_stages, layer_count(cfg))), st == n_stages - 1) for st in stages]
+        blocks = [b for st in stages for b in stage_blocks(st, n_stages, layer_count(cfg))]
         first, last = 0 in stages, n_stages - 1 in stages
         params = len(blocks) * parts.per_layer + (parts.first if first else 0) + (parts.last if last else 0)
         mem = _states(cfg, name, layout, params, parts.tp_whole(len(blocks), first, last))
@@ -136,8 +136,8 @@ def pipeline_summary(cfg: DictConfig, name: str, layout: ParallelLayout) -> dict
 def p2p_bytes(cfg: DictConfig, layout: ParallelLayout) -> float:
     """Bytes a middle pipeline rank sends per step: each stage chunk's output activations
     forward and its input gradients backward, for every microbatch (the per-rank batch)."""
-    if layout.pp == 1 or "d_model" not in cfg.model:
+    if layout.pp == 1 or not model_width(cfg):
         return 0.0
     v = PP_SCHEDULES[str(layout.pp_schedule)].stages_per_rank
     act = 4.0 if cfg.hardware.precision == "32-true" else 2.0
-    return 2.0 * v * cfg.dataset.batch_size * cfg.dataset.seq_len * cfg.model.d_model * act
+    return 2.0 * v * cfg.dataset.batch_size * cfg.dataset.seq_len * model_width(cfg) * act

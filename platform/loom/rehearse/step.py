@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
+from loom.models import model_width
 from loom.strategies import lightning_precision
 from loom.strategies.base import optim_state_bytes, param_bytes, tensor_bytes
 
@@ -176,7 +177,7 @@ def _pipeline_step(cfg: DictConfig, layout: ParallelLayout, module: Any, strateg
             chunk = pipe.chunks[i % len(pipe.chunks)]
             x, y = _batch(cfg, micro, device)
             if not chunk.is_first:
-                x = torch.randn(micro, int(cfg.dataset.seq_len), int(cfg.model.d_model), device=device,
+                x = torch.randn(micro, int(cfg.dataset.seq_len), model_width(cfg), device=device,
                                 requires_grad=True)
             out = _microbatch(chunk)(x)
             outs.append(module._lm_loss(out, y) if chunk.is_last else out)

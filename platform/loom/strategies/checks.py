@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from loom.bundle import shipped_path
 from loom.errors import fail, require
 from loom.layout import ParallelLayout
-from loom.models import MODELS, attention_heads, module_classes, splits, splittable
+from loom.models import MODELS, attention_heads, model_key, module_classes, split_problem
 from loom.strategies.schema import COMM_HOOKS
 
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
@@ -87,7 +87,7 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
         units = list(s.shard_units)
         require(len(units) > 0, "strategy.shard_units", units,
                 "list at least one module class name, or null for the model's default "
-                "(its layers: GPT's Block, Llama's DecoderLayer, a transformers model's _no_split_modules)")
+                "(its decoder layers; a transformers model's _no_split_modules)")
         classes = module_classes(cfg)  # the model family's names (models.registry); empty: not known here
         if classes:
             bad = [u for u in units if u not in classes]
@@ -113,17 +113,18 @@ def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
         return heads is None or heads % d == 0
 
     keep = (f"; or keep it and use hardware.devices={', '.join(str(tp * k) for k in range(1, 5))}, ..."
-            if whole_heads(tp) else f" ({tp} cannot split model.n_head={heads} heads either)")
+            if whole_heads(tp) else f" ({tp} cannot split {model_key(cfg, 'heads')}={heads} heads either)")
     require(hw.devices % tp == 0, "strategy.tensor_parallel", tp,
             f"must divide hardware.devices={hw.devices} (tensor-parallel groups stay within a node); valid "
             f"choices: {', '.join(str(d) for d in range(1, hw.devices + 1) if hw.devices % d == 0 and whole_heads(d))}"
             + keep)
     require(layout.world % tp == 0, "strategy.tensor_parallel", tp, f"must divide the world size {layout.world}")
-    require(splits(cfg, "tensor_parallel"), "model.name", model.name,
-            f"strategy={s.name} needs a model with a tensor-parallel plan; models with one: "
-            f"{splittable('tensor_parallel')}. Use strategy=fsdp for this model")
+    problem = split_problem(cfg, "tensor_parallel")
+    require(problem is None, "model.name", model.name,
+            f"strategy={s.name} needs a model with a tensor-parallel plan, and model={model.name} has none: "
+            f"{problem}. Use strategy=fsdp for this model")
     require(whole_heads(tp), "strategy.tensor_parallel", tp,
-            f"must divide model.n_head={heads} (each tensor-parallel rank holds whole heads)")
+            f"must divide {model_key(cfg, 'heads')}={heads} (each tensor-parallel rank holds whole heads)")
 
 
 def normalize_zero(cfg: DictConfig) -> None:
@@ -191,12 +192,13 @@ def check_nd(cfg: DictConfig, layout: ParallelLayout) -> None:
 
     model = cfg.model
     if layout.tp > 1:
-        require(splits(cfg, "tensor_parallel"), "strategy.tp", layout.tp,
-                f"model={model.name} has no tensor-parallel plan (models with one: "
-                f"{splittable('tensor_parallel')}); use strategy.tp=1")
-        require(model.n_head % layout.tp == 0, "strategy.tp", layout.tp,
-                f"must divide model.n_head={model.n_head} (each tensor-parallel rank holds whole heads); "
-                f"valid: {', '.join(str(d) for d in range(1, model.n_head + 1) if model.n_head % d == 0)}")
+        problem = split_problem(cfg, "tensor_parallel")
+        require(problem is None, "strategy.tp", layout.tp,
+                f"model={model.name} has no tensor-parallel plan ({problem}); use strategy.tp=1")
+        heads = attention_heads(cfg)
+        require(heads is None or heads % layout.tp == 0, "strategy.tp", layout.tp,
+                f"must divide {model_key(cfg, 'heads')}={heads} (each tensor-parallel rank holds whole heads); "
+                f"valid: {', '.join(str(d) for d in range(1, (heads or 1) + 1) if (heads or 1) % d == 0)}")
         require(cfg.hardware.devices % layout.tp == 0, "strategy.tp", layout.tp,
                 f"must divide hardware.devices={cfg.hardware.devices} (tensor-parallel groups stay within a node)")
     check_pipeline(cfg, layout.pp)

@@ -134,7 +134,7 @@ def _derived(cfg: DictConfig, user: dict) -> dict[str, int]:
         return {}
     from loom.models import model_spec
 
-    hidden = int(model_spec(cfg).d_model or 0)
+    hidden = int(model_spec(cfg).width or 0)
     return {f"zero_optimization.{k}": sizes[k](hidden) for k in autos} if hidden else {}
 
 

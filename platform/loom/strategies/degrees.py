@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import require
-from loom.models import splits, splittable
+from loom.models import layer_count, model_key, split_problem
 
 DEGREE_KEYS = ("dp_replicate", "dp_shard", "tp", "pp")
 
@@ -94,16 +94,18 @@ def check_pipeline(cfg: DictConfig, pp: int) -> None:
         return
     # strategy=pp is dp = tp = 1: pp=1 there leaves the world unfilled; under nd another degree takes it
     unpiped = "" if s.name == "pp" else "strategy.pp=1 strategy.dp_shard=-1, or "
-    require(splits(cfg, "pipeline"), "strategy.pp", pp,
-            f"model={model.name} cannot be split into pipeline stages (Loom splits {splittable('pipeline')} "
-            f"by layers); use {unpiped}strategy=fsdp / ddp for this model")
+    problem = split_problem(cfg, "pipeline")
+    require(problem is None, "strategy.pp", pp,
+            f"model={model.name} cannot be split into pipeline stages: {problem}; use {unpiped}strategy=fsdp / ddp "
+            "for this model")
     stages = stages_of(s, pp)
     per_rank = PP_SCHEDULES[sched].stages_per_rank
-    require(stages <= model.n_layer, "strategy.pp", pp,
+    layers, key = layer_count(cfg), model_key(cfg, "layers")
+    require(stages <= layers, "strategy.pp", pp,
             f"{stages} pipeline stages ({pp} ranks x {per_rank} per rank under pp_schedule={sched}) need at "
-            f"least as many blocks, but model.n_layer={model.n_layer}: use model.n_layer={stages} (or more)"
-            + (f", or strategy.pp_schedule=1f1b (one stage per rank: {pp} blocks)" if per_rank > 1 and pp <= model.n_layer
-               else "") + ("" if s.pp == -1 else f", or strategy.pp <= {model.n_layer // per_rank}"))
+            f"least as many layers, but {key}={layers}: use {key}={stages} (or more)"
+            + (f", or strategy.pp_schedule=1f1b (one stage per rank: {pp} layers)" if per_rank > 1 and pp <= layers
+               else "") + ("" if s.pp == -1 else f", or strategy.pp <= {layers // per_rank}"))
     mb = microbatches_of(s, pp)
     require(mb >= pp, "strategy.pp_microbatches", mb,
             f"fewer microbatches than the {pp} pipeline ranks (strategy.pp={pp}) leaves stages idle every "

@@ -345,9 +345,14 @@ def _unit_classes(module, names) -> tuple[type, ...]:
 
 
 def _apply_tensor_parallel(module, tp_mesh) -> None:
-    """The model's `tensor_parallel_plan` ({unit class: {submodule: colwise|rowwise}})."""
+    """The module's own `apply_tensor_parallel` where it has one (a transformers decoder's plan),
+    else its `tensor_parallel_plan` ({unit class: {submodule: colwise|rowwise}})."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    own = getattr(module, "apply_tensor_parallel", None)
+    if own is not None:
+        own(tp_mesh)
+        return
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = getattr(module, "tensor_parallel_plan", None)
     if not plan:

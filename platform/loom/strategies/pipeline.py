@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
+from loom.models import layer_count
 from loom.strategies.degrees import PP_SCHEDULES, microbatches_of
 
 log = logging.getLogger("loom")
@@ -139,7 +140,7 @@ class Pipeline:
         self.pp_rank = mesh["pipeline"].get_local_rank()
         self.stages = stage_ids(self.pp_rank, self.pp, self.per_rank, _style(self.name))
         self.microbatches = microbatches_of(s, layout.pp)
-        self.n_layer = int(cfg.model.n_layer)
+        self.layers = layer_count(cfg)
         self.device, self.layout = device, layout
         self.schedule: Any = None
         self.chunks: list = []
@@ -160,13 +161,17 @@ class Pipeline:
         raise ValueError(stage)
 
     def local_blocks(self) -> list[int]:
-        return [b for st in self.stages for b in stage_blocks(st, self.n_stages, self.n_layer)]
+        return [b for st in self.stages for b in stage_blocks(st, self.n_stages, self.layers)]
 
-    def prune(self, net) -> None:
+    def prune(self, module) -> None:
         """Drop the modules of the other ranks' stages (kept layers keep their names) and make
-        this rank's stage modules (`chunks`), which FSDP2 may then shard as roots."""
+        this rank's stage modules (`chunks`), which FSDP2 may then shard as roots: the module's
+        own `pipeline_chunks` where it has one (a transformers decoder's plan), else the
+        network's `pipeline_split`."""
+        net = module.model
+        own = getattr(module, "pipeline_chunks", None)
+        self.chunks = own(net, self.stages, self.n_stages) if own else split_stages(net, self.stages, self.n_stages)
         self.split = net.pipeline_split
-        self.chunks = split_stages(net, self.stages, self.n_stages)
 
     def _build(self, loss_fn) -> None:
         """The PipelineStages over the chunks (an FSDP2 chunk gets its gradient reduction from
@@ -271,7 +276,7 @@ def _pipeline_strategy_class():
             """Stages first, then TP on their layers, then FSDP2 on each stage (torchtitan's order)."""
             from loom.strategies.model_parallel import _apply_tensor_parallel
 
-            self.pipeline.prune(module.model)
+            self.pipeline.prune(module)
             lay = self.loom_layout
             if lay.tp > 1:
                 _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
@@ -349,7 +354,7 @@ def _pipeline_strategy_class():
             p = self.pipeline
 
             def stage_of_layer(layer: int) -> int:
-                return next(s for s in range(p.n_stages) if layer in stage_blocks(s, p.n_stages, p.n_layer))
+                return next(s for s in range(p.n_stages) if layer in stage_blocks(s, p.n_stages, p.layers))
 
             stage = p.split.stage_of(key, stage_of_layer, p.n_stages)
             return p.owner_pp_rank(stage) * self.loom_layout.tp  # data-parallel index 0

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
+from loom.models.family import Shapes
 
 # architecture (config.json "architectures"[0]) -> whether its q/k/v projections carry biases
 # (Mistral is Llama's network with an optional sliding window: accepted without one)
@@ -31,7 +32,6 @@ BEHAVIOUR_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 # module classes of loom.models.llama (strategy.shard_units names them before torch is imported)
 MODULE_CLASSES = ("DecoderLayer", "Attention", "MLP", "RMSNorm", "Linear", "Embedding")
 
-Shapes = dict[str, tuple[int, ...]]
 
 
 def read_config(directory: Path) -> dict[str, Any] | None:

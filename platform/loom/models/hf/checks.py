@@ -17,9 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom.errors import ConfigError
 from loom.errors import fail as _fail
-from loom.models import hf
+from loom.models.family import Shapes
+from loom.models.hf import config as hf
 
-Shapes = dict[str, tuple[int, ...]]
 MAX_REASON = 300  # characters of a transformers exception quoted in a refusal
 
 

@@ -25,7 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.models.document_mask import DocumentMask, attend, document_mask
+from loom.models.init import Rule
 from loom.models.pipeline_split import PipelineSplit
+
+
+def llama_rule(std: float = 0.02) -> Rule:
+    """transformers' Llama init (`initializer_range` 0.02 for every matrix, embeddings included;
+    zero biases; unit RMSNorm weights), so a from-scratch Loom Llama starts as
+    `LlamaForCausalLM.from_config` would."""
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if name.endswith("norm.weight"):
+            return "ones", 0.0
+        return "normal", std
+
+    return rule
 
 
 class RMSNorm(nn.Module):
@@ -185,9 +201,9 @@ class Llama(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """loom.models.init.llama_rule, each parameter from its own generator seeded by `seed`
-        (default: torch's current seed) and its name, as sharded runs do."""
-        from loom.models.init import NamedInit, initialize, llama_rule
+        """`llama_rule`, each parameter from its own generator seeded by `seed` (default:
+        torch's current seed) and its name, as sharded runs do."""
+        from loom.models.init import NamedInit, initialize
 
         seed = torch.initial_seed() if seed is None else seed
         initialize(self, NamedInit(seed, llama_rule()), self.model.embed_tokens.weight.device)

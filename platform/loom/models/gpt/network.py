@@ -17,12 +17,31 @@ the first stage, ln_f + lm_head with the last. `forward(idx, pos)` with per-docu
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loom.models.document_mask import DocumentMask, attend, document_mask
+from loom.models.init import Rule
 from loom.models.pipeline_split import PipelineSplit
+
+
+def gpt_rule(n_layer: int) -> Rule:
+    """GPT-2's init (normal 0.02, residual projections scaled by 1/sqrt(2L))."""
+
+    def rule(name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+        if name.endswith("bias"):
+            return "zeros", 0.0
+        if ".ln_" in name or name.startswith("ln_"):
+            return "ones", 0.0
+        if name.endswith("proj.weight"):
+            return "normal", 0.02 / math.sqrt(2 * n_layer)
+        return "normal", 0.02
+
+    return rule
 
 
 class CausalSelfAttention(nn.Module):
@@ -57,6 +76,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -
     """Separate q/k/v weights (d_out, ...) or biases (d_out,) -> the fused, head-grouped `qkv` one."""
     rest = q.shape[1:]
     return torch.stack([t.reshape(-1, head_dim, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
+
+
+def read_fused_qkv(name: str, keys: set[str], read: Callable[[str], torch.Tensor],
+                   head_dim: int) -> torch.Tensor | None:
+    """`attn.qkv` of weights saved with separate `attn.q/k/v` (models.init.FileInit's `derive`)."""
+    prefix, _, kind = name.rpartition(".qkv.")
+    parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
+    if prefix and all(p in keys for p in parts):
+        return fuse_qkv(*(read(p) for p in parts), head_dim=head_dim)
+    return None
 
 
 def split_qkv(qkv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,9 +145,9 @@ class GPT(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self, seed: int | None = None) -> None:
-        """GPT-2's init (loom.models.init.gpt_rule), each parameter from its own generator
-        seeded by `seed` (default: torch's current seed) and its name, as sharded runs do."""
-        from loom.models.init import NamedInit, gpt_rule, initialize
+        """GPT-2's init (`gpt_rule`), each parameter from its own generator seeded by `seed`
+        (default: torch's current seed) and its name, as sharded runs do."""
+        from loom.models.init import NamedInit, initialize
 
         seed = torch.initial_seed() if seed is None else seed
         initialize(self, NamedInit(seed, gpt_rule(self.n_layer)), self.lm_head.weight.device)
