@@ -234,7 +234,7 @@ def test_fsdp_shard_units_name_the_llama_classes():
     (["strategy=fsdp_tp", "strategy.tensor_parallel=3"], "strategy.tensor_parallel=3: must divide "
                                                           "model.n_kv_heads=2 (each tensor-parallel rank holds "
                                                           "whole key/value heads); valid degrees: 1, 2"),
-    (["strategy=nd", "strategy.pp=2"], "strategy.pp=2 puts model.embed_tokens on the first pipeline stage and the "
+    (["strategy=nd", "strategy.pp=2"], "strategy.pp=2 puts the token embedding on the first pipeline stage and the "
                                        "head on the last, so a head tied to the embedding cannot be shared between "
                                        "them; set model.tie_embeddings=false"),
     (["strategy=nd", "strategy.pp=4"], "strategy.pp=4: exceeds model.n_layer=2"),
