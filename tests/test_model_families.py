@@ -85,3 +85,11 @@ def test_every_option_has_a_family_folder_or_is_a_plain_option_and_a_yaml():
         folder = ROOT.parent / Path(*module.split("."))
         assert fn and (folder.with_suffix(".py").is_file() or folder.is_dir()), family.build
         assert family.summary, family.name
+
+
+def test_the_readme_model_table_is_the_registrys():
+    from loom.models import family_table
+
+    readme = (ROOT.parents[1] / "README.md").read_text()
+    table = readme.split("<!-- model-families:begin -->\n")[1].split("\n<!-- model-families:end -->")[0]
+    assert table == family_table(), "regenerate it: python -c 'import loom.models as m; print(m.family_table())'"

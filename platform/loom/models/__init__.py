@@ -140,6 +140,17 @@ def layer_count(cfg: DictConfig) -> int:
     return MODELS[cfg.model.name].layers(cfg)
 
 
+def family_table() -> str:
+    """The README's table of model families (tests/test_model_families.py holds the README to it)."""
+    rows = ["| family | options | what it is | split beyond data parallelism | LoRA | export to transformers |",
+            "|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        splits_how = "no" if f.split_problem is None else f.splits_note or "tensor and pipeline"
+        rows.append(f"| {f.name} | {', '.join(f.options)} | {f.summary} | {splits_how} | "
+                    f"{'yes' if f.lora_targets else 'no'} | {'yes' if f.hf_config else 'no'} |")
+    return "\n".join(rows)
+
+
 def build_module(cfg: DictConfig) -> Any:
     """The run's LightningModule, built from the frozen config (seeded by the caller)."""
     return load(MODELS[cfg.model.name].build)(cfg)

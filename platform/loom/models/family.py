@@ -36,6 +36,7 @@ class ModelFamily:
     # its state dict's names and shapes (model.init_from is checked against them before launch)
     shapes: Callable[[DictConfig], Shapes]
     summary: str = ""  # one line for the README's model table
+    splits_note: str = ""  # the table's word on its tensor/pipeline splits where it is not plain "tensor and pipeline"
     normalize: Callable[[DictConfig], None] = nothing_to_fill
     # Why the configured model cannot be split `how` ("tensor_parallel" | "pipeline"), None when it
     # can (torch-free, at validation); the family's own check refuses what else the split needs

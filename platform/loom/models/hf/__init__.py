@@ -214,7 +214,8 @@ def _heads(cfg: DictConfig) -> int | None:
 FAMILY = ModelFamily(
     name="hf_causal_lm", options=("hf_causal_lm",), schema=HFCausalLMModelConfig, check=check, spec=spec,
     build="loom.models.hf.module:build", shapes=shapes, normalize=normalize,
-    summary="any transformers decoder from a local config.json (and its weights); tp/pp from its own plans",
+    summary="any transformers decoder (AutoModelForCausalLM) from a local config.json, and its weights",
+    splits_note="tensor and pipeline, by its architecture's own base_model_tp_plan / base_model_pp_plan",
     split_problem=split_problem, layers=_layers, heads=_heads,
     keys={"layers": "model.overrides.num_hidden_layers", "heads": "model.overrides.num_attention_heads"},
     vocab=lambda cfg: int(hf.config_dict(cfg.model).get("vocab_size") or 0),
