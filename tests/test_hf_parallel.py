@@ -1,0 +1,224 @@
+"""TP and PP for any transformers decoder from its own config's plans (loom.models.hf_parallel).
+
+The parity test spawns 4 gloo ranks once for all architectures (Llama, Qwen3, Mistral with and
+without a sliding window, Gemma-2, Phi-3, OLMo-2) and compares each mode's per-step losses and
+final weights with single-process float64 training: TP 2 with 2 micro-batches of gradient
+accumulation (built on meta, materialized, then loaded), dp 2 x tp 2 with FSDP2, 1F1B over 2
+stages, and interleaved 1F1B over 4 stages on 2 ranks. The checks (torch-free) are tested
+in-process, the meta-device local shapes on torch's fake process group.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.models import hf_parallel as P
+
+# float64 throughout: per-step losses to 1e-10 relative, final weights to 1e-10 of the tensor's largest
+# entry. Gemma-2's RMSNorm computes in float32 (`x.float()`) whatever the model's dtype, so its norm weights'
+# gradients are float32-accurate (single-process accumulation alone moves them ~1e-7): its weights get 1e-5.
+LOSS_RTOL = 1e-10
+WEIGHT_RTOL = {"gemma2": 1e-5}
+WEIGHT_RTOL_DEFAULT = 1e-10
+
+LLAMA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+              "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+              "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+              "layers.*.mlp.down_proj": "rowwise"}
+PP_PLAN = {"embed_tokens": (["input_ids"], ["inputs_embeds"]),
+           "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+           "norm": (["hidden_states"], ["hidden_states"])}
+
+
+# --- the torch-free checks -------------------------------------------------------------------------------
+
+def test_module_imports_neither_torch_nor_transformers():
+    path = Path(P.__file__)
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('hf_parallel', {str(path)!r})\n"
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+            "assert m.tp_problem(None, 2, 4, 2) and m.TP_STYLES\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tp_problem_accepts_the_plans_of_the_supported_architectures():
+    from hf_parallel_helpers import ARCHS, config
+
+    for arch in ARCHS:
+        cfg = config(arch)
+        assert P.tp_problem(cfg.base_model_tp_plan, 2, 4, 2) is None, arch
+    assert P.tp_problem(None, 1, 4, 2) is None  # tp 1 needs no plan
+
+
+def test_tp_problem_without_a_plan():
+    assert "declares no base_model_tp_plan" in P.tp_problem(None, 2, 4, 2)
+    assert "declares no base_model_tp_plan" in P.tp_problem({}, 2, 4, 2)
+    # top-level rules (an embedding's) are not applied: a plan of only those is no plan for Loom
+    assert "declares no base_model_tp_plan" in P.tp_problem({"embed_tokens": "embedding_rowwise"}, 2, 4, 2)
+
+
+def test_tp_problem_names_an_unsupported_style_and_its_module():
+    plan = LLAMA_PLAN | {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                         "layers.*.mlp.experts": "moe_tp_experts"}
+    msg = P.tp_problem(plan, 2, 4, 2)
+    assert "'packed_colwise'" in msg and "'layers.*.mlp.experts.gate_up_proj'" in msg
+    for style in ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+                  "replicated_with_grad_allreduce"):
+        assert style in msg
+    assert "sequence_parallel" in P.tp_problem({"layers.*.norm": "sequence_parallel"}, 2, 4, 2)
+    # an embedding's rule stays unapplied (embeddings stay whole), not refused
+    assert P.tp_problem(LLAMA_PLAN | {"embed_tokens": "embedding_rowwise"}, 2, 4, 2) is None
+
+
+def test_tp_problem_when_tp_does_not_divide_the_heads():
+    msg = P.tp_problem(LLAMA_PLAN, 4, 8, 2)
+    assert "tp=4" in msg and "key/value heads (2)" in msg and "valid tp values: [1, 2]" in msg
+    assert "valid tp values: [1, 3]" in P.tp_problem(LLAMA_PLAN, 2, 9, 3)
+    assert P.tp_problem(LLAMA_PLAN, 4, 8, 4) is None
+
+
+def test_pp_problem_messages():
+    assert "declares no base_model_pp_plan" in P.pp_problem(None, False, 4, 2)
+    assert "model.overrides.tie_word_embeddings=false" in P.pp_problem(PP_PLAN, True, 4, 2)
+    assert "3 decoder layers cannot fill 4 pipeline stages" in P.pp_problem(PP_PLAN, False, 3, 4)
+    assert P.pp_problem(PP_PLAN, False, 4, 4) is None
+    assert P.pp_problem(None, True, 1, 1) is None  # one stage: nothing to cut
+
+
+def test_stage_layers_split_evenly_later_stages_taking_the_remainder():
+    assert [list(P.stage_layers(s, 3, 7)) for s in range(3)] == [[0, 1], [2, 3], [4, 5, 6]]
+    assert [list(P.stage_layers(s, 4, 4)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+# --- in one process ----------------------------------------------------------------------------------------
+
+def test_pipeline_split_names_from_the_pp_plan():
+    from hf_parallel_helpers import build
+
+    assert P.pipeline_split(build("llama")) == ("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
+
+
+def test_pipeline_chunks_prune_and_compose_to_the_model():
+    """All 4 stages on one rank: the kept names are the model's, pruned layers hold nothing, each chunk
+    registers only its own modules, and the chunks in sequence compute the model's logits exactly
+    (Gemma-2: embedding scaling, alternating sliding-window layers, soft-capping; each chunk runs only its own
+    layers though the rank holds the others)."""
+    from hf_parallel_helpers import batches, build
+
+    for arch in ("gemma2", "phi3"):
+        model, ref = build(arch), build(arch)
+        chunks = P.pipeline_chunks(model, [0, 1, 2, 3], 4)
+        names = {n for c in chunks for n, _ in c.named_parameters()}
+        assert len(names) == len(dict(ref.named_parameters()))  # each parameter in exactly one chunk
+        assert {n for n, _ in chunks[1].named_parameters()} == {
+            n.replace("model.layers.1.", "layers.1.") for n, _ in ref.named_parameters() if ".layers.1." in n}
+        x = batches()[0][0]
+        h = x
+        for c in chunks:
+            h = c(h)
+        assert torch.equal(h, ref(input_ids=x, use_cache=False).logits), arch
+
+        pruned = build(arch)
+        (chunk,) = P.pipeline_chunks(pruned, [1], 4)
+        kept = {n for n, _ in pruned.named_parameters()}
+        assert kept == {n for n, _ in ref.named_parameters() if ".layers.1." in n}  # same names, nothing else
+        assert pruned.model.embed_tokens is None and pruned.lm_head is None and pruned.model.norm is None
+        assert sum(1 for _ in pruned.model.layers[0].parameters()) == 0
+        assert len(dict(chunk.named_parameters())) == len(kept)
+
+
+@pytest.fixture
+def fake_world_of_2():
+    """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# local shapes at tp 2 (hidden 64, 4 heads of 16, 2 kv heads, intermediate 128), by module in layer 0
+META_LOCAL = {
+    "phi3": {"self_attn.qkv_proj": ((128, 64), (64, 64)),   # fused q|k|v, colwise_gather_output
+             "self_attn.o_proj": ((64, 64), (64, 32)), "mlp.gate_up_proj": ((256, 64), (128, 64)),
+             "mlp.down_proj": ((64, 128), (64, 64))},
+    "qwen3": {"self_attn.q_proj": ((64, 64), (32, 64)), "self_attn.k_proj": ((32, 64), (16, 64)),
+              "self_attn.v_proj": ((32, 64), (16, 64)), "self_attn.o_proj": ((64, 64), (64, 32)),
+              "mlp.gate_proj": ((128, 64), (64, 64)), "mlp.up_proj": ((128, 64), (64, 64)),
+              "mlp.down_proj": ((64, 128), (64, 64))},
+}
+
+
+def test_tensor_parallel_on_a_meta_model_gives_local_shards(fake_world_of_2):
+    from hf_parallel_helpers import build
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for arch, expect in META_LOCAL.items():
+        model = build(arch, device="meta")
+        n = P.apply_tensor_parallel(model, mesh)
+        assert n == len(model.config.base_model_tp_plan) * 4, arch
+        model.to_empty(device="cpu")
+        layer = model.model.layers[0]
+        for name, (full, local) in expect.items():
+            w = layer.get_submodule(name).weight
+            assert isinstance(w, DTensor) and w.device.type == "cpu", (arch, name)
+            assert (tuple(w.shape), tuple(w.to_local().shape)) == (full, local), (arch, name)
+        # whole on every TP rank: embedding, norms (Qwen3's q_norm / k_norm too), head
+        for name, p in model.named_parameters():
+            if "norm" in name or "embed" in name or "lm_head" in name:
+                assert not isinstance(p, DTensor), name
+
+
+def test_tensor_parallel_skips_layers_pruned_by_the_pipeline(fake_world_of_2):
+    from hf_parallel_helpers import build
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build("qwen3", device="meta")
+    P.pipeline_chunks(model, [1], 2)  # layers 2 and 3
+    assert P.apply_tensor_parallel(model, init_device_mesh("cpu", (2,))) == 9 * 2
+    assert all(k.startswith(("model.layers.2.", "model.layers.3.")) for k in P.expanded_tp_plan(model))
+
+
+# --- 4 processes ---------------------------------------------------------------------------------------------
+
+def test_parallel_training_matches_one_process(tmp_path):
+    import torch.multiprocessing as mp
+    from hf_parallel_helpers import ARCHS, MODES, TP_LAYERS, reference, worker
+
+    try:
+        mp.start_processes(worker, args=(4, str(tmp_path / "init"), str(tmp_path), ARCHS), nprocs=4,
+                           start_method="spawn", join=True)
+    except mp.ProcessRaisedException as e:
+        raise AssertionError(str(e)) from None
+    except mp.ProcessExitedException:
+        errors = [torch.load(f, weights_only=False).get("traceback") for f in tmp_path.glob("*.pt")]
+        raise AssertionError("\n".join(e for e in errors if e)) from None
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(4)]
+    for arch in ARCHS:
+        refs = {n: reference(arch, n) for n in (TP_LAYERS, 4)}
+        rtol = WEIGHT_RTOL.get(arch, WEIGHT_RTOL_DEFAULT)
+        for mode in MODES:
+            ranks = [r for r in results if (arch, mode) in r]
+            assert len(ranks) >= 2, (arch, mode)
+            ref_losses, ref_weights = refs[TP_LAYERS if mode in ("tp_accum", "dp_tp_fsdp") else 4]
+            seen = set()
+            for r in ranks:
+                losses, weights = r[(arch, mode)]
+                assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0), (arch, mode)
+                for name, w in weights.items():
+                    ref = ref_weights[name]
+                    assert (w - ref).abs().max() <= rtol * ref.abs().max(), (arch, mode, name)
+                seen |= weights.keys()
+            assert seen == set(ref_weights), (arch, mode)  # the stages' weights cover the model
