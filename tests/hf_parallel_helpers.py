@@ -19,7 +19,8 @@ from loom.models import hf_parallel
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-3
 ARCHS = ("llama", "qwen3", "mistral", "mistral_window", "gemma2", "phi3", "olmo2")
-MODES = ("tp_accum", "dp_tp_fsdp", "pp_1f1b", "pp_interleaved")
+MODES = ("tp_accum", "dp_tp_fsdp", "pp_1f1b", "pp_interleaved", "pp_tp", "pp_fsdp")
+PP_COMPOSED = ("qwen3", "gemma2")  # the architectures also run as pp 2 x tp 2 and pp 2 x dp 2 (FSDP2)
 TP_LAYERS = 2  # the TP modes' layer count (each TP layer costs collectives); pipelines cut 4 layers
 
 
@@ -154,8 +155,11 @@ def run_tp(arch: str, mesh, fsdp: bool) -> tuple[list[float], dict]:
     return losses, _full(model.state_dict())
 
 
-def run_pp(arch: str, pp_mesh, interleaved: bool) -> tuple[list[float], dict]:
-    """2 stages with Schedule1F1B, or 4 stages on 2 ranks (rank r holds r and r + 2) interleaved."""
+def run_pp(arch: str, pp_mesh, interleaved: bool = False, tp_mesh=None, dp_mesh=None) -> tuple[list[float], dict]:
+    """2 stages with Schedule1F1B, or 4 stages on 2 ranks (rank r holds r and r + 2) interleaved; each stage
+    tensor-parallel over `tp_mesh` (TP applied to the pruned model), or sharded by FSDP2 over `dp_mesh` (the
+    chunk a root, its layers units; the batch split over dp)."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     rank, size = pp_mesh.get_local_rank(), pp_mesh.size()
@@ -163,24 +167,37 @@ def run_pp(arch: str, pp_mesh, interleaved: bool) -> tuple[list[float], dict]:
     stages = [rank, rank + size] if interleaved else [rank]
     model = build(arch)
     chunks = hf_parallel.pipeline_chunks(model, stages, n_stages)
+    if tp_mesh is not None:
+        assert hf_parallel.apply_tensor_parallel(model, tp_mesh) > 0
+    n_dp, dp = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
+    if dp_mesh is not None:
+        for chunk in chunks:
+            for layer in chunk.layers.values():
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(chunk, mesh=dp_mesh)
     group = pp_mesh.get_group()
-    pipe = [PipelineStage(c, s, n_stages, torch.device("cpu"), group=group) for c, s in zip(chunks, stages, strict=True)]
+    pipe = [PipelineStage(c, s, n_stages, torch.device("cpu"), group=group)
+            for c, s in zip(chunks, stages, strict=True)]
+    n_mb = 4 // n_dp
     if interleaved:
-        schedule = ScheduleInterleaved1F1B(pipe, n_microbatches=4, loss_fn=loss_fn)
+        schedule = ScheduleInterleaved1F1B(pipe, n_microbatches=n_mb, loss_fn=loss_fn)
     else:
-        schedule = Schedule1F1B(pipe[0], n_microbatches=4, loss_fn=loss_fn)
+        schedule = Schedule1F1B(pipe[0], n_microbatches=n_mb, loss_fn=loss_fn)
     opt = optimizer(model.parameters())
     holds_last = n_stages - 1 in stages
     losses = []
     for x, y in batches():
+        part = slice(dp * BATCH // n_dp, (dp + 1) * BATCH // n_dp)
         mb_losses: list[torch.Tensor] = []
         if rank == 0:
-            schedule.step(x, target=y, losses=mb_losses)
+            schedule.step(x[part], target=y[part], losses=mb_losses)
         else:
-            schedule.step(target=y, losses=mb_losses)
-        total = torch.tensor(sum(m.item() for m in mb_losses) / 4 if holds_last else 0.0, dtype=torch.float64)
+            schedule.step(target=y[part], losses=mb_losses)
+        total = torch.tensor(sum(m.item() for m in mb_losses) / n_mb if holds_last else 0.0, dtype=torch.float64)
         torch.distributed.all_reduce(total, group=group)
-        losses.append(total.item())
+        if dp_mesh is not None:
+            torch.distributed.all_reduce(total, group=dp_mesh.get_group())
+        losses.append(total.item() / n_dp)
         opt.step()
         opt.zero_grad()
     return losses, _full(model.state_dict())
@@ -190,7 +207,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, archs: tuple[str
     """One of 4 gloo ranks, every architecture; results (losses, full weights) to out_dir/<rank>.pt.
 
     Per architecture: ranks {0,1} run TP with accumulation then 1F1B, while ranks {2,3} run the
-    interleaved schedule; then all 4 run dp 2 x tp 2 with FSDP2."""
+    interleaved schedule; then all 4 run dp 2 x tp 2 with FSDP2, and for PP_COMPOSED pp 2 x tp 2 and
+    pp 2 x dp 2 (FSDP2)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,6 +225,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, archs: tuple[str
             else:
                 results[(arch, "pp_interleaved")] = run_pp(arch, pair, interleaved=True)
             results[(arch, "dp_tp_fsdp")] = run_tp(arch, mesh, fsdp=True)
+            if arch in PP_COMPOSED:  # stage 0 on ranks {0,1}, stage 1 on {2,3}
+                results[(arch, "pp_tp")] = run_pp(arch, mesh["dp"], tp_mesh=mesh["tp"])
+                results[(arch, "pp_fsdp")] = run_pp(arch, mesh["dp"], dp_mesh=mesh["tp"])
     except BaseException:  # report instead of leaving the other ranks to time out silently
         import traceback
 
