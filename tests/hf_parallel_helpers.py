@@ -24,6 +24,14 @@ PP_COMPOSED = ("qwen3", "gemma2")  # the architectures also run as pp 2 x tp 2 a
 TP_LAYERS = 2  # the TP modes' layer count (each TP layer costs collectives); pipelines cut 4 layers
 
 
+# Whole outputs and inputs: colwise_rep / colwise_gather_output gather the output features, rowwise_rep /
+# rowwise_split_input take a replicated input; `replicate` leaves a module whole.
+REP_PLAN = {"layers.*.self_attn.q_proj": "colwise_rep", "layers.*.self_attn.k_proj": "colwise_gather_output",
+            "layers.*.self_attn.v_proj": "colwise_rep", "layers.*.self_attn.o_proj": "rowwise_rep",
+            "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise", "layers.*.input_layernorm": "replicate"}
+
+
 def config(arch: str, layers: int = 4):
     """A tiny config: hidden 64, `layers` layers, 4 heads, 2 kv heads, untied, eager attention."""
     import transformers as t
@@ -35,8 +43,9 @@ def config(arch: str, layers: int = 4):
         cfg = t.LlamaConfig(**common)
     elif arch == "qwen3":
         cfg = t.Qwen3Config(**common, head_dim=16)
-    elif arch == "mistral":
+    elif arch == "mistral":  # Mistral's own plan is Llama's: this one runs the other styles Loom applies
         cfg = t.MistralConfig(**common, sliding_window=None)
+        cfg.base_model_tp_plan = REP_PLAN
     elif arch == "mistral_window":
         cfg = t.MistralConfig(**common, sliding_window=5)
     elif arch == "gemma2":  # alternating sliding (window 4 < seq 16) / full layers, both soft-cappings on

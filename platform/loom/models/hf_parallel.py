@@ -132,13 +132,13 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> int:
 
 
 def _install_grad_allreduce(module: Any, group: Any) -> None:
-    """`replicated_with_grad_allreduce`, done per backward: a norm over this rank's heads only (Qwen3's
-    q_norm/k_norm) holds a whole parameter whose gradient each rank sees a part of. transformers sums
+    """`replicated_with_grad_allreduce`, summed per backward. A norm over this rank's heads only (Qwen3's
+    q_norm / k_norm) holds a whole parameter of which each rank sees part of the gradient. transformers sums
     `param.grad` in a post-accumulate-grad hook, i.e. after accumulation: with 2 micro-batches the second
-    all-reduce sums the first micro-batch's already-summed gradient again (tp x too large), and under FSDP2
-    the hook sees the unsharded parameter in FSDP's own timing. Here the parameter enters the forward through
-    an identity whose backward all-reduces its gradient, so each micro-batch's contribution is summed once,
-    before accumulation, and FSDP2 reduce-scatters an already TP-summed gradient."""
+    all-reduce sums the first micro-batch's already summed gradient again (measured: q_norm's gradient at tp 2
+    came out 1.75x the single-process one). Here the parameter enters the forward through an identity whose
+    backward all-reduces the gradient over the TP group, so each micro-batch's part is summed once, before it
+    is accumulated, and FSDP2 (over dp) then reduces an already TP-summed gradient."""
     import torch
 
     forward = module.forward
