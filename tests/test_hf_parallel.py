@@ -134,6 +134,33 @@ def test_pipeline_chunks_prune_and_compose_to_the_model():
         assert len(dict(chunk.named_parameters())) == len(kept)
 
 
+def test_pipeline_chunks_under_activation_checkpointing_give_the_model_gradients():
+    """Layers wrapped by torch's non-reentrant checkpoint_wrapper before the cut (as Loom applies activation
+    checkpointing), or by transformers' own gradient checkpointing: the recompute in backward must see the
+    activation the chunk fed in, not the stand-in zeros the model's forward passes."""
+    from hf_parallel_helpers import batches, build, loss_fn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    x, y = batches()[0]
+    ref = build("qwen3")
+    loss_fn(ref(input_ids=x, use_cache=False).logits, y).backward()
+    for how in ("torch", "transformers"):
+        model = build("qwen3")
+        if how == "torch":
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+            model.train()
+        h = x
+        for c in P.pipeline_chunks(model, [0, 1], 2):
+            h = c(h)
+        loss_fn(h, y).backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        for n, p in ref.named_parameters():
+            assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-14), (how, n)
+
+
 @pytest.fixture
 def fake_world_of_2():
     """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once)."""
