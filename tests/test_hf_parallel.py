@@ -209,14 +209,22 @@ def test_tensor_parallel_on_a_meta_model_gives_local_shards(fake_world_of_2):
                 assert not isinstance(p, DTensor), name
 
 
-def test_tensor_parallel_skips_layers_pruned_by_the_pipeline(fake_world_of_2):
+def test_tensor_parallel_after_activation_checkpointing_and_the_pipeline_cut(fake_world_of_2):
+    """Loom's order on the meta device: layers wrapped for activation checkpointing, the model cut to this
+    rank's stage, then TP: the rules match through the wrapper and skip the pruned layers."""
     from hf_parallel_helpers import build
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     model = build("qwen3", device="meta")
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     P.pipeline_chunks(model, [1], 2)  # layers 2 and 3
     assert P.apply_tensor_parallel(model, init_device_mesh("cpu", (2,))) == 9 * 2
     assert all(k.startswith(("model.layers.2.", "model.layers.3.")) for k in P.expanded_tp_plan(model))
+    q = model.model.layers[3]._checkpoint_wrapped_module.self_attn.q_proj.weight
+    assert isinstance(q, DTensor) and tuple(q.to_local().shape) == (32, 64)
 
 
 # --- 4 processes ---------------------------------------------------------------------------------------------

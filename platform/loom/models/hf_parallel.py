@@ -87,7 +87,9 @@ def pipeline_split(model: Any) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
 
 
 def _generic(name: str) -> str:
-    """`layers.3.mlp` -> `layers.*.mlp`, as transformers matches plan patterns."""
+    """`layers.3.mlp` -> `layers.*.mlp`, as transformers matches plan patterns; wrappers' segments
+    (activation checkpointing's, torch.compile's) dropped, as Loom wraps layers before TP."""
+    name = re.sub(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)", "", name).lstrip(".")
     return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
@@ -121,6 +123,8 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> int:
                              getattr(config, "num_key_value_heads", None) or config.num_attention_heads):
         raise ValueError(problem)
     plan = expanded_tp_plan(model)
+    if not plan:
+        raise ValueError(f"{type(model).__name__}'s base_model_tp_plan matches none of its modules")
     own = {k: v for k, v in plan.items() if v == "replicated_with_grad_allreduce"}
     apply_tensor_parallelism(model, tp_mesh, {k: v for k, v in plan.items() if k not in own})
     modules = dict(model.named_modules())
