@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -236,10 +237,19 @@ def test_parallel_training_matches_one_process(tmp_path):
     context = mp.start_processes(worker, args=(4, str(tmp_path / "init"), str(tmp_path), ARCHS), nprocs=4,
                                  start_method="spawn", join=False)
     # the references, while the ranks run
-    refs = {(arch, n): reference(arch, n) for arch in ARCHS for n in (TP_LAYERS, 4)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the 4 ranks share the cores
     try:
-        while not context.join():
-            pass
+        refs = {(arch, n): reference(arch, n) for arch in ARCHS for n in (TP_LAYERS, 4)}
+    finally:
+        torch.set_num_threads(threads)
+    deadline = time.monotonic() + 900  # a hung collective fails the test instead of hanging it
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in context.processes:
+                    p.terminate()
+                raise AssertionError("the 4 ranks did not finish within 900 s")
     except mp.ProcessRaisedException as e:
         raise AssertionError(str(e)) from None
     except mp.ProcessExitedException:
