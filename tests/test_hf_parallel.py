@@ -151,7 +151,7 @@ def test_pipeline_chunks_under_activation_checkpointing_give_the_model_gradients
             for i, layer in enumerate(model.model.layers):
                 model.model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         else:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            model.activation_checkpointing_enable({"use_reentrant": False})
             model.train()
         h = x
         for c in P.pipeline_chunks(model, [0, 1], 2):

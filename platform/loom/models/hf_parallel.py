@@ -221,7 +221,12 @@ def _torch_parts() -> SimpleNamespace:
             return args[0] if args else kwargs["hidden_states"]
 
     class PipelineChunk(nn.Module):
-        """One pipeline stage of a transformers decoder: runs the model's forward, cut at its own layers."""
+        """One pipeline stage of a transformers decoder: runs the model's own forward, cut at its layers.
+
+        The first stage calls `model(input_ids=x)`; a later one `model(inputs_embeds=zeros)`, whose shape
+        gives the positions and per-layer masks, with a pre-hook that feeds x to its first layer. A non-last
+        stage stops after its last layer: a hook captures the output and raises (the graph up to it stays).
+        The last returns the logits (soft-capping and all). Input: token ids or activations, no mask."""
 
         def __init__(self, model: Any, layers: Any, stage: int, n_stages: int, held: set[int],
                      ends: dict[str, tuple[str, ...]]) -> None:
