@@ -4,7 +4,7 @@ The parity test spawns 4 gloo ranks once for all architectures (Llama, Qwen3, Mi
 without a sliding window, Gemma-2, Phi-3, OLMo-2) and compares each mode's per-step losses and
 final weights with single-process float64 training: TP 2 with 2 micro-batches of gradient
 accumulation (built on meta, materialized, then loaded), dp 2 x tp 2 with FSDP2, 1F1B over 2
-stages, interleaved 1F1B over 4 stages on 2 ranks, and (Qwen3, Gemma-2) 1F1B over 2 stages each
+stages, interleaved 1F1B over 4 stages on 2 ranks, and (Qwen3) 1F1B over 2 stages each
 tensor-parallel (pp 2 x tp 2) or FSDP2-sharded (pp 2 x dp 2). The checks (torch-free) are tested
 in-process, the meta-device local shapes on torch's fake process group.
 """
