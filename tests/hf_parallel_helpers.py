@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loom.models import hf_parallel
+from loom.models.hf import parallel as hf_parallel
 
 VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-3
 ARCHS = ("llama", "qwen3", "mistral", "mistral_window", "gemma2", "phi3", "olmo2")

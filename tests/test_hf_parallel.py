@@ -1,4 +1,4 @@
-"""TP and PP for any transformers decoder from its own config's plans (loom.models.hf_parallel).
+"""TP and PP for any transformers decoder from its own config's plans (loom.models.hf.parallel).
 
 The parity test spawns 4 gloo ranks once for all architectures (Llama, Qwen3, Mistral with and
 without a sliding window, Gemma-2, Phi-3, OLMo-2) and compares each mode's per-step losses and
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.models import hf_parallel as P
+from loom.models.hf import parallel as P
 
 # float64 throughout: per-step losses to 1e-10 relative, final weights to 1e-10 of the tensor's largest
 # entry. Gemma-2's RMSNorm computes in float32 (`x.float()`) whatever the model's dtype, so its norm weights'

@@ -42,9 +42,12 @@ class HFCausalLMModule(LoomModule):
         parallel.apply_tensor_parallel(self.model, tp_mesh)
 
     def pipeline_chunks(self, net: nn.Module, stages: list[int], n_stages: int) -> list[nn.Module]:
-        """This rank's stages of the network, cut along its `base_model_pp_plan`."""
+        """This rank's stages of the network, cut along its `base_model_pp_plan`; the network's
+        `pipeline_split` then says which stage holds each of its state dict's names."""
         from loom.models.hf import parallel
+        from loom.models.pipeline_split import PipelineSplit
 
+        net.pipeline_split = PipelineSplit(*parallel.pipeline_split(net))
         return parallel.pipeline_chunks(net, stages, n_stages)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
