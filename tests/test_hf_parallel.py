@@ -273,3 +273,53 @@ def test_parallel_training_matches_one_process(tmp_path):
                     assert (w - ref).abs().max() <= rtol * ref.abs().max(), (arch, mode, name)
                 seen |= weights.keys()
             assert seen == set(ref_weights), (arch, mode)  # the stages' weights cover the model
+
+
+# --- refused before launch, through `loom train` (in process) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def decoder_dirs(tmp_path_factory):
+    """config.json dirs (no weights): a tiny Qwen3 (a tp and a pp plan, tied head), GPT-2 (no plans) and
+    Qwen3-MoE (its experts' styles Loom does not apply)."""
+    import transformers as t
+
+    from hf_parallel_helpers import config
+
+    d = tmp_path_factory.mktemp("decoders")
+    qwen3 = config("qwen3")
+    qwen3.tie_word_embeddings = True
+    qwen3.save_pretrained(d / "qwen3")
+    t.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=320, n_positions=64).save_pretrained(d / "gpt2")
+    t.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     vocab_size=320, max_position_embeddings=64).save_pretrained(d / "moe")
+    return d
+
+
+HF = ["hardware=cpu", "model=hf_causal_lm", "dataset=synthetic", "dataset.vocab_size=96", "dataset.seq_len=32"]
+
+
+@pytest.mark.parametrize("arch, args, words", [
+    ("gpt2", ["strategy=fsdp_tp", "hardware.devices=2", "strategy.tensor_parallel=2"],
+     ["GPT2Config) declares no base_model_tp_plan", "Use strategy=fsdp"]),
+    ("gpt2", ["strategy=pp", "hardware.devices=2"], ["declares no base_model_pp_plan"]),
+    ("moe", ["strategy=fsdp_tp", "hardware.devices=2", "strategy.tensor_parallel=2"],
+     ["packed_colwise", "layers.*.mlp.experts.gate_up_proj", "which Loom does not apply"]),
+    ("qwen3", ["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=4"],
+     ["strategy.tensor_parallel=4", "key/value heads (2)", "valid tp values: [1, 2]"]),
+    ("qwen3", ["strategy=pp", "hardware.devices=2"], ["model.overrides.tie_word_embeddings=false"]),
+])
+def test_a_decoder_its_plans_cannot_split_is_refused_naming_why(decoder_dirs, tmp_path, arch, args, words):
+    from conftest import refused
+
+    text = refused(tmp_path, *HF, f"model.config={decoder_dirs / arch}", *args)
+    for w in words:
+        assert w in text, (w, text)
+
+
+def test_an_untied_override_makes_the_pipeline_accepted(decoder_dirs):
+    from loom.pipeline import resolve
+
+    cfg = resolve([*HF, f"model.config={decoder_dirs / 'qwen3'}", "strategy=pp", "hardware.devices=2",
+                   "model.overrides.tie_word_embeddings=false"])
+    assert cfg.model.overrides.tie_word_embeddings is False

@@ -42,7 +42,15 @@ RUNS = {
     # zero3 also recomputes its decoder layers (activation checkpointing: the same math)
     "zero3": ["strategy=zero3", "hardware.devices=2", "dataset.batch_size=4", "trainer.activation_checkpointing=full",
               *KEEP],
+    # the same checkpoint as a transformers model (`model=hf_causal_lm model.config=<dir>`), split by
+    # its architecture's own base_model_tp_plan / base_model_pp_plan: one launch per strategy (the
+    # other architectures' parity is in-process, tests/test_hf_parallel.py)
+    "hf_fsdp_tp": ["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=2", "dataset.batch_size=4"],
+    "hf_pp": ["strategy=pp", "hardware.devices=2", "dataset.batch_size=8"],
+    "hf_nd": ["strategy=nd", "hardware.devices=4", "strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1",
+              "dataset.batch_size=8"],
 }
+HF_RUNS = [name for name in RUNS if name.startswith("hf_")]
 
 
 def _without_keys(common: list[str], args: list[str]) -> list[str]:
@@ -58,8 +66,9 @@ def llama_args(shared, name: str) -> tuple[str, ...]:
     source = shared.root / "llama-source" / "tiny-llama"
     if not source.is_dir():
         _hf_checkpoint(source)
-    common = [*FAST, "hardware=cpu", "model=llama", f"model.init_from={source}", f"trainer.max_steps={STEPS}",
-              "dataset.seq_len=64"]
+    model = (["model=hf_causal_lm", f"model.config={source}"] if name in HF_RUNS
+             else ["model=llama", f"model.init_from={source}"])
+    common = [*FAST, "hardware=cpu", *model, f"trainer.max_steps={STEPS}", "dataset.seq_len=64"]
     return (*_without_keys(common, RUNS[name]), *RUNS[name])
 
 
@@ -103,6 +112,12 @@ TOLERANCE = {
     # DeepSpeed's flattened fp32 partitions: gradients divided by the world, then reduce-scattered,
     # the clipping norm from the partitions; recomputation (activation checkpointing) is exact
     "zero3": 1e-5,
+    # transformers' own Llama against Loom's (the same math in another order: its RMSNorm and
+    # rotary in fp32 as Loom's, its attention through SDPA as Loom's), then as fsdp_tp, pp and
+    # pp x tp above
+    "hf_fsdp_tp": 1e-5,
+    "hf_pp": 1e-5,
+    "hf_nd": 1e-5,
 }
 
 
@@ -175,6 +190,18 @@ def test_a_sharded_rank_reads_only_its_part_of_the_checkpoint(llama_runs, strate
         assert read, log.read_text()[-2000:]
         pct = int(read.group(1))
         assert pct <= most and (pct == 100) == (strategy == "single"), (log.name, pct)
+
+
+def test_the_transformers_model_is_split_by_its_own_plans(llama_runs):
+    """hf_fsdp_tp and hf_nd split each decoder layer's seven projections by the architecture's own
+    base_model_tp_plan (2 layers: 14 modules); hf_pp and hf_nd run one decoder layer per stage."""
+    for name in ("hf_fsdp_tp", "hf_nd"):
+        log = (llama_runs[name].run_dir / "logs" / "rank-0.log").read_text()
+        assert "tensor parallel: 7 modules of LlamaForCausalLM split over 2 ranks by its architecture's" in log or \
+            "tensor parallel: 14 modules of LlamaForCausalLM split over 2 ranks by its architecture's" in log, log[-3000:]
+    for name in ("hf_pp", "hf_nd"):
+        log = (llama_runs[name].run_dir / "logs" / "rank-0.log").read_text()
+        assert re.search(r"pipeline: rank 0/2 runs stages \[0\] of 2 \(layers \[0\]\)", log), log[-3000:]
 
 
 def test_zero3_recomputed_every_decoder_layer(llama_runs):

@@ -4,6 +4,7 @@ transformers' init rule, and split by its own tensor- and pipeline-parallel plan
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 from loom.models.hf import config as hf
 from loom.models.init import FileInit, NamedInit, own_constants, std_rule
 from loom.models.lit import LoomModule, _global_token_loss, _lm_loss
+
+log = logging.getLogger("loom")
 
 
 class HFCausalLMModule(LoomModule):
@@ -39,7 +42,9 @@ class HFCausalLMModule(LoomModule):
         """The architecture's own `base_model_tp_plan` on Loom's tensor-parallel mesh."""
         from loom.models.hf import parallel
 
-        parallel.apply_tensor_parallel(self.model, tp_mesh)
+        n = parallel.apply_tensor_parallel(self.model, tp_mesh)
+        log.info(f"tensor parallel: {n} modules of {type(self.model).__name__} split over {tp_mesh.size()} ranks "
+                 "by its architecture's base_model_tp_plan")
 
     def pipeline_chunks(self, net: nn.Module, stages: list[int], n_stages: int) -> list[nn.Module]:
         """This rank's stages of the network, cut along its `base_model_pp_plan`; the network's
