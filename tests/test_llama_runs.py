@@ -194,11 +194,12 @@ def test_a_sharded_rank_reads_only_its_part_of_the_checkpoint(llama_runs, strate
 
 def test_the_transformers_model_is_split_by_its_own_plans(llama_runs):
     """hf_fsdp_tp and hf_nd split each decoder layer's seven projections by the architecture's own
-    base_model_tp_plan (2 layers: 14 modules); hf_pp and hf_nd run one decoder layer per stage."""
-    for name in ("hf_fsdp_tp", "hf_nd"):
+    base_model_tp_plan (2 layers: 14 modules; nd's pipeline rank holds one layer: 7); hf_pp and hf_nd
+    run one decoder layer per stage."""
+    for name, modules in (("hf_fsdp_tp", 14), ("hf_nd", 7)):  # nd's rank 0 holds layer 0 only
         log = (llama_runs[name].run_dir / "logs" / "rank-0.log").read_text()
-        assert "tensor parallel: 7 modules of LlamaForCausalLM split over 2 ranks by its architecture's" in log or \
-            "tensor parallel: 14 modules of LlamaForCausalLM split over 2 ranks by its architecture's" in log, log[-3000:]
+        assert f"tensor parallel: {modules} modules of LlamaForCausalLM split over 2 ranks by its architecture's" in log, \
+            log[-3000:]
     for name in ("hf_pp", "hf_nd"):
         log = (llama_runs[name].run_dir / "logs" / "rank-0.log").read_text()
         assert re.search(r"pipeline: rank 0/2 runs stages \[0\] of 2 \(layers \[0\]\)", log), log[-3000:]
