@@ -296,3 +296,18 @@ def loom(tmp_path):
         return run_loom(*args, root=tmp_path, timeout=timeout, env=env)
 
     return _run
+
+
+@pytest.fixture
+def fake_world_of_2():
+    """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once): a
+    tensor-parallel plan's placements and local shapes, in one process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

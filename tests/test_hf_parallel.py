@@ -162,20 +162,6 @@ def test_pipeline_chunks_under_activation_checkpointing_give_the_model_gradients
             assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-14), (how, n)
 
 
-@pytest.fixture
-def fake_world_of_2():
-    """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 # local shapes at tp 2 (hidden 64, 4 heads of 16, 2 kv heads, intermediate 128), by module in layer 0
 META_LOCAL = {
     "phi3": {"self_attn.qkv_proj": ((128, 64), (64, 64)),   # fused q|k|v, colwise_gather_output
@@ -282,7 +268,6 @@ def decoder_dirs(tmp_path_factory):
     """config.json dirs (no weights): a tiny Qwen3 (a tp and a pp plan, tied head), GPT-2 (no plans) and
     Qwen3-MoE (its experts' styles Loom does not apply)."""
     import transformers as t
-
     from hf_parallel_helpers import config
 
     d = tmp_path_factory.mktemp("decoders")

@@ -293,21 +293,6 @@ TP2_LOCAL = {"self_attn.q_proj": (64, 128), "self_attn.k_proj": (32, 128), "self
              "mlp.down_proj": (128, 192)}
 
 
-@pytest.fixture
-def fake_world_of_2():
-    """Rank 0 of a 2-rank world on torch's fake process group (collectives return at once):
-    the TP plan's placements and local shapes, in one process."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_tp_plan_splits_every_linear_of_a_decoder_layer_by_whole_heads(fake_world_of_2):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh

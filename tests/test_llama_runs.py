@@ -45,10 +45,11 @@ RUNS = {
     # the same checkpoint as a transformers model (`model=hf_causal_lm model.config=<dir>`), split by
     # its architecture's own base_model_tp_plan / base_model_pp_plan: one launch per strategy (the
     # other architectures' parity is in-process, tests/test_hf_parallel.py)
-    "hf_fsdp_tp": ["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=2", "dataset.batch_size=4"],
+    "hf_fsdp_tp": ["strategy=fsdp_tp", "hardware.devices=4", "strategy.tensor_parallel=2", "dataset.batch_size=4",
+                   *EXPORT],
     "hf_pp": ["strategy=pp", "hardware.devices=2", "dataset.batch_size=8"],
     "hf_nd": ["strategy=nd", "hardware.devices=4", "strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1",
-              "dataset.batch_size=8"],
+              "dataset.batch_size=8", *EXPORT],
 }
 HF_RUNS = [name for name in RUNS if name.startswith("hf_")]
 
@@ -160,13 +161,14 @@ def test_hf_export_loads_back_into_transformers_with_the_same_logits(llama_runs)
     """Each final/ loads with from_pretrained and computes what Loom's model computes from the same
     files (the names and the config are right); fsdp's, gathered from shards and split into
     several files, holds the weights single trained (the same curve: logits within 5e-3), so
-    no tensor was gathered wrong."""
+    no tensor was gathered wrong; so do the transformers model's, gathered from TP shards (hf_fsdp_tp)
+    and from pipeline stages' TP shards (hf_nd)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
     x = torch.randint(0, HF_SHAPE["vocab_size"], (2, 48))
     logits = {}
-    for strategy in ("single", "fsdp"):
+    for strategy in ("single", "fsdp", "hf_fsdp_tp", "hf_nd"):
         r = llama_runs[strategy]
         final = r.run_dir / "final"
         assert r.summary()["final_weights"] == "final/"
@@ -178,7 +180,8 @@ def test_hf_export_loads_back_into_transformers_with_the_same_logits(llama_runs)
         with torch.no_grad():
             logits[strategy] = hf(x).logits
         assert (logits[strategy] - _loom_logits(r.run_dir, x)).abs().max().item() < 1e-5
-    assert (logits["single"] - logits["fsdp"]).abs().max().item() < 5e-3
+    for strategy in ("fsdp", "hf_fsdp_tp", "hf_nd"):
+        assert (logits["single"] - logits[strategy]).abs().max().item() < 5e-3, strategy
 
 
 @pytest.mark.parametrize("strategy,most", [("single", 100), ("fsdp", 70), ("zero3", 70)])
