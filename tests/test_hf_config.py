@@ -139,3 +139,23 @@ def test_attention_flops_follow_each_layers_window_and_head_dim(tmp_path):
     assert full.flops_per_token - windowed.flops_per_token == 12 * (4 * 16) * 4 * (64 - 16)
     n = gemma.matmul_params
     assert gemma.flops_per_token == 6 * n + 12 * (4 * 32) * (2 * 16 + 2 * 64)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_transformers_llama_is_placed_as_loom_places_its_own(tmp_path, tied):
+    """The plan's parts of a transformers decoder come from its meta build and its own TP plan: for a
+    Llama config they are Loom's Llama family's (a layer, what TP leaves whole, the first and last
+    stages, the largest parameter, the activation coefficients), and the counts are the same."""
+    from transformers import LlamaConfig
+
+    from loom.models import model_parts
+
+    LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied).save_pretrained(tmp_path)
+    common = ["hardware=cpu", "dataset=synthetic", "dataset.vocab_size=300", "dataset.seq_len=64"]
+    hf = resolve([*common, "model=hf_causal_lm", f"model.config={tmp_path}", "model.random_init=true"])
+    native = resolve(
+        [*common, "model=llama_tiny", "model.n_layer=3", "model.n_head=4", "model.n_kv_heads=2", "model.d_model=64",
+         "model.intermediate_size=160", "model.vocab_size=320", f"model.tie_embeddings={str(tied).lower()}"])
+    assert model_parts(hf) == model_parts(native)
+    assert model_spec(hf).params == model_spec(native).params

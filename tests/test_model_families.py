@@ -23,6 +23,7 @@ MODULE_CLASSES = {"Block", "DecoderLayer", "CausalSelfAttention", "LlamaDecoderL
 FAMILY_KEYS = {"n_head", "n_kv_heads", "n_layer", "d_model", "intermediate_size", "tie_embeddings", "qkv_bias",
                "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "tie_word_embeddings",
                "rope_theta", "rope_scaling"}
+SIZES = {"vocab_size", "block_size"}  # a dataset has them too: only `cfg.model.vocab_size` is the model's
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -46,6 +47,9 @@ def offences(source: str) -> list[str]:
                 found.append(f"{line}: string {node.value[:60]!r}")
         elif isinstance(node, ast.Attribute) and (node.attr in FAMILY_KEYS or FAMILY_WORDS.search(node.attr)):
             found.append(f"{line}: .{node.attr}")
+        elif (isinstance(node, ast.Attribute) and node.attr in SIZES and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "model"):
+            found.append(f"{line}: model.{node.attr}")
         elif isinstance(node, ast.Name) and (node.id in MODULE_CLASSES or FAMILY_WORDS.search(node.id)):
             found.append(f"{line}: name {node.id}")
         elif isinstance(node, ast.ImportFrom) and node.module and FAMILY_WORDS.search(node.module):
@@ -70,6 +74,8 @@ def test_no_module_outside_a_family_folder_names_a_family_or_sniffs_its_keys():
     ("heads = cfg.model.n_kv_heads", True),
     ("from loom.models.llama.network import DecoderLayer", True),
     ("units = (Block,)", True),
+    ("vocab = int(cfg.model.vocab_size)", True),
+    ("vocab = cfg.dataset.vocab_size", False),
     ('path = "tokens.bin"  # a nanoGPT file', False),
     ('def f():\n    """Llama\'s n_head, in words."""\n    return 1', False),
 ])

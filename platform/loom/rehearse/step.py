@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.models import model_width
+from loom.models import model_width, vocab_size
 from loom.strategies import lightning_precision
 from loom.strategies.base import optim_state_bytes, param_bytes, tensor_bytes
 
@@ -129,7 +129,7 @@ def _grad_bytes(params) -> int:
 def _batch(cfg: DictConfig, micro: int, device: str):
     import torch
 
-    s, vocab = int(cfg.dataset.seq_len), int(cfg.model.vocab_size)
+    s, vocab = int(cfg.dataset.seq_len), vocab_size(cfg)
     x = torch.randint(0, vocab, (micro, s), device=device)
     return x, torch.randint(0, vocab, (micro, s), device=device)
 

@@ -23,7 +23,7 @@ from loom.models.hf import checks as hf_checks
 from loom.models.hf import config as hf
 from loom.models.init_from import state_shapes
 from loom.models.schema import LoraConfig
-from loom.models.spec import ModelSpec
+from loom.models.spec import ModelSpec, Parts
 
 
 @dataclass
@@ -203,6 +203,28 @@ def weights_dir(cfg: DictConfig) -> tuple[Path | None, str]:
     return config, ""
 
 
+@functools.lru_cache(maxsize=8)
+def _parts(key: str) -> Parts:
+    p = hf.parts(OmegaConf.create(json.loads(key)))
+    h, kv, inner = p.pop("width"), p.pop("kv"), p.pop("inner")
+    # Llama's measured bytes per token per layer (loom.models.llama.parts), on this architecture's
+    # widths: every TP rank repeats the norms' internals and the matmul inputs (14 h in 16-bit), q,
+    # the attention output and o_proj's input (6 h), k and v (4 kv) and the MLP's gate, up, act and
+    # product (8 I) split over the TP ranks; twice the bytes in fp32; autocast keeps 10 h in fp32
+    return Parts(**p, act_mixed=(14.0 * h, 6.0 * h + 4.0 * kv + 8.0 * inner),
+                 act_fp32=(20.0 * h, 12.0 * h + 8.0 * kv + 16.0 * inner), act_autocast_extra=10.0 * h)
+
+
+def parts(cfg: DictConfig) -> Parts | None:
+    """Where the decoder's parameters sit (the plan's pipeline stages, TP, activations); None for
+    an architecture without a pipeline plan (not a layered decoder Loom can place)."""
+    if not plans(hf.auto_config(cfg.model))["pp"]:
+        return None
+    m = OmegaConf.to_container(cfg.model)
+    m.pop("lora", None)
+    return _parts(json.dumps(m, sort_keys=True, default=str))
+
+
 def _layers(cfg: DictConfig) -> int:
     return int(getattr(hf.auto_config(cfg.model), "num_hidden_layers", 0) or 0)
 
@@ -220,6 +242,6 @@ FAMILY = ModelFamily(
     keys={"layers": "model.overrides.num_hidden_layers", "heads": "model.overrides.num_attention_heads"},
     vocab=lambda cfg: int(hf.config_dict(cfg.model).get("vocab_size") or 0),
     width=lambda cfg: int(getattr(hf.auto_config(cfg.model), "hidden_size", 0) or 0),
-    hf_config=lambda cfg: hf.config_dict(cfg.model), largest=largest,
+    hf_config=lambda cfg: hf.config_dict(cfg.model), largest=largest, parts=parts,
     built_on_host=lambda cfg: hf.loads_whole(cfg.model), zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
     lora_targets=lora_targets, weights_dir=weights_dir)

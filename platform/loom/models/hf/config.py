@@ -199,3 +199,47 @@ def count(m: DictConfig) -> tuple[int, int, int, int, bool]:
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     width = int(getattr(config, "hidden_size", 0) or 0)
     return params, embedding, layers, width, tied
+
+
+WHOLE_STYLES = ("replicate", "replicated_with_grad_allreduce")  # TP styles that leave a parameter whole
+
+
+def parts(m: DictConfig) -> dict[str, Any]:
+    """Where a transformers decoder's parameters sit, from its meta-device build: layer 0's
+    parameters and those its `base_model_tp_plan` leaves whole on every TP rank (norms, q/k norms,
+    a row-parallel bias), the first stage's (embeddings: what sits outside the layers and the last
+    stage's modules), the last stage's (final norm, an untied head) and the largest parameter; and
+    the widths Llama's measured activation coefficients take (hidden, key/value width, intermediate).
+    A dict (models.spec.Parts' fields), so this module stays free of Loom's plan types."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loom.models.hf import parallel
+
+    config = auto_config(m)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers_path, _, last = parallel.pipeline_split(model)
+    named = dict(model.named_parameters())  # a tied head once, under the embedding's name
+    plan = parallel.expanded_tp_plan(model) if getattr(config, "base_model_tp_plan", None) else {}
+    layer0 = f"{layers_path}.0."
+    in_layers = {n for n in named if n.startswith(layers_path + ".")}
+    per_layer = sum(p.numel() for n, p in named.items() if n.startswith(layer0))
+    whole = sum(p.numel() for n, p in named.items() if n.startswith(layer0) and _whole_under_tp(n, plan))
+    at_end = sum(p.numel() for n, p in named.items() if any(n == e or n.startswith(e + ".") for e in last))
+    first = sum(p.numel() for n, p in named.items() if n not in in_layers) - at_end
+    width = int(getattr(config, "hidden_size", 0) or 0)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", 0) or (width // heads if heads else 0))
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
+    inner = int(getattr(config, "intermediate_size", 0) or 4 * width)
+    return {"per_layer": per_layer, "per_layer_tp_whole": whole, "first": first, "last": at_end,
+            "largest": max(p.numel() for p in named.values()), "width": width, "kv": kv, "inner": inner}
+
+
+def _whole_under_tp(name: str, plan: dict[str, str]) -> bool:
+    """A parameter the TP plan leaves whole: no rule for it or its module, a whole style, or a
+    row-parallel bias (added after the reduction)."""
+    module, _, param = name.rpartition(".")
+    style = plan.get(name, plan.get(module))
+    return style is None or style in WHOLE_STYLES or (style.startswith("rowwise") and param == "bias")
