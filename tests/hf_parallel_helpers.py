@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from loom.models.hf import parallel as hf_parallel
 
-VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 3, 1e-3
+VOCAB, SEQ, BATCH, STEPS, LR = 96, 16, 4, 10, 1e-3
 ARCHS = ("llama", "qwen3", "mistral", "mistral_window", "gemma2", "phi3", "olmo2")
 MODES = ("tp_accum", "dp_tp_fsdp", "pp_1f1b", "pp_interleaved", "pp_tp", "pp_fsdp")
 PP_COMPOSED = ("qwen3",)  # the architectures also run as pp 2 x tp 2 and pp 2 x dp 2 (FSDP2)

@@ -21,10 +21,12 @@ import torch
 
 from loom.models.hf import parallel as P
 
-# float64 throughout: per-step losses to 1e-10 relative, final weights to 1e-10 of the tensor's largest
+# float64 throughout, 10 steps: per-step losses to 1e-10 relative (Gemma-2: 1e-8), final weights to 1e-10 of the tensor's largest
 # entry. Gemma-2's RMSNorm computes in float32 (`x.float()`) whatever the model's dtype, so its norm weights'
 # gradients are float32-accurate (single-process accumulation alone moves them ~1e-7): its weights get 1e-5.
 LOSS_RTOL = 1e-10
+# Gemma-2's float32 norms: over 10 steps its loss drifts to 2.6e-10 of the reference (step 9, tp with accumulation)
+LOSS_RTOL_OF = {"gemma2": 1e-8}
 WEIGHT_RTOL = {"gemma2": 1e-5}
 WEIGHT_RTOL_DEFAULT = 1e-10
 
@@ -253,7 +255,7 @@ def test_parallel_training_matches_one_process(tmp_path):
             seen = set()
             for r in ranks:
                 losses, weights = r[(arch, mode)]
-                assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0), (arch, mode)
+                assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL_OF.get(arch, LOSS_RTOL), abs=0), (arch, mode)
                 for name, w in weights.items():
                     ref = ref_weights[name]
                     assert (w - ref).abs().max() <= rtol * ref.abs().max(), (arch, mode, name)
