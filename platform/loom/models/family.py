@@ -70,9 +70,9 @@ class ModelFamily:
     # its module class names (torch-free: the choices of strategy.shard_units; empty: not checked)
     module_classes: tuple[str, ...] = ()
     # model.init_from: what else is wrong with a source whose tensors `found` (it may drop a tensor
-    # it never reads), and the option to suggest for a Hugging Face dir of config.json `data`
+    # it never reads), and its option that reads a Hugging Face dir of config.json `data` (None: none)
     init_from_problems: Callable[[DictConfig, Path, Shapes], list[str]] = lambda cfg, path, found: []
-    takes_hf_dir: Callable[[dict], bool] = lambda data: False
+    hf_dir_option: Callable[[dict], str | None] = lambda data: None
     # the Hugging Face directory holding the weights a run started from without model.init_from
     # (what peft merges a LoRA adapter into), or (None, why not); None: it has no such directory
     weights_dir: Callable[[DictConfig], tuple[Path | None, str]] | None = None

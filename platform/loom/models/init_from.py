@@ -172,7 +172,7 @@ def _hint(path: Path, families: list[ModelFamily]) -> str:
         return "change the model overrides to match the source run's config.yaml"
     config = path / "config.json"
     data = json.loads(config.read_text()) if config.is_file() else {}
-    able = [f.name for f in families if f.takes_hf_dir(data)]
+    able = [option for f in families if (option := f.hf_dir_option(data))]
     if able:
         return f"use model={able[0]}, which takes every field from the directory's config.json"
     return (f"use model=hf_causal_lm model.config={path} without model.init_from (it loads that "

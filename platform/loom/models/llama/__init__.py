@@ -180,4 +180,4 @@ FAMILY = ModelFamily(
     parts=lambda cfg: parts(cfg.model), largest=lambda cfg: float(parts(cfg.model).largest),
     document_masks=True, lora_targets=lora_targets, module_classes=hf_config.MODULE_CLASSES,
     init_from_problems=init_from_problems,
-    takes_hf_dir=lambda data: (data.get("architectures") or [None])[0] in hf_config.SUPPORTED)
+    hf_dir_option=lambda data: "llama" if (data.get("architectures") or [None])[0] in hf_config.SUPPORTED else None)
