@@ -14,7 +14,7 @@ from loom.errors import ConfigError
 from loom.export import Request
 from loom.export import request as export_request
 from loom.export.select import run_dir_of
-from loom.models.registry import MODELS
+from loom.models.registry import FAMILIES, MODELS
 from loom.rundir.config_file import load_frozen
 
 # where a tokenizer directory keeps its chat template (transformers' save_pretrained writes the first)
@@ -67,7 +67,7 @@ def _check_model(cfg, run_dir: Path) -> None:
     """Generation runs the Hugging Face export through transformers: the model needs an architecture."""
     if MODELS[cfg.model.name].hf_config is not None:
         return
-    able = ", ".join(dict.fromkeys(o.family or n for n, o in MODELS.items() if o.hf_config is not None))
+    able = ", ".join(f.name for f in FAMILIES if f.hf_config is not None)
     raise _usage(f"{run_dir}: model={cfg.model.name} has no Hugging Face architecture, and generation runs the "
                  f"run's Hugging Face export with transformers (models that have one: {able}); "
                  f"`loom export {run_dir} --format loom` writes its weights")
