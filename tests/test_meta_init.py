@@ -64,6 +64,27 @@ def test_any_range_of_a_parameter_draws_the_same_values():
     assert abs(full.std().item() - 0.02) < 1e-3
 
 
+def test_drawing_ignores_the_default_device():
+    """Lightning builds under `torch.device("cuda")` as the default device: a chunk made without
+    a device landed on CUDA beside a CPU generator, and every GPU single/zero run died at step 0
+    ("Expected a 'cuda' device type for generator", first H100 run). `meta` stands in for CUDA
+    here: a chunk made there would fail the copy into the CPU destination."""
+    from loom.models.lora import LoraInit
+
+    init = NamedInit(7, gpt_rule(2))
+    shape = (CHUNK // 500, 1000)
+    want = init.full_value("blocks.0.mlp.fc.weight", shape, torch.device("cpu"))
+    lora = LoraInit(init, 7)
+    want_a = lora.full_value("blocks.0.mlp.fc.lora_A.default.weight", (8, 1000), torch.device("cpu"))
+    with torch.device("meta"):
+        got = torch.empty(want.numel(), device="cpu")
+        init.fill_flat(got, "blocks.0.mlp.fc.weight", shape, 0)
+        got_a = torch.empty(8 * 1000, device="cpu")
+        lora.fill_flat(got_a, "blocks.0.mlp.fc.lora_A.default.weight", (8, 1000), 0)
+    assert torch.equal(got, want.view(-1))
+    assert torch.equal(got_a, want_a.view(-1))
+
+
 def test_meta_build_equals_a_plain_gpt_with_the_same_seed():
     from loom.models.gpt.network import GPT
     from loom.models.lit import network_kwargs

@@ -117,7 +117,7 @@ class NamedInit:
             # for the same seed, so the same seed would start a GPU run (or zero3_offload's
             # CPU-held parameters beside a GPU strategy's) from different weights.
             gen = torch.Generator().manual_seed(param_seed(self.seed, f"{name}#{k}"))
-            chunk = torch.empty(hi - lo).normal_(0.0, std, generator=gen)
+            chunk = torch.empty(hi - lo, device="cpu").normal_(0.0, std, generator=gen)
             a, b = max(start, lo), min(end, hi)
             dest[a - start:b - start].copy_(chunk[a - lo:b - lo])
 

@@ -129,7 +129,7 @@ class LoraInit(NamedInit):
         for k in range(start // CHUNK, (end - 1) // CHUNK + 1 if end > start else 0):
             lo, hi = k * CHUNK, min((k + 1) * CHUNK, total)
             gen = torch.Generator().manual_seed(param_seed(self.seed, f"{name}#{k}"))
-            chunk = torch.empty(hi - lo).uniform_(-bound, bound, generator=gen)
+            chunk = torch.empty(hi - lo, device="cpu").uniform_(-bound, bound, generator=gen)
             a, b = max(start, lo), min(end, hi)
             dest[a - start:b - start].copy_(chunk[a - lo:b - lo])
 
