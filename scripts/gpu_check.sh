@@ -44,6 +44,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit "$EXIT_SKIPPED"
 fi
 
+rm -rf "$OUT/runs"  # a run id left by an earlier check would resume (or be "already completed"), not train
 mkdir -p "$OUT/runs"
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true
 results="$OUT/results.tsv"

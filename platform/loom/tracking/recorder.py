@@ -353,15 +353,16 @@ class Recorder(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.compiles.stop()
 
-    def rank_stats(self, pl_module: pl.LightningModule) -> dict[str, float]:
+    def rank_stats(self, device: torch.device) -> dict[str, float]:
         """This rank's peaks, for summary.json (gathered by the worker). GPU memory twice:
         allocated (what tensors held: what the plan estimates and the benchmarks report) and
-        reserved (the caching allocator's blocks: what the device had to have free)."""
+        reserved (the caching allocator's blocks: what the device had to have free). `device`
+        is the strategy's (the module's own is the CPU once Lightning has torn down)."""
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
         peak_gpu = reserved = None
-        if pl_module.device.type == "cuda":
-            peak_gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-            reserved = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        if device.type == "cuda":
+            peak_gpu = torch.cuda.max_memory_allocated(device) / 2**30
+            reserved = torch.cuda.max_memory_reserved(device) / 2**30
         return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu, "peak_gpu_reserved_gb": reserved}
 
     def rates(self, samples: int, seconds: float, peak_flops: float | None) -> dict[str, Any]:

@@ -78,13 +78,12 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
                         TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
                         *_profiling(cfg, run_dir, rank), *_watchdog(cfg, run_dir, rank, progress, saver)]
-        progress.phase = "building the trainer"
-        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping,
-                                                  *_user_callbacks(cfg)])
-        progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
-
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
         recorder.on_log = run.record_span
+        progress.phase = "building the trainer"
+        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping,
+                                                  *_user_callbacks(cfg), _results_callback(run, saver, progress)])
+        progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
         run.summary["resumed_from_step"] = checkpoints.step_of(resume)
         run.summary["init_from"] = cfg.model.get("init_from")
         run.summary["extended_from_steps"] = frozen_plan.get("extended_from_steps")
@@ -96,8 +95,10 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
                 # its own shutdown. summary.json says `preempted`; the launcher exits 143 from it.
                 run.status = "preempted"
                 return 0
-            progress.phase = "writing the results"
-            run.completed(trainer, module)
+            if not run.collected:  # the loop had nothing to run (resumed at its last step): no on_train_end
+                progress.phase = "writing the results"
+                run.collect(trainer, module)
+            run.status = "completed"
         finally:
             run.write(trainer)
     return 0
@@ -185,6 +186,22 @@ def _phase_callback(progress: Progress):
                 log_placement(trainer, pl_module)
 
     return TrainingStarted()
+
+
+def _results_callback(run: results.RunResults, saver, progress: Progress):
+    """Final weights and memory figures at `on_train_end`, the last hook before Lightning's
+    teardown moves the module and its optimizer state to the CPU: gathered after it, DeepSpeed's
+    all-reduce of a ZeRO-2/3 bf16 parameter ran on a CPU tensor over NCCL and failed, and the
+    GPU peaks were dropped as "not on CUDA" (the first H100 run). Not on a preempted stop."""
+    import pytorch_lightning as pl
+
+    class FinalResults(pl.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            if not saver.preempted:
+                progress.phase = "writing the results"
+                run.collect(trainer, pl_module)
+
+    return FinalResults()
 
 
 def log_placement(trainer, module) -> None:

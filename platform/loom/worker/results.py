@@ -32,24 +32,25 @@ class RunResults:
         self.cfg, self.layout, self.run_dir, self.rank = cfg, layout, run_dir, rank
         self.recorder, self.plan, self.spec = recorder, plan, spec
         self.status = "failed"
+        self.collected = False  # final weights and memory figures taken (`collect`)
         self.summary = empty_summary(cfg, str(cfg.run.id), layout)
         self.previous = read_summary(run_dir) or {}  # an earlier attempt's, when this one resumes
         recorder.data_watch.carry(self.previous.get("data_wait"))  # the data wait warning is said once per run
         self.launch_time = float(os.environ.get("LOOM_LAUNCH_TIME", time.time()))
 
-    def completed(self, trainer, module) -> None:
-        """Final weights (a collective under sharding) and every rank's memory figures."""
-        self.status = "completed"
+    def collect(self, trainer, module) -> None:
+        """Final weights (a collective under sharding) and every rank's memory figures, taken
+        while the module is still on the device it trained on (loom.worker.fit's on_train_end)."""
+        self.collected = True
         trainer.strategy.wait_for_checkpoint()  # a background checkpoint write finishes first
         self.summary["final_weights"] = self._export_final_weights(trainer, module)
-        per_rank = self._gather_rank_stats(trainer, module)
+        per_rank = self._gather_rank_stats(trainer)
+        on_cuda = trainer.strategy.root_device.type == "cuda"
         self.summary["memory"] = {
             "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
             "build_peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 5]],
-            "peak_gpu_mem_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 1]]
-                                         if module.device.type == "cuda" else None),
-            "peak_gpu_reserved_gb_per_rank": ([round(float(x), 4) for x in per_rank[:, 6]]
-                                              if module.device.type == "cuda" else None),
+            "peak_gpu_mem_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 1]] if on_cuda else None,
+            "peak_gpu_reserved_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 6]] if on_cuda else None,
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
             "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
         }
@@ -110,10 +111,11 @@ class RunResults:
             earlier = next((r["train/loss"] for r in read_metrics(self.run_dir) if "train/loss" in r), None)
         return earlier if earlier is not None else self.recorder.first_loss
 
-    def _gather_rank_stats(self, trainer, module):
+    def _gather_rank_stats(self, trainer):
         import torch
 
-        local = self.recorder.rank_stats(module)
+        module = trainer.lightning_module
+        local = self.recorder.rank_stats(trainer.strategy.root_device)
         held_params, held_optim = trainer.strategy.local_state_bytes(trainer, module)
         stats = torch.tensor(
             [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
@@ -124,7 +126,7 @@ class RunResults:
         world = self.layout.world
         if world == 1:
             return stats.unsqueeze(0)
-        return trainer.strategy.all_gather(stats.to(module.device)).reshape(world, -1).cpu()
+        return trainer.strategy.all_gather(stats.to(trainer.strategy.root_device)).reshape(world, -1).cpu()
 
     def record_span(self, span: dict) -> None:
         """Rank 0, at every log step: this attempt's span so far into world_history.json, so
@@ -206,7 +208,7 @@ class RunResults:
 
     def _sampled_memory(self) -> None:
         """A preempted or failed run's memory: each rank's RSS as sampled at its log steps
-        (rank 0's own peak exactly); a completed run has the exact peaks (`completed`)."""
+        (rank 0's own peak exactly); a completed run has the exact peaks (`collect`)."""
         mem = self.summary["memory"]
         if mem["peak_rss_gb_per_rank"] is not None or not self.recorder.peak_rss_per_rank:
             return
