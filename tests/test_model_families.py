@@ -14,7 +14,7 @@ import pytest
 from loom.models.registry import FAMILIES, MODELS
 
 ROOT = Path(__file__).resolve().parents[1] / "platform" / "loom"
-FAMILY_DIRS = ("models/gpt", "models/llama", "models/hf")
+FAMILY_DIRS = ("models/gpt", "models/llama", "models/moe", "models/hf")
 REGISTRY = "models/registry.py"  # the one line per family
 # names of families and architectures (nanoGPT's flat token files are a data format, not a model)
 FAMILY_WORDS = re.compile(r"(?<!nano)gpt|llama|mistral|mixtral|qwen|gemma|phi-?3|olmo|deepseek", re.IGNORECASE)

@@ -6,7 +6,7 @@ half in `network.py` / `module.py`), its yamls in conf/model/, and one line in F
 
 from __future__ import annotations
 
-from loom.models import checks, gpt, hf, init_from, llama, spec
+from loom.models import checks, gpt, hf, init_from, llama, moe, spec
 from loom.models.family import ModelFamily
 from loom.models.schema import CustomModelConfig, MLPModelConfig
 
@@ -19,5 +19,5 @@ CUSTOM = ModelFamily(name="custom", options=("custom",), schema=CustomModelConfi
                      summary="your own LightningModule or nn.Module (`model.module._target_`)",
                      normalize=checks.normalize_custom, built_on_host=lambda cfg: True)  # its own __init__ allocates
 
-FAMILIES: tuple[ModelFamily, ...] = (gpt.FAMILY, llama.FAMILY, hf.FAMILY, MLP, CUSTOM)
+FAMILIES: tuple[ModelFamily, ...] = (gpt.FAMILY, llama.FAMILY, moe.FAMILY, hf.FAMILY, MLP, CUSTOM)
 MODELS: dict[str, ModelFamily] = {option: family for family in FAMILIES for option in family.options}

@@ -28,6 +28,7 @@ class ModelSpec:
     width: int                   # hidden size
     items_per_sample: int = 1    # tokens per sample (seq_len), 1 for classification
     matmul_params: int | None = None  # the N of 6N: weights multiplied per item (a tied head included)
+    active_params: int | None = None  # what one token passes through (a mixture of experts: k of E); None: all
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""The MoE family's LightningModule: the balance loss added to the language-model loss, the
+expert-load metrics, the aux-loss-free bias update, and the adapter that reads per-expert
+checkpoints into the fused expert weights (imports torch, Lightning)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from loom.models.init import NamedInit
+from loom.models.lit import DecoderModule
+from loom.models.moe.hf_config import per_expert_names
+from loom.models.moe.network import MoEDecoderLayer, MoETransformer, moe_rule
+
+
+def read_per_expert(name: str, keys: set[str], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+    """A fused expert weight from a per-expert checkpoint (models.init.FileInit's `derive`):
+    gate_up_proj [E, 2I, d] = each expert's gate rows then up rows; down_proj [E, d, I]. And
+    Mixtral's `block_sparse_moe.gate` for `mlp.gate`."""
+    if name.endswith(".mlp.gate.weight"):
+        old = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        return read(old) if old in keys else None
+    found = per_expert_names(name, keys)
+    if found is None:
+        return None
+    first, second = found
+    if not second:  # down_proj
+        return torch.stack([read(n) for n in first])
+    return torch.cat([torch.stack([read(n) for n in first]), torch.stack([read(n) for n in second])], dim=1)
+
+
+class MoEModule(DecoderModule):
+    """Loom's MoE decoder (loom.models.moe.network), `model=moe*`: FSDP and activation
+    checkpointing units are its decoder layers. The loss it trains is the language-model loss
+    plus `aux_loss_coef` x the layers' sequence-wise balance loss (both per micro-batch means,
+    so gradient accumulation averages them like one big batch)."""
+
+    network = MoETransformer
+    sharding_units = (MoEDecoderLayer,)
+
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__(cfg)
+        self._step_loads: list[torch.Tensor] | None = None  # tokens per expert, this optimizer step
+
+    def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
+        return NamedInit(int(self.cfg.seed), moe_rule()), None
+
+    def weight_adapter(self):
+        return read_per_expert
+
+    def _loss(self, batch) -> torch.Tensor:
+        loss = super()._loss(batch)
+        if not self.training or self._trainer is None:
+            return loss
+        loads = [b.load for b in self.model.moe_blocks()]
+        self._log_load(loads)
+        if self.model.bias_update_rate:
+            self._step_loads = loads if self._step_loads is None else [a + b for a, b in zip(self._step_loads, loads,
+                                                                                             strict=True)]
+        aux = self.model.balance_loss()
+        for block in self.model.moe_blocks():
+            block.balance_loss = None
+        if aux is None:
+            return loss
+        self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
+        return loss + aux
+
+    def _log_load(self, loads: list[torch.Tensor]) -> None:
+        """moe/expert_load_max and _min: the busiest and idlest expert's tokens over the mean
+        (1.0 is perfect balance), the worst layer's; dropped tokens are 0 by construction (dropless)."""
+        ratios = torch.stack([load.float() / load.float().mean().clamp_min(1e-9) for load in loads])
+        self.log("moe/expert_load_max", ratios.max(), on_step=True, on_epoch=False)
+        self.log("moe/expert_load_min", ratios.min(), on_step=True, on_epoch=False)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After an optimizer step: the aux-loss-free bias moves by the step's loads, summed
+        over micro-batches and data-parallel ranks (the same update on every rank)."""
+        if self._step_loads is None or (batch_idx + 1) % self.trainer.accumulate_grad_batches:
+            return
+        total = self.trainer.strategy.reduce(torch.stack(self._step_loads).float(), reduce_op="sum")
+        self.model.update_correction_bias(list(total))
+        self._step_loads = None
+
+
+def build(cfg: DictConfig) -> Any:
+    return MoEModule(cfg)
