@@ -132,8 +132,10 @@ def expert_params(m: DictConfig) -> int:
 
 
 def init_from_problems(cfg: DictConfig, path: Path, found: Shapes) -> list[str]:
-    """A per-expert checkpoint is compared as the fused tensors it fills (`found` rewritten in
-    place); once shapes agree, a sized option's behaviour fields must agree with config.json."""
+    """A per-expert checkpoint with an expert's tensor missing is refused naming it; a complete one
+    is compared as the fused tensors it fills (`found` rewritten in place); once shapes agree, a
+    sized option's behaviour fields must agree with config.json."""
+    hf_config.check_experts(found, str(path), cfg.model.name)
     fused = hf_config.fused_view(found)
     found.clear()
     found.update(fused)

@@ -30,6 +30,7 @@ BEHAVIOUR_FIELDS = ("experts_per_token", "norm_topk_prob", "rope_theta", "rms_no
 # per-expert tensor names -> (fused tensor, which part): gate/up rows of gate_up_proj, or down_proj
 PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\."
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+PARTS = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe": ("w1", "w3", "w2")}  # gate, up, down
 PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -143,6 +144,35 @@ def fused_view(found: Shapes) -> Shapes:
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = (E, 2 * inner, d)
         out[f"model.layers.{layer}.mlp.experts.down_proj"] = (E, *down[0])
     return out
+
+
+def missing_experts(found: Shapes) -> list[str]:
+    """The per-expert tensors a checkpoint lacks, in its own names: in each layer holding some,
+    every expert up to the highest index found needs its gate, up and down weight (an expert
+    missing whole at the top shows instead as the fused shape's smaller expert count)."""
+    held: dict[tuple[str, str], set[str]] = {}
+    for name in found:
+        hit = PER_EXPERT.match(name)
+        if hit is not None:
+            held.setdefault((hit[1], hit[2]), set()).add(name)
+    out = []
+    for (layer, block), names in sorted(held.items(), key=lambda kv: (int(kv[0][0]), kv[0][1])):
+        count = max(int(PER_EXPERT.match(n)[3]) for n in names) + 1
+        out += [n for e in range(count) for part in PARTS[block]
+                if (n := f"model.layers.{layer}.{block}.experts.{e}.{part}.weight") not in names]
+    return out
+
+
+def check_experts(found: Shapes, source: str, option: str) -> None:
+    """Refuse a per-expert checkpoint with an expert's tensor missing, naming it (before launch:
+    the fused view alone would name only the fused tensors it cannot fill)."""
+    missing = missing_experts(found)
+    if missing:
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ConfigError(f"Invalid config: model.init_from={source!r} does not fit model={option}: "
+                          f"{len(missing)} per-expert tensor(s) missing from the file: {', '.join(missing[:8])}{more}. "
+                          "Every expert of a layer needs its gate, up and down weight: the checkpoint is "
+                          "incomplete (a shard missing from the download, or a partial conversion).")
 
 
 def per_expert_names(name: str, keys: set[str]) -> tuple[list[str], list[str]] | None:
