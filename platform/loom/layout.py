@@ -35,6 +35,9 @@ class ParallelLayout:
     pp: int = 1
     pp_schedule: str | None = None    # strategy.pp_schedule when pp > 1
     pp_microbatches: int | None = None  # microbatches per step when pp > 1
+    # expert parallelism: a mixture of experts' routed experts split over `ep` consecutive ranks of
+    # the data-parallel shard dim (each holds E / ep whole experts; FSDP2 shards them over the rest)
+    ep: int = 1
 
     @classmethod
     def build(cls, world: int, devices_per_node: int, *, tp: int = 1, pp: int = 1,
@@ -88,4 +91,4 @@ class ParallelLayout:
         """summary.json's `parallel`: the degrees of every dimension and the pipeline's
         schedule and microbatches (null without a pipeline)."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
-                "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}
+                "ep": self.ep, "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}

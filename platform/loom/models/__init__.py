@@ -130,6 +130,16 @@ def vocab_size(cfg: DictConfig) -> int:
     return MODELS[cfg.model.name].vocab(cfg)
 
 
+def expert_count(cfg: DictConfig) -> int:
+    """Routed experts per layer of a mixture of experts (0: not one): what strategy.ep splits."""
+    return MODELS[cfg.model.name].experts(cfg)
+
+
+def expert_param_count(cfg: DictConfig) -> int:
+    """All routed experts' parameters (0: not a mixture of experts)."""
+    return MODELS[cfg.model.name].expert_params(cfg)
+
+
 def model_key(cfg: DictConfig, what: str) -> str:
     """The key a user sets for the model's `what` ("layers" | "heads"), for refusals."""
     return MODELS[cfg.model.name].keys.get(what, f"the model's {what}")

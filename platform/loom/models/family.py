@@ -76,3 +76,7 @@ class ModelFamily:
     # the Hugging Face directory holding the weights a run started from without model.init_from
     # (what peft merges a LoRA adapter into), or (None, why not); None: it has no such directory
     weights_dir: Callable[[DictConfig], tuple[Path | None, str]] | None = None
+    # a mixture of experts: routed experts per layer and all their parameters (what strategy.ep
+    # divides); 0: none
+    experts: Callable[[DictConfig], int] = lambda cfg: 0
+    expert_params: Callable[[DictConfig], int] = lambda cfg: 0

@@ -13,6 +13,7 @@ Every strategy class also answers Loom's two questions about its states (`base.L
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omegaconf import DictConfig
@@ -43,11 +44,13 @@ def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None
         node = node or asdict(STRATEGIES[name].schema())
         d = resolve_degrees(node, world, f"hardware.devices={hw.devices} x hardware.num_nodes={hw.num_nodes}")
         pipe = (str(node.get("pp_schedule")), microbatches_of(node, d["pp"])) if d["pp"] > 1 else (None, None)
-        return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], *pipe)
+        return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], *pipe,
+                              ep=int(node.get("ep", 1) or 1))
     mode = STRATEGIES[name].dp_mode
     if mode == "hybrid" and not node.get("hybrid_shard", True):
         mode = "shard"
-    return ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), dp_mode=mode)
+    layout = ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), dp_mode=mode)
+    return dataclasses.replace(layout, ep=int(node.get("ep", 1) or 1))
 
 
 def normalize(cfg: DictConfig) -> None:

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 from loom.bundle import shipped_path
 from loom.errors import fail, require
 from loom.layout import ParallelLayout
-from loom.models import MODELS, attention_heads, model_key, module_classes, split_problem
+from loom.models import MODELS, attention_heads, expert_count, model_key, module_classes, split_problem
 from loom.strategies.schema import COMM_HOOKS
 
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
@@ -101,6 +101,29 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
             "Use hardware.precision=bf16-mixed, or strategy=ddp or zero1/zero2/zero3 for 16-mixed")
     if "tensor_parallel" in s:
         _check_tensor_parallel(cfg, layout)
+    check_expert_parallel(cfg, layout)
+
+
+def check_expert_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """strategy.ep: a mixture of experts whose experts and data-parallel shard dim it divides;
+    built with FSDP2 alone (no tp, pp or HSDP beside it yet)."""
+    ep = int(cfg.strategy.get("ep", 1) or 1)
+    if ep == 1:
+        return
+    require(ep >= 1, "strategy.ep", ep, "must be >= 1 (1: no expert parallelism)")
+    experts = expert_count(cfg)
+    require(experts > 0, "strategy.ep", ep, f"model={cfg.model.name} has no routed experts to split; use strategy.ep=1")
+    valid = [d for d in range(1, experts + 1) if experts % d == 0 and layout.dp_shard % d == 0]
+    require(experts % ep == 0, "strategy.ep", ep,
+            f"must divide model.num_experts={experts} (each expert-parallel rank holds whole experts); valid: "
+            f"{', '.join(map(str, valid))}")
+    require(layout.dp_shard % ep == 0, "strategy.ep", ep,
+            f"must divide the data-parallel shard size dp_shard={layout.dp_shard} (expert-parallel ranks are "
+            f"data-parallel ranks that exchange tokens); valid: {', '.join(map(str, valid))}")
+    require(layout.tp == 1 and layout.pp == 1 and layout.dp_replicate == 1, "strategy.ep", ep,
+            f"expert parallelism is built beside FSDP2 alone so far (this layout: dp_replicate={layout.dp_replicate} "
+            f"tp={layout.tp} pp={layout.pp}); use strategy.tp=1 strategy.pp=1, and strategy.hybrid_shard=false "
+            "across nodes")
 
 
 def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:

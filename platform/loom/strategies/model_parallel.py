@@ -51,8 +51,8 @@ def _model_parallel_strategy_class():
             (replicate, shard) mesh and the TP mesh share a root (FSDP2 x TP needs that)."""
             super().setup_environment()
             lay = self.loom_layout
-            if lay.hybrid:
-                mesh = hybrid_mesh(self.root_device.type, lay)
+            if lay.hybrid or lay.ep > 1:
+                mesh = hybrid_mesh(self.root_device.type, lay) if lay.hybrid else expert_mesh(self.root_device.type, lay)
                 self._device_mesh = self.lightning_module._device_mesh = mesh
 
         def parallelize(self, module) -> None:
@@ -66,6 +66,8 @@ def _model_parallel_strategy_class():
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")
             _log_compute_dtype_once(model, units)
+            if layout.ep > 1:
+                shard_experts(module, mesh, layout, bool(s.reshard_after_forward), mp)
             shard_roots([model], units, dp_mesh, bool(s.reshard_after_forward), mp)
 
         _loom_pending: Any = None      # the future of the checkpoint being written (checkpoint.async)
@@ -163,11 +165,43 @@ def hybrid_mesh(device_type: str, lay: ParallelLayout):
     return mesh
 
 
+def expert_mesh(device_type: str, lay: ParallelLayout):
+    """Expert parallelism's (shard_mod_ep, ep, tensor_parallel) mesh: the data-parallel shard dim
+    split into `ep` consecutive ranks that exchange tokens and hold different experts, and the
+    ranks holding the same experts (`shard_mod_ep`, over which FSDP2 shards them); the two
+    flattened back as data_parallel for everything else (torchtitan's dp_shard_mod_ep)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (lay.dp_shard // lay.ep, lay.ep, lay.tp),
+                            mesh_dim_names=("shard_mod_ep", "ep", "tensor_parallel"))
+    mesh["shard_mod_ep", "ep"]._flatten("data_parallel")
+    return mesh
+
+
+def shard_experts(module, mesh, lay: ParallelLayout, reshard_after_forward: bool, mp_policy: Any) -> None:
+    """The module's experts split over the ep dim (its `apply_expert_parallel`: DTensors
+    Shard(0) on that dim, tokens exchanged all-to-all), then FSDP2 over the ranks holding the
+    same experts (the module scales the experts' gradients by 1 / ep: they sum every ep
+    peer's tokens, and FSDP2 averages over dp / ep ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw: dict[str, Any] = {"mesh": mesh["shard_mod_ep"], "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    experts = module.apply_expert_parallel(mesh["ep"])
+    for sub in experts:
+        fully_shard(sub, **kw)
+    log.info(f"expert parallelism: {len(experts)} expert set(s) split over ep={lay.ep}, "
+             f"sharded over {lay.dp_shard // lay.ep} rank(s) each")
+
+
 def mesh_of(device_type: str, lay: ParallelLayout):
     """The device mesh the strategy of `lay` builds (pp == 1): HSDP's, else Lightning's own
     (data_parallel, tensor_parallel) one. `loom plan --rehearse` builds it over a fake group."""
     if lay.hybrid:
         return hybrid_mesh(device_type, lay)
+    if lay.ep > 1:
+        return expert_mesh(device_type, lay)
     import torch
     from lightning_fabric.strategies.model_parallel import _setup_device_mesh
 

@@ -27,6 +27,7 @@ class FSDPStrategyConfig:
     reshard_after_forward: bool = True
     hybrid_shard: bool = True
     shard_units: list[str] | None = None
+    ep: int = 1   # expert parallelism (a mixture of experts): experts split over ep ranks of the dp dim
 
 
 @dataclass
@@ -62,6 +63,7 @@ class NDStrategyConfig:
     pp_microbatches: int | None = None
     reshard_after_forward: bool = True
     shard_units: list[str] | None = None
+    ep: int = 1   # expert parallelism: experts split over ep ranks of dp_shard (tp = pp = 1 for now)
 
 
 @dataclass

@@ -152,9 +152,9 @@ def init_from_problems(cfg: DictConfig, path: Path, found: Shapes) -> list[str]:
 
 
 def split_problem(cfg: DictConfig, how: str) -> str:
-    """Not split by tensor or pipeline parallelism yet (nor its experts by expert parallelism)."""
+    """Not split by tensor or pipeline parallelism yet: its experts split by strategy.ep."""
     return (f"model={cfg.model.name} has no {how.replace('_', ' ')} plan yet: train it data-parallel "
-            "(strategy=ddp, fsdp or zero1-3)")
+            "(strategy=ddp, fsdp or zero1-3), its experts split by strategy.ep under fsdp or nd")
 
 
 FAMILY = ModelFamily(
@@ -162,10 +162,11 @@ FAMILY = ModelFamily(
     spec=lambda cfg: spec(cfg.model, cfg.dataset.seq_len), build="loom.models.moe.module:build",
     shapes=lambda cfg: hf_config.moe_shapes(cfg.model), normalize=normalize,
     summary="Loom's mixture of experts (Qwen3-MoE, Mixtral): dropless top-k router, grouped-matmul experts",
-    splits_note="none yet (data parallel only: ddp, fsdp, zero)", split_problem=split_problem,
+    splits_note="experts by strategy.ep (fsdp, nd); no tensor or pipeline split yet", split_problem=split_problem,
     layers=lambda cfg: int(cfg.model.n_layer), width=lambda cfg: int(cfg.model.d_model),
     heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head"},
     hf_config=lambda cfg: hf_config.config_from_fields(cfg.model), parts=lambda cfg: parts(cfg.model),
     largest=lambda cfg: float(parts(cfg.model).largest), module_classes=hf_config.MODULE_CLASSES,
-    init_from_problems=init_from_problems,
+    init_from_problems=init_from_problems, experts=lambda cfg: int(cfg.model.num_experts),
+    expert_params=lambda cfg: expert_params(cfg.model),
     hf_dir_option=lambda data: "moe" if (data.get("architectures") or [None])[0] in hf_config.SUPPORTED else None)

@@ -46,6 +46,27 @@ class MoEModule(DecoderModule):
         super().__init__(cfg)
         self._step_loads: list[torch.Tensor] | None = None  # tokens per expert, this optimizer step
 
+    def apply_expert_parallel(self, ep_mesh) -> list[nn.Module]:
+        """Each block's experts become DTensors sharded by expert (Shard(0)) over `ep_mesh`:
+        this rank computes E / ep of them, on tokens the all-to-all dispatch brings from its ep
+        peers (`MoEBlock.ep_group`). Returns the expert modules, for FSDP2 to shard further."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        out = []
+        for block in self.model.moe_blocks():
+            experts = block.experts
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                local = full.detach().chunk(ep, dim=0)[rank]
+                dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                        stride=full.stride())
+                setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+            experts.grad_scale = 1.0 / ep
+            block.ep_group = ep_mesh.get_group()
+            out.append(experts)
+        return out
+
     def initializer(self, meta_model: nn.Module) -> tuple[NamedInit | None, str | None]:
         return NamedInit(int(self.cfg.seed), moe_rule()), None
 

@@ -53,6 +53,22 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`: an expert-parallel rank's
+    expert gradients sum the tokens of all its ep peers, so FSDP2's mean over the ranks holding
+    the same experts (dp / ep of them) is ep times the data-parallel mean; 1 / ep here makes it
+    that mean. (FSDP2's own `set_gradient_divide_factor` needs a PREMUL_SUM reduction gloo lacks.)"""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: float32/bf16/fp16, and every row
     stride a multiple of 16 bytes (checked by torch; else the per-expert loop)."""
@@ -72,10 +88,15 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, d_model))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, intermediate))
         self.grouped_mm = grouped_mm
+        self.grad_scale = 1.0  # 1 / ep under expert parallelism (`_ScaleGrad`)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens sorted by expert [T, d]; counts [E_local]: how many each expert has."""
         gate_up, down = self.gate_up_proj, self.down_proj
+        if hasattr(gate_up, "to_local"):  # expert parallelism: this rank's experts (a DTensor's shard)
+            gate_up, down = gate_up.to_local(), down.to_local()
+        if self.grad_scale != 1.0:
+            gate_up, down = _ScaleGrad.apply(gate_up, self.grad_scale), _ScaleGrad.apply(down, self.grad_scale)
         if gate_up.dtype != x.dtype:  # autocast does not reach the grouped matmul's operands
             gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)
         if self.grouped_mm and grouped_mm_ok(x, gate_up, down):
