@@ -135,6 +135,11 @@ def expert_count(cfg: DictConfig) -> int:
     return MODELS[cfg.model.name].experts(cfg)
 
 
+def experts_per_token(cfg: DictConfig) -> int:
+    """How many experts each token is routed to (the router's top-k; 0: not a mixture of experts)."""
+    return MODELS[cfg.model.name].experts_per_token(cfg)
+
+
 def expert_param_count(cfg: DictConfig) -> int:
     """All routed experts' parameters (0: not a mixture of experts)."""
     return MODELS[cfg.model.name].expert_params(cfg)

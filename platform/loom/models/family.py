@@ -79,4 +79,5 @@ class ModelFamily:
     # a mixture of experts: routed experts per layer and all their parameters (what strategy.ep
     # divides); 0: none
     experts: Callable[[DictConfig], int] = lambda cfg: 0
+    experts_per_token: Callable[[DictConfig], int] = lambda cfg: 0  # the router's top-k
     expert_params: Callable[[DictConfig], int] = lambda cfg: 0

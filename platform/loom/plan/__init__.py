@@ -21,6 +21,7 @@ from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
+from loom.plan.experts import experts_summary
 from loom.plan.memory import (
     GB,
     HOST_USABLE,
@@ -95,6 +96,8 @@ class Plan:
     comm_bytes_by_dimension: dict[str, float] = field(default_factory=dict)
     # calls per device per step by dimension (plan.messages): what latency costs, beside the bytes
     comm_messages_per_step: dict[str, float] = field(default_factory=dict)
+    # a mixture of experts: how strategy.ep splits them, active parameters, all-to-all (plan.experts)
+    experts: dict[str, Any] | None = None
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
@@ -168,6 +171,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         host_capacity_bytes=HOST_USABLE * float(hw.host_memory_gb) * GB,
         warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
         trainable_params=trainable_params(cfg),
+        experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
     )
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
@@ -196,8 +200,17 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
 def _by_dimension(cfg: DictConfig, comm: dict[str, float], layout) -> dict[str, float]:
     """`comm_bytes_by_collective` regrouped by the mesh dimension the bytes cross."""
     tp = tp_bytes(cfg, layout) if comm else 0.0
-    pipe = comm.get("pipeline_send", 0.0)
-    return {"data_parallel": sum(comm.values()) - tp - pipe, "tensor_parallel": tp, "pipeline": pipe}
+    pipe, a2a = comm.get("pipeline_send", 0.0), comm.get("all_to_all", 0.0)
+    return {"data_parallel": sum(comm.values()) - tp - pipe - a2a, "tensor_parallel": tp, "pipeline": pipe,
+            "expert_parallel": a2a}
+
+
+def _a2a_bandwidth(hw: DictConfig) -> float | None:
+    """GB/s the all-to-all's exposed time is reckoned at: the probed bus bandwidth, else the
+    profile's interconnect figure (plan.compare's own reading of it)."""
+    from loom.plan.compare import bandwidth
+
+    return bandwidth(hw)[0]
 
 
 def _comm_time(hw: DictConfig, comm_total: float) -> float | None:

@@ -124,7 +124,7 @@ def compare(composed: DictConfig) -> Comparison:
         raise ConfigError(refused[0][1])
     order = {id(c): i for i, c in enumerate(listed)}  # ties: ORDER, nd's splits last
     listed.sort(key=lambda c: (*rank_key(c), order[id(c)]))
-    return Comparison(listed, refused, _rate(composed.hardware, None)[1], _bandwidth(composed.hardware)[1])
+    return Comparison(listed, refused, _rate(composed.hardware, None)[1], bandwidth(composed.hardware)[1])
 
 
 def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, batch: int) -> DictConfig:
@@ -198,7 +198,7 @@ def predict(cfg: DictConfig, plan: Plan) -> Prediction:
     if plan.flops_per_step is not None:
         compute = plan.flops_per_step / plan.world_size * RECOMPUTE.get(plan.activation_checkpointing, 1.0) \
             / rate * share
-    wire = _wire(plan, _bandwidth(hw)[0] * GB, _latency(hw) * share)
+    wire = _wire(plan, bandwidth(hw)[0] * GB, _latency(hw) * share)
     exposed = exposed_s(cfg, plan, wire, compute)
     bubble = float((plan.pipeline or {}).get("bubble_fraction", 0.0))
     # The cores left idle: with `share` ranks per core, a stage waiting in the bubble gives its
@@ -223,7 +223,9 @@ def _wire(plan: Plan, bytes_per_s: float, latency: float) -> Wire:
         host = plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
             / (PCIE_GBPS * GB)
     return Wire(gather=gather_b / bytes_per_s + gather_lat, reduce=reduce_b / bytes_per_s + dp_lat - gather_lat,
-                tensor=tp_b / bytes_per_s + calls.get("tensor_parallel", 0.0) * latency,
+                # expert parallelism's all-to-alls block as tensor parallelism's all-reduces do (plan.experts)
+                tensor=(tp_b + by.get("all_to_all", 0.0)) / bytes_per_s
+                + (calls.get("tensor_parallel", 0.0) + calls.get("expert_parallel", 0.0)) * latency,
                 pipeline=pipe_b / bytes_per_s + calls.get("pipeline", 0.0) * latency, host=host)
 
 
@@ -259,7 +261,7 @@ def _latency(hw: DictConfig) -> float:
 _FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s*(GB|Gb)/s")
 
 
-def _bandwidth(hw: DictConfig) -> tuple[float, str]:
+def bandwidth(hw: DictConfig) -> tuple[float, str]:
     """GB/s per device for the communication term, and where it comes from."""
     measured = (hw.get("measured") or {}).get("allreduce_busbw_gbps") if hw.get("measured") else None
     if measured:

@@ -33,6 +33,7 @@ from loom.compose import conf_dir
 from loom.layout import ParallelLayout
 from loom.models import MODELS, layer_count, model_parts, model_width, trainable_params, vocab_size
 from loom.optim import state_slots
+from loom.plan.experts import all_to_all_bytes, expert_group_fraction, expert_share
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
 GB = 1e9
@@ -234,7 +235,9 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     ddp / zero1 reduce once per step (Lightning skips the sync of accumulation steps);
     zero2 reduce-scatters every micro batch; zero3 / fsdp gather the params for forward and
     again for backward and reduce-scatter the grads every micro batch (1.5x ddp's volume).
-    Tensor parallelism adds 4 activation all-reduces per layer per micro batch across the TP group.
+    Tensor parallelism adds 4 activation all-reduces per layer per micro batch across the TP group;
+    expert parallelism moves the experts' gathers to dp / ep ranks and adds its all-to-alls
+    (`plan.experts`).
     """
     s = cfg.strategy
     own = name == s.name
@@ -257,8 +260,10 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
         out["all_gather"] = frac * p * trained
     else:
         gathers = 1 if own and s.get("reshard_after_forward") is False else 2
-        out["all_gather"] = accum * gathers * frac * p * local
-        out["reduce_scatter"] = accum * frac * g * trained
+        experts, efrac = expert_share(cfg, layout), expert_group_fraction(layout)  # 0 without strategy.ep
+        out["all_gather"] = accum * gathers * p * (frac * (local - experts) + efrac * experts)
+        out["reduce_scatter"] = accum * g * (frac * (trained - experts) + efrac * experts)
+        out["all_to_all"] = all_to_all_bytes(cfg, layout)
         if layout.hybrid:  # HSDP: all-reduce the grad shards across the replicas (on one node too)
             reps = layout.dp_replicate
             out["all_reduce"] = 2 * (reps - 1) / reps * g * trained / group

@@ -24,8 +24,8 @@ DDP_BUCKET_BYTES = 25e6   # torch DDP's default bucket_cap_mb; ZeRO's reduce buc
 
 
 def comm_messages(cfg: DictConfig, name: str, params: float, layout: ParallelLayout) -> dict[str, float]:
-    """Calls per step per device: {data_parallel, tensor_parallel, pipeline} (0 where none)."""
-    out = {"data_parallel": 0.0, "tensor_parallel": 0.0, "pipeline": 0.0}
+    """Calls per step per device: {data_parallel, tensor_parallel, pipeline, expert_parallel} (0 where none)."""
+    out = {"data_parallel": 0.0, "tensor_parallel": 0.0, "pipeline": 0.0, "expert_parallel": 0.0}
     if layout.world == 1:
         return out
     accum = int(cfg.trainer.accumulate_grad_batches)
@@ -38,6 +38,8 @@ def comm_messages(cfg: DictConfig, name: str, params: float, layout: ParallelLay
             out["data_parallel"] += blocks + 1  # HSDP: the shards' all-reduce across replicas, per unit
     if layout.tp > 1:
         out["tensor_parallel"] = 4 * blocks * accum * micro  # 2 forward + 2 backward all-reduces per block
+    if layout.ep > 1:  # forward: the counts, the tokens there and back; backward: their gradients both ways
+        out["expert_parallel"] = 5 * blocks * accum * micro
     if layout.pp > 1:
         v = PP_SCHEDULES[str(layout.pp_schedule)].stages_per_rank
         out["pipeline"] = 2 * v * micro * accum  # one activation forward, one gradient backward per stage

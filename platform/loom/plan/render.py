@@ -107,7 +107,12 @@ def _comm_rows(plan: dict) -> list[tuple[str, str]]:
     if sum(1 for v in dims.values() if v) > 1 or any(calls.values()):
         rows.append(("  by dimension", ", ".join(
             f"{k.replace('_', '-')} {dims.get(k, 0) / GB:,.3f} GB in {calls.get(k, 0):g} calls"
-            for k in ("data_parallel", "tensor_parallel", "pipeline") if dims.get(k) or calls.get(k))))
+            for k in ("data_parallel", "tensor_parallel", "pipeline", "expert_parallel")
+            if dims.get(k) or calls.get(k))))
+    if plan.get("experts"):
+        from loom.plan.experts import experts_line
+
+        rows.append(("experts", experts_line(plan["experts"])))
     return rows
 
 def _pipeline_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:

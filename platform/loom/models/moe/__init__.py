@@ -168,5 +168,6 @@ FAMILY = ModelFamily(
     hf_config=lambda cfg: hf_config.config_from_fields(cfg.model), parts=lambda cfg: parts(cfg.model),
     largest=lambda cfg: float(parts(cfg.model).largest), module_classes=hf_config.MODULE_CLASSES,
     init_from_problems=init_from_problems, experts=lambda cfg: int(cfg.model.num_experts),
+    experts_per_token=lambda cfg: int(cfg.model.experts_per_token),
     expert_params=lambda cfg: expert_params(cfg.model),
     hf_dir_option=lambda data: "moe" if (data.get("architectures") or [None])[0] in hf_config.SUPPORTED else None)
