@@ -14,6 +14,7 @@ The expert computation itself is the caller's `ffn(x_sorted, counts)`; this modu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -24,13 +25,37 @@ Ffn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """ffn(x_sorted [T, H], counts [E_local] int64: tokens per local expert in expert order, sum == T) -> [T, H]."""
 
 
+def _fake(t: torch.Tensor) -> bool:
+    """Whether `t` has no values (FakeTensorMode: `loom plan --rehearse` runs the step on shapes only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _real():
+    """A context where tensors are real even inside FakeTensorMode: the routing counts of a
+    rehearsal are host values the step's shapes depend on."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def _counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Copies per expert [E]. A rehearsal's fake routing has no values, so it gets a perfectly
+    balanced one (a real tensor; what the plan assumes too), the rows spread evenly over the experts."""
+    if not _fake(flat):
+        return torch.bincount(flat, minlength=num_experts)
+    base, extra = divmod(flat.numel(), num_experts)
+    with _real():
+        return torch.tensor([base + (e < extra) for e in range(num_experts)], dtype=torch.int64)
+
+
 def _sort_by_expert(top_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The order that sorts the N*k (token, choice) copies by expert (stable: within an expert the
     copies keep token order, so results are deterministic), and the copies per expert [E]."""
     flat = top_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts
+    return order, _counts(flat, num_experts)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -79,18 +104,24 @@ def dispatch_all_to_all(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Ten
     e_local, k = num_experts // ep, top_idx.shape[1]
     order, counts = _sort_by_expert(top_idx, num_experts)
     # experts are contiguous per rank, so counts viewed [ep, E_local] is per (destination, local expert)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # [ep * E_local]: per (source, local expert)
-    recv_counts = recv_counts.view(ep, e_local)
-    send_splits = counts.view(ep, e_local).sum(dim=1).tolist()  # split sizes must be host ints
-    recv_splits = recv_counts.sum(dim=1).tolist()
+    if _fake(x):  # a rehearsal's balanced routing: every rank receives what it sends
+        with _real():
+            recv_counts = counts.clone().view(ep, e_local)
+    else:
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # [ep * E_local]: per (source, local expert)
+        recv_counts = recv_counts.view(ep, e_local)
+    with _real() if _fake(x) else contextlib.nullcontext():
+        send_splits = counts.view(ep, e_local).sum(dim=1).tolist()  # split sizes must be host ints
+        recv_splits = recv_counts.sum(dim=1).tolist()
+        regroup = _regroup_order(recv_counts)
+        local_counts = recv_counts.sum(dim=0)
     x_recv = funcol.all_to_all_single_autograd(x[order // k], recv_splits, send_splits, group)
-    regroup = _regroup_order(recv_counts)
-    y_recv = ffn(x_recv[regroup], recv_counts.sum(dim=0))[_inverse(regroup)]
+    y_recv = ffn(x_recv[regroup], local_counts)[_inverse(regroup)]
     y_sorted = funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
     return _combine(y_sorted, order, top_w, x.dtype)
 
 
 def expert_load(top_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, [E] int64 (a token counts once per choice): the moe/expert_load metric."""
-    return torch.bincount(top_idx.reshape(-1), minlength=num_experts)
+    return _counts(top_idx.reshape(-1), num_experts)
