@@ -74,6 +74,10 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     stride a multiple of 16 bytes (checked by torch; else the per-expert loop)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(x) and x.dtype != torch.bfloat16:  # the fake kernel (a rehearsal) is CUDA's: bf16 only
+        return False
     return all(w.dtype == x.dtype and (w.shape[-1] * w.element_size()) % 16 == 0
                and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights)
 
@@ -110,8 +114,12 @@ class Experts(nn.Module):
     @staticmethod
     def _loop(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """One matmul pair per expert: where grouped matmul is unavailable (float64, odd widths)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # a rehearsal's counts are real host values (dispatch._counts)
+            sizes = counts.tolist()
         outs = []
-        for e, part in enumerate(x.split(counts.tolist())):
+        for e, part in enumerate(x.split(sizes)):
             g, u = F.linear(part, gate_up[e]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(g) * u, down[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
