@@ -25,30 +25,36 @@ def _losses(run_dir) -> list[float]:
 
 
 @pytest.mark.launch
-def test_ep_2_over_4_ranks_trains_as_one_process(tmp_path):
+def test_ep_2_over_4_ranks_trains_as_one_process_and_resumes_at_ep_1(tmp_path):
     """ep 2 x 2 ranks sharding each expert set (all-to-all + FSDP2 reduce-scatter of the experts)
-    against the same global batch in one process, trained in-process (no second launch)."""
+    for 2 steps, then the same run resumed in this process at ep 1 on one rank (a world and
+    expert-parallel change: the checkpoint's experts resharded) and raised to 4 steps: every
+    step's loss is that of the same global batch trained by one process (no second launch)."""
     from loom.freeze import freeze
     from loom.rundir.config_file import load_frozen
     from loom.worker.fit import fit
 
-    run = run_loom("train", *PARITY, "strategy=fsdp", "strategy.ep=2", "hardware.devices=4", "dataset.batch_size=8",
-                   "run.id=ep", root=tmp_path)
+    both = [*PARITY, "strategy=fsdp", "dataset.batch_size=8", "trainer.global_batch_size=32", "run.id=ep"]
+    run = run_loom("train", *both, "strategy.ep=2", "hardware.devices=4", "trainer.max_steps=2", root=tmp_path)
     assert run.rc == 0, run.out + run.err
+    log = (run.run_dir / "logs" / "rank-0.log").read_text()
+    assert "expert parallelism: 2 expert set(s) split over ep=2, sharded over 2 rank(s) each" in log
+    assert run.summary()["parallel"]["ep"] == 2
+    rows = list(csv.DictReader(open(run.run_dir / "metrics.csv")))
+    assert any(r.get("moe/expert_load_max") for r in rows) and any(r.get("moe/expert_load_min") for r in rows)
+
+    cfg = resolve([*both, "hardware.devices=1", f"run.root={tmp_path}"])
+    frozen = freeze(cfg, make_plan(cfg))
+    assert frozen.state == "resume" and "strategy.ep 2 -> 1" in frozen.message, frozen.message
+    assert fit(load_frozen(run.run_dir / "config.yaml"), run.run_dir, 0) == 0
+
     cfg = resolve([*PARITY, "strategy=single", "dataset.batch_size=32", f"run.root={tmp_path}", "run.id=one"])
     one = freeze(cfg, make_plan(cfg)).run_dir
     assert fit(load_frozen(one / "config.yaml"), one, 0) == 0
     ep, single = _losses(run.run_dir), _losses(one)
-    assert len(ep) == len(single) == 4
+    assert len(ep) == len(single) == 4, (ep, single)
     for a, b in zip(ep, single, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (ep, single)
-    log = (run.run_dir / "logs" / "rank-0.log").read_text()
-    assert "expert parallelism: 2 expert set(s) split over ep=2, sharded over 2 rank(s) each" in log
-    summary = run.summary()
-    assert summary["parallel"]["ep"] == 2
-    rows = list(csv.DictReader(open(run.run_dir / "metrics.csv")))
-    assert any(r.get("moe/expert_load_max") for r in rows) and any(r.get("moe/expert_load_min") for r in rows)
-    assert (run.run_dir / "checkpoints").is_dir()
 
 
 @pytest.mark.parametrize("args, says", [

@@ -271,7 +271,11 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     atomic_write_text(run_dir / "plan.json", json.dumps(record, indent=2) + "\n")
     atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
     tr = cfg.trainer
-    line = (f"World change: {before} -> {after} rank(s) from step {step}; trainer.accumulate_grad_batches "
+    what = f"World change: {before} -> {after} rank(s)" if before != after else "Layout change"
+    line = (f"{what} from step {step}; trainer.accumulate_grad_batches "
             f"{old.trainer.accumulate_grad_batches} -> {tr.accumulate_grad_batches} keeps "
             f"trainer.global_batch_size={tr.global_batch_size}")
+    eps = (old.strategy.get("ep", 1), cfg.strategy.get("ep", 1))
+    if eps[0] != eps[1]:
+        line += f"; strategy.ep {eps[0]} -> {eps[1]} (the experts resharded from the checkpoint)"
     return f"{extended}\n{line}" if extended else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"

@@ -17,8 +17,10 @@ from omegaconf import DictConfig, open_dict
 from loom.errors import ConfigError
 from loom.layout import ParallelLayout, world_of
 
-# Keys a resumed run may change (a world change), and what is derived from them.
-WORLD_KEYS = ("hardware.devices", "hardware.num_nodes", "hardware.min_nodes", "trainer.accumulate_grad_batches")
+# Keys a resumed run may change (a world change), and what is derived from them. strategy.ep
+# places the same experts on other ranks (the checkpoint's DTensors are resharded on load).
+WORLD_KEYS = ("hardware.devices", "hardware.num_nodes", "hardware.min_nodes", "trainer.accumulate_grad_batches",
+              "strategy.ep")
 SUGGEST_UP_TO = 16  # world sizes named in a refusal: 1 .. max(this, 2 x the asked world)
 
 
