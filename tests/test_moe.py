@@ -136,7 +136,12 @@ def test_moe_tiny_trains_in_process_with_accumulation_and_the_bias(tmp_path):
                    "trainer.limit_val_batches=1", f"run.root={tmp_path}", "run.id=moe"])
     run_dir = freeze(cfg, make_plan(cfg)).run_dir
     assert fit(load_frozen(run_dir / "config.yaml"), run_dir, 0) == 0
-    assert read_summary(run_dir)["status"] == "completed"
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed"
+    moe = summary["moe"]  # the last step's load over all ranks and micro-batches, 0 dropped (dropless)
+    assert moe["dropped_tokens"] == 0 and moe["expert_load_max"] >= 1.0 >= moe["expert_load_min"] >= 0.0
+    assert sum(moe["tokens_per_expert_last_step"]) == 2 * 8 * 32 * 2  # layers x tokens x micro-batches x top-2
+    assert moe["worst_expert_load_max"] >= moe["expert_load_max"]
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     seen = {k for r in rows for k, v in r.items() if v}
     assert {"train/moe_aux_loss", "moe/expert_load_max", "moe/expert_load_min"} <= seen

@@ -39,7 +39,14 @@ def test_ep_2_over_4_ranks_trains_as_one_process_and_resumes_at_ep_1(tmp_path):
     assert run.rc == 0, run.out + run.err
     log = (run.run_dir / "logs" / "rank-0.log").read_text()
     assert "expert parallelism: 2 expert set(s) split over ep=2, sharded over 2 rank(s) each" in log
-    assert run.summary()["parallel"]["ep"] == 2
+    summary = run.summary()
+    assert summary["parallel"]["ep"] == 2
+    # the load is the whole step's: 4 ranks x 8 x 128 tokens x top-2 over the 2 layers
+    assert sum(summary["moe"]["tokens_per_expert_last_step"]) == 2 * 4 * 8 * 128 * 2
+    from loom.report import load_run, summary_rows
+
+    rows = dict(summary_rows(load_run(run.run_dir)))  # `loom report`'s table
+    assert rows["expert load (last step)"].endswith("0 tokens dropped"), rows
     rows = list(csv.DictReader(open(run.run_dir / "metrics.csv")))
     assert any(r.get("moe/expert_load_max") for r in rows) and any(r.get("moe/expert_load_min") for r in rows)
 

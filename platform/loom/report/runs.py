@@ -242,6 +242,10 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("steps trained (all attempts)", _num(s.get("steps_trained"), ",d")),
         ("restarts", str(s.get("restarts", 0))),
     ]
+    moe = s.get("moe")
+    if moe:
+        rows.append(("expert load (last step)", f"max {moe['expert_load_max']:.2f}x, min {moe['expert_load_min']:.2f}x "
+                     f"the mean (worst max {moe['worst_expert_load_max']:.2f}x); {moe['dropped_tokens']} tokens dropped"))
     if s.get("resumed_from_step") is not None:
         rows.append(("resumed from step", str(s["resumed_from_step"])))
     history = s.get("world_history") or []

@@ -46,6 +46,9 @@ class RunResults:
         self.summary["final_weights"] = self._export_final_weights(trainer, module)
         per_rank = self._gather_rank_stats(trainer)
         on_cuda = trainer.strategy.root_device.type == "cuda"
+        own = getattr(module, "summary_fields", None)  # a family's own figures (a mixture of experts' load)
+        if own is not None:
+            self.summary.update(own())
         self.summary["memory"] = {
             "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
             "build_peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 5]],

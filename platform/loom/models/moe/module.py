@@ -45,6 +45,7 @@ class MoEModule(DecoderModule):
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
         self._step_loads: list[torch.Tensor] | None = None  # tokens per expert, this optimizer step
+        self.routing: dict[str, Any] = {}  # summary.json's `moe` (`summary_fields`)
 
     def apply_expert_parallel(self, ep_mesh) -> list[nn.Module]:
         """Each block's experts become DTensors sharded by expert (Shard(0)) over `ep_mesh`:
@@ -78,10 +79,8 @@ class MoEModule(DecoderModule):
         if not self.training or self._trainer is None:
             return loss
         loads = [b.load for b in self.model.moe_blocks()]
-        self._log_load(loads)
-        if self.model.bias_update_rate:
-            self._step_loads = loads if self._step_loads is None else [a + b for a, b in zip(self._step_loads, loads,
-                                                                                             strict=True)]
+        self._step_loads = loads if self._step_loads is None else [a + b for a, b in zip(self._step_loads, loads,
+                                                                                         strict=True)]
         aux = self.model.balance_loss()
         for block in self.model.moe_blocks():
             block.balance_loss = None
@@ -90,21 +89,30 @@ class MoEModule(DecoderModule):
         self.log("train/moe_aux_loss", aux.detach(), on_step=True, on_epoch=False)
         return loss + aux
 
-    def _log_load(self, loads: list[torch.Tensor]) -> None:
-        """moe/expert_load_max and _min: the busiest and idlest expert's tokens over the mean
-        (1.0 is perfect balance), the worst layer's; dropped tokens are 0 by construction (dropless)."""
-        ratios = torch.stack([load.float() / load.float().mean().clamp_min(1e-9) for load in loads])
-        self.log("moe/expert_load_max", ratios.max(), on_step=True, on_epoch=False)
-        self.log("moe/expert_load_min", ratios.min(), on_step=True, on_epoch=False)
-
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After an optimizer step: the aux-loss-free bias moves by the step's loads, summed
-        over micro-batches and data-parallel ranks (the same update on every rank)."""
+        """After an optimizer step: the step's tokens per expert, summed over micro-batches and
+        data-parallel ranks (one small all-reduce), logged as moe/expert_load_max and _min (the
+        busiest and idlest expert over the mean, the worst layer's; 1.0 is perfect balance) and
+        moving the aux-loss-free bias (the same update on every rank). Dropless: 0 tokens dropped."""
         if self._step_loads is None or (batch_idx + 1) % self.trainer.accumulate_grad_batches:
             return
         total = self.trainer.strategy.reduce(torch.stack(self._step_loads).float(), reduce_op="sum")
-        self.model.update_correction_bias(list(total))
         self._step_loads = None
+        ratios = total / total.mean(dim=1, keepdim=True).clamp_min(1e-9)
+        high, low = float(ratios.max()), float(ratios.min())
+        self.log("moe/expert_load_max", high, on_step=True, on_epoch=False)
+        self.log("moe/expert_load_min", low, on_step=True, on_epoch=False)
+        worst = self.routing.get("worst_expert_load_max", 0.0)
+        self.routing = {"expert_load_max": round(high, 4), "expert_load_min": round(low, 4),
+                        "worst_expert_load_max": round(max(worst, high), 4), "dropped_tokens": 0,
+                        "tokens_per_expert_last_step": [int(x) for x in total.sum(dim=0).tolist()]}
+        if self.model.bias_update_rate:
+            self.model.update_correction_bias(list(total))
+
+    def summary_fields(self) -> dict[str, Any]:
+        """summary.json's `moe`: the last step's expert load over the mean (max, min), the run's
+        worst max, tokens per expert over all layers at the last step, and 0 dropped tokens."""
+        return {"moe": self.routing} if self.routing else {}
 
 
 def build(cfg: DictConfig) -> Any:
