@@ -111,3 +111,15 @@ def test_a_rank_of_an_expert_parallel_layout_rehearses_to_the_plans_states():
     assert "error" not in r, r
     row = compare_rank(make_plan(cfg).to_dict(), r)
     assert row["difference"]["params"] == 0 and row["difference"]["optimizer"] == 0, row
+
+
+def test_plan_compare_weighs_the_expert_parallel_degrees():
+    """`loom plan --compare` offers fsdp at each ep dividing the experts and the shard dim; on 8
+    H100s the ep=8 layout moves the least and ranks first (experts off the data-parallel wire)."""
+    from loom.plan.compare import compare
+
+    result = compare(resolve(["model=qwen3_moe_30b_a3b", "hardware=h100x8", "dataset.batch_size=8", *FAST]))
+    offered = [c.overrides for c in result.candidates if c.overrides[0] == "strategy=fsdp"]
+    want = {("strategy=fsdp",), *(("strategy=fsdp", f"strategy.ep={e}") for e in (2, 4, 8))}
+    assert {tuple(o) for o in offered} >= want
+    assert result.candidates[0].overrides == ["strategy=fsdp", "strategy.ep=8"], [c.overrides for c in result.candidates[:3]]

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom.compose import conf_dir, group_options
 from loom.errors import ConfigError
 from loom.layout import world_of
+from loom.models import expert_count
 from loom.plan import Plan, make_plan
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
@@ -152,7 +153,8 @@ def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]
     offers its own (its registry entry's `candidates`, strategies/variants.py)."""
     have = set(group_options("strategy"))
     pipe = {k: composed.strategy[k] for k in PIPELINE_KEYS if k in composed.strategy}
-    machine = Machine(world, int(composed.hardware.devices), composed.hardware.accelerator == "gpu", pipe)
+    machine = Machine(world, int(composed.hardware.devices), composed.hardware.accelerator == "gpu", pipe,
+                      expert_count(composed))
     out: list[tuple[DictConfig, list[str]]] = []
     for name in (n for n in ORDER if n in have):
         for fields in STRATEGIES[name].candidates(machine):

@@ -57,7 +57,7 @@ STRATEGIES: dict[str, StrategyOption] = {
                              check=checks.check_single, candidates=variants.alone),
     "ddp": StrategyOption(DDPStrategyConfig, "replicate", "none", "loom.strategies.ddp:build",
                           check=checks.check_ddp),
-    "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL),
+    "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL, candidates=variants.sharded),
     "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL,
                               candidates=variants.tensor_parallel, model_parallel=variants.tp_degree),
     "pp": StrategyOption(PPStrategyConfig, "replicate", "none", _MESH,

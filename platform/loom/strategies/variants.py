@@ -22,6 +22,7 @@ class Machine:
     devices_per_node: int
     gpu: bool
     pipeline: dict[str, Any]  # the user's pp_schedule / pp_microbatches, carried to pipelined layouts
+    experts: int = 0  # a mixture of experts' routed experts per layer (0: none): the ep degrees to try
 
 
 Fields = dict[str, Any]
@@ -35,6 +36,18 @@ def alone(m: Machine) -> list[Fields]:
 def data_parallel(m: Machine) -> list[Fields]:
     """ddp, fsdp, zero1-3: their yaml as it is, on a world of several ranks."""
     return [{}] if m.world > 1 else []
+
+
+def expert_degrees(m: Machine, shard: int) -> list[int]:
+    """strategy.ep values beyond 1 for a mixture of experts: dividing its experts and the shard dim."""
+    return [e for e in range(2, shard + 1) if m.experts and m.experts % e == 0 and shard % e == 0]
+
+
+def sharded(m: Machine) -> list[Fields]:
+    """fsdp: its yaml on a world of several ranks, and for a mixture of experts each ep degree."""
+    if m.world <= 1:
+        return []
+    return [{}, *({"ep": e} for e in expert_degrees(m, m.world))]
 
 
 def offloaded(m: Machine) -> list[Fields]:
@@ -66,6 +79,8 @@ def every_split(m: Machine) -> list[Fields]:
     for degrees in factorizations(m.world):
         d = dict(zip(DEGREE_KEYS, degrees, strict=True))
         out.append({**d, **(m.pipeline if d["pp"] > 1 else {})})
+        if d["tp"] == d["pp"] == d["dp_replicate"] == 1:  # expert parallelism is built beside FSDP2 alone
+            out += [{**d, "ep": e} for e in expert_degrees(m, d["dp_shard"])]
     return out
 
 
