@@ -12,15 +12,14 @@ Two layouts of the routed experts are read:
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
 from loom.models.family import Shapes
+from loom.models.llama.hf_config import read_config  # noqa: F401  (config.json, as the Llama family reads it)
 
 # architecture -> (model_type, whether its attention normalizes q and k per head)
 SUPPORTED = {"Qwen3MoeForCausalLM": ("qwen3_moe", True), "MixtralForCausalLM": ("mixtral", False)}
@@ -32,14 +31,6 @@ PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts
                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 PARTS = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe": ("w1", "w3", "w2")}  # gate, up, down
 PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
-def read_config(directory: Path) -> dict[str, Any] | None:
-    f = Path(directory) / "config.json"
-    if not f.is_file():
-        return None
-    data = json.loads(f.read_text())
-    return data if isinstance(data, dict) else None
 
 
 def _refuse(source: str, why: str) -> None:
