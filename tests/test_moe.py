@@ -154,3 +154,29 @@ def test_moe_tiny_trains_in_process_with_accumulation_and_the_bias(tmp_path):
     assert bias.abs().sum() > 0  # 4 updates of +-0.01 (2 micro-batches each)
     assert bias.abs().max() <= 4 * 0.01 + 1e-6  # at most one step of 0.01 per optimizer step
     assert OmegaConf.select(load_frozen(run_dir / "config.yaml"), "model.num_experts") == 8
+
+
+def test_a_rank_reads_only_its_experts_from_a_per_expert_checkpoint(tmp_path):
+    """FileInit filling rows [2, 4) of a fused expert weight (an expert-parallel rank's experts)
+    from per-expert tensors reads those two experts only, and gets the fused layout's values."""
+    from safetensors.torch import save_file
+
+    from loom.models.init import FileInit
+    from loom.models.moe.module import read_per_expert
+
+    E, inner, d = 8, 4, 8
+    torch.manual_seed(4)
+    parts = {p: torch.randn(E, inner if p != "down" else d, d if p != "down" else inner) for p in ("gate", "up", "down")}
+    tensors = {f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": parts[p][e].contiguous()
+               for e in range(E) for p in parts}
+    save_file(tensors, str(tmp_path / "experts.safetensors"))
+    init = FileInit(str(tmp_path / "experts.safetensors"), read_per_expert)
+    fused = torch.cat([parts["gate"], parts["up"]], dim=1)  # [E, 2I, d]
+    row = 2 * inner * d
+    dest = torch.empty(2 * row)
+    init.fill_flat(dest, "model.layers.0.mlp.experts.gate_up_proj", tuple(fused.shape), 2 * row)
+    assert torch.equal(dest, fused[2:4].reshape(-1))
+    assert init.elements_read == 2 * row  # two experts' gate and up, nothing else
+    down = torch.empty(E * d * inner)
+    init.fill_flat(down, "model.layers.0.mlp.experts.down_proj", (E, d, inner), 0)  # whole: every expert
+    assert torch.equal(down, parts["down"].reshape(-1))

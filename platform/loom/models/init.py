@@ -26,8 +26,10 @@ from loom.models.activation_checkpointing import clean_name
 
 # (kind, std) for a parameter's name and shape: ("normal", std) | ("zeros", 0) | ("ones", 0)
 Rule = Callable[[str, tuple[int, ...]], tuple[str, float]]
-# (a parameter's name, the names a file holds, a reader of one of them) -> its value, or None
-Derive = Callable[[str, set[str], Callable[[str], torch.Tensor]], torch.Tensor | None]
+# (a parameter's name, the names a file holds, a reader of one of them, the rows of dim 0 wanted
+# or None for all) -> those rows of its value, or None. An adapter may ignore `rows` and return
+# the whole value (FileInit then cuts the rows); the MoE family's reads only those experts.
+Derive = Callable[[str, set[str], Callable[[str], torch.Tensor], range | None], torch.Tensor | None]
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -244,9 +246,15 @@ def _write_dtensor(p: torch.Tensor, init: NamedInit, name: str, device: torch.de
     shards) draw the full value and let DTensor cut this rank's part."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     shape, local = tuple(p.shape), p.to_local()
-    if all(type(pl) in (Shard, Replicate) and (type(pl) is Replicate or pl.dim == 0) for pl in p.placements):
+    # FSDP2 over an expert- or tensor-parallel Shard(0) shards the rows again (_StridedShard):
+    # still one contiguous block of rows per rank, which compute_local_shape_and_global_offset finds
+    strided_then_shard = [type(pl) for pl in p.placements] == [_StridedShard, Shard] and \
+        all(pl.dim == 0 for pl in p.placements)
+    if strided_then_shard or all(type(pl) in (Shard, Replicate) and (type(pl) is Replicate or pl.dim == 0)
+                                 for pl in p.placements):
         local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         if local.numel():
             init.fill_flat(local.view(-1), name, shape, offset[0] * math.prod(shape[1:]))
@@ -341,7 +349,7 @@ class FileInit(NamedInit):
     def _read(self, name: str) -> torch.Tensor:
         if name in self._keys:
             return self._get(name)
-        derived = self.derive(name, self._keys, self._get) if self.derive is not None else None
+        derived = self.derive(name, self._keys, self._get, None) if self.derive is not None else None
         if derived is not None:
             return derived
         raise KeyError(f"model.init_from={self.path} has no tensor {name}")
@@ -349,9 +357,20 @@ class FileInit(NamedInit):
     def fill_flat(self, dest: torch.Tensor, name: str, shape: tuple[int, ...], start: int) -> None:
         self._wanted[name] = math.prod(shape)
         n = dest.numel()
-        if name in self._keys and len(shape) > 0 and n < math.prod(shape):
-            dest.copy_(self._rows(name, shape, start, n))
-            return
+        if len(shape) > 0 and n < math.prod(shape):
+            if name in self._keys:
+                dest.copy_(self._rows(name, shape, start, n))
+                return
+            cached = self._last is not None and self._last[0] == name
+            if self.derive is not None and not cached:  # a derived tensor (another layout): its adapter reads the rows
+                row = math.prod(shape[1:])
+                rows = range(start // row, -(-(start + n) // row))
+                block = self.derive(name, self._keys, self._get, rows)
+                if block is not None and tuple(block.shape) == (len(rows), *shape[1:]):
+                    dest.copy_(block.reshape(-1)[start - rows.start * row:start - rows.start * row + n])
+                    return
+                if block is not None:  # the adapter read it whole: kept for the next range
+                    self._last = (name, block)
         dest.copy_(self._tensor(name, shape).reshape(-1)[start:start + n])
 
     def full_value(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -78,9 +78,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -
     return torch.stack([t.reshape(-1, head_dim, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
 
 
-def read_fused_qkv(name: str, keys: set[str], read: Callable[[str], torch.Tensor],
-                   head_dim: int) -> torch.Tensor | None:
-    """`attn.qkv` of weights saved with separate `attn.q/k/v` (models.init.FileInit's `derive`)."""
+def read_fused_qkv(name: str, keys: set[str], read: Callable[[str], torch.Tensor], rows: range | None = None,
+                   *, head_dim: int) -> torch.Tensor | None:
+    """`attn.qkv` of weights saved with separate `attn.q/k/v` (models.init.FileInit's `derive`;
+    always the whole value: `rows` is left to FileInit)."""
     prefix, _, kind = name.rpartition(".qkv.")
     parts = [f"{prefix}.{n}.{kind}" for n in "qkv"]
     if prefix and all(p in keys for p in parts):

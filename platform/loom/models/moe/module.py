@@ -17,10 +17,12 @@ from loom.models.moe.hf_config import per_expert_names
 from loom.models.moe.network import MoEDecoderLayer, MoETransformer, moe_rule
 
 
-def read_per_expert(name: str, keys: set[str], read: Callable[[str], torch.Tensor]) -> torch.Tensor | None:
+def read_per_expert(name: str, keys: set[str], read: Callable[[str], torch.Tensor],
+                    rows: range | None = None) -> torch.Tensor | None:
     """A fused expert weight from a per-expert checkpoint (models.init.FileInit's `derive`):
-    gate_up_proj [E, 2I, d] = each expert's gate rows then up rows; down_proj [E, d, I]. And
-    Mixtral's `block_sparse_moe.gate` for `mlp.gate`."""
+    gate_up_proj [E, 2I, d] = each expert's gate rows then up rows; down_proj [E, d, I]; with
+    `rows`, only those experts (an expert-parallel rank reads its own). And Mixtral's
+    `block_sparse_moe.gate` for `mlp.gate`."""
     if name.endswith(".mlp.gate.weight"):
         old = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         return read(old) if old in keys else None
@@ -28,9 +30,11 @@ def read_per_expert(name: str, keys: set[str], read: Callable[[str], torch.Tenso
     if found is None:
         return None
     first, second = found
+    wanted = rows if rows is not None else range(len(first))
     if not second:  # down_proj
-        return torch.stack([read(n) for n in first])
-    return torch.cat([torch.stack([read(n) for n in first]), torch.stack([read(n) for n in second])], dim=1)
+        return torch.stack([read(first[e]) for e in wanted])
+    return torch.cat([torch.stack([read(first[e]) for e in wanted]), torch.stack([read(second[e]) for e in wanted])],
+                     dim=1)
 
 
 class MoEModule(DecoderModule):
