@@ -208,7 +208,7 @@ def _by_dimension(cfg: DictConfig, comm: dict[str, float], layout) -> dict[str, 
 def _a2a_bandwidth(hw: DictConfig) -> float | None:
     """GB/s the all-to-all's exposed time is reckoned at: the probed bus bandwidth, else the
     profile's interconnect figure (plan.compare's own reading of it)."""
-    from loom.plan.compare import bandwidth
+    from loom.plan.links import bandwidth
 
     return bandwidth(hw)[0]
 

@@ -33,7 +33,6 @@ scripts/bench/layouts.py measures every CPU layout against this prediction.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +43,7 @@ from loom.errors import ConfigError
 from loom.layout import world_of
 from loom.models import expert_count
 from loom.plan import Plan, make_plan
+from loom.plan.links import bandwidth
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
 from loom.strategies.degrees import DEGREE_KEYS
@@ -53,7 +53,6 @@ from loom.validate import validate, with_strategy
 
 PEAK_EFFICIENCY = 0.4          # model FLOPs utilisation a well-tuned dense run reaches of the datasheet peak
 FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak nor a probe is known
-FALLBACK_GBPS = {"gpu": 25.0, "cpu": 2.0}       # GB/s, when the interconnect names no figure
 # Seconds per communication call, beside its bytes: gloo over loopback (CPU), NCCL within a
 # node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
@@ -258,27 +257,6 @@ def _latency(hw: DictConfig) -> float:
     if hw.accelerator == "cpu":
         return LATENCY_S["cpu"]
     return LATENCY_S["gpu_internode" if int(hw.num_nodes) > 1 else "gpu"]
-
-
-_FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s*(GB|Gb)/s")
-
-
-def bandwidth(hw: DictConfig) -> tuple[float, str]:
-    """GB/s per device for the communication term, and where it comes from."""
-    measured = (hw.get("measured") or {}).get("allreduce_busbw_gbps") if hw.get("measured") else None
-    if measured:
-        return float(measured), f"measured all-reduce {float(measured):g} GB/s (loom probe)"
-    text = str(hw.interconnect or "")
-    parts = [p for p in text.split(",") if p.strip()]
-    if int(hw.num_nodes) > 1:
-        parts = [p for p in parts if "inter" in p] or []
-    for part in parts:
-        m = _FIGURE.search(part)
-        if m:
-            gbps = float(m.group(1)) / (8 if m.group(2) == "Gb" else 1)
-            return gbps, f"{part.strip()} = {gbps:g} GB/s"
-    gbps = FALLBACK_GBPS.get(str(hw.accelerator), FALLBACK_GBPS["gpu"])
-    return gbps, f"assumed {gbps:g} GB/s (interconnect {text or 'unknown'} names no figure)"
 
 
 def render_comparison(result: Comparison, hardware: str, model: str) -> None:
