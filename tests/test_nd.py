@@ -59,7 +59,7 @@ def test_nd_matches_single(name, shared, single_run):
     s = run.summary()
     assert s["status"] == "completed" and s["world_size"] == ranks
     pipe = ("1f1b", 2) if degrees["pp"] > 1 else (None, None)
-    assert s["parallel"] == {**degrees, "pp_schedule": pipe[0], "pp_microbatches": pipe[1]}
+    assert s["parallel"] == {**degrees, "ep": 1, "pp_schedule": pipe[0], "pp_microbatches": pipe[1]}
     assert abs(s["validation"]["loss"] - single.summary()["validation"]["loss"]) < 1e-3
 
     want = load_file(single.run_dir / "final" / "model.safetensors")

@@ -118,6 +118,7 @@ def test_layout_fills_the_free_degree():
     ({"name": "ddp"}, (8, 1, 1, 1, None, None)),
     ({"name": "fsdp_tp", "tensor_parallel": 2}, (1, 4, 2, 1, None, None)),
     ({"name": "fsdp", "hybrid_shard": True}, (2, 4, 1, 1, None, None)),
+    ({"name": "fsdp", "hybrid_shard": False, "ep": 4}, (1, 8, 1, 1, None, None, 4)),
 ])
 def test_summary_parallel_of_every_strategy(strategy, parallel):
     """summary.json's `parallel` comes from the run's layout, for every strategy (a run that
@@ -127,8 +128,8 @@ def test_summary_parallel_of_every_strategy(strategy, parallel):
 
     cfg = OmegaConf.create({"hardware": {"devices": 4, "num_nodes": 2, "name": "cpu"}, "strategy": strategy})
     got = empty_summary(cfg, "r", layout_of(cfg))["parallel"]
-    keys = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches")
-    assert got == dict(zip(keys, parallel, strict=True))
+    keys = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches", "ep")
+    assert got == dict(zip(keys, (*parallel, 1)[:len(keys)], strict=True))  # ep 1 unless the case says
 
 
 def test_schedule_table_matches_torch():
@@ -179,7 +180,7 @@ def test_plan_per_stage_memory(schedule, flight):
 
     plan = _plan("strategy=pp", "hardware.devices=4", f"strategy.pp_schedule={schedule}", "strategy.pp_microbatches=8")
     pipe = plan["pipeline"]
-    assert plan["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4, "pp_schedule": schedule,
+    assert plan["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4, "ep": 1, "pp_schedule": schedule,
                                 "pp_microbatches": 8}
     assert pipe["bubble_fraction"] == pytest.approx(3 / 11)
     stages = pipe["stages"]

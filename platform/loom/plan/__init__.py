@@ -101,7 +101,7 @@ class Plan:
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
-    # {dp_replicate, dp_shard, tp, pp, pp_schedule, pp_microbatches} (summary.json's `parallel`)
+    # {dp_replicate, dp_shard, tp, pp, ep, pp_schedule, pp_microbatches} (summary.json's `parallel`)
     parallel: dict[str, Any] = field(default_factory=dict)
     # pp > 1: {schedule, microbatches, stages_per_rank, bubble_fraction, stages: [per pipeline
     # rank: stages, blocks, params, microbatches_in_flight, memory_bytes]} (plan.pipeline)

@@ -23,7 +23,7 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         "hardware": cfg.hardware.name,
         "world_size": layout.world,
         "num_nodes": layout.num_nodes,
-        # {dp_replicate, dp_shard, tp, pp, pp_schedule, pp_microbatches} (loom.layout)
+        # {dp_replicate, dp_shard, tp, pp, ep, pp_schedule, pp_microbatches} (loom.layout)
         "parallel": layout.parallel(),
         "global_step": 0,
         "samples": 0,
