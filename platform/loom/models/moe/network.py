@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.models.init import Rule
-from loom.models.llama.network import RMSNorm, RotaryEmbedding, apply_rotary
+from loom.models.llama.network import LlamaBody, RMSNorm, RotaryEmbedding, apply_rotary
 from loom.models.moe.dispatch import dispatch_all_to_all, dispatch_local, expert_load
 from loom.models.pipeline_split import PipelineSplit
 
@@ -252,18 +252,6 @@ class MoEDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MoEBody(nn.Module):
-    """transformers' `Qwen3MoeModel`: what sits under the `model.` prefix of the names."""
-
-    def __init__(self, vocab_size: int, d_model: int, layers: list[MoEDecoderLayer], eps: float,
-                 rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(d_model, eps)
-        self.rotary_emb = rotary
-
-
 class MoETransformer(nn.Module):
     """transformers' `Qwen3MoeForCausalLM`: token ids (B, T) -> logits (B, T, vocab_size)."""
 
@@ -285,7 +273,8 @@ class MoETransformer(nn.Module):
                    correction_bias=bias_update_rate > 0, grouped_mm=grouped_mm)
         layers = [MoEDecoderLayer(d_model, n_head, n_kv_heads, head_dim, rms_norm_eps, qk_norm, moe)
                   for _ in range(n_layer)]
-        self.model = MoEBody(vocab_size, d_model, layers, rms_norm_eps, RotaryEmbedding(head_dim, rope_theta, None))
+        # the body under `model.` (embeddings, layers, final norm, rotary) is the Llama family's
+        self.model = LlamaBody(vocab_size, d_model, layers, rms_norm_eps, RotaryEmbedding(head_dim, rope_theta, None))
         self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         w = self.model.embed_tokens.weight
         if not (w.is_meta or hasattr(w, "ds_id")):  # meta or ZeRO-3: the worker initializes (models.construct)
