@@ -205,7 +205,9 @@ def test_the_plan_counts_grads_and_optimizer_on_the_adapters():
     ratio = adapted.trainable_params / adapted.params
     assert a["params"] == pytest.approx(f["params"] * (1 + ratio))  # the frozen base and the adapters
     assert a["grads"] == pytest.approx(f["grads"] * ratio) and a["optimizer"] == pytest.approx(f["optimizer"] * ratio)
-    assert a["total"] < f["total"] - 11e9
+    # the AdamW states alone save ~8 GB (the gradients are freed before forward: under the activations)
+    assert a["total"] == pytest.approx(f["total"] - (f["optimizer"] - a["optimizer"]) + (a["params"] - f["params"]))
+    assert a["total"] < f["total"] - 7.9e9
     # FLOPs (MFU): the frozen weights' gradient (2 of their 6 per token) is not computed; the adapters' is
     n = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096 + 128256 * 4096  # 6N's N
     assert adapted.flops_per_token == pytest.approx(full.flops_per_token - 2 * n + 6 * adapted.trainable_params)

@@ -233,3 +233,31 @@ def test_lr_zero_is_accepted_with_a_warning_and_leaves_the_weights(name, tmp_pat
         opt.step()
         sched.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("accumulate, seen", [(1, [False] * 3), (2, [False, True] * 3)])
+def test_gradients_are_freed_after_each_step_unless_accumulating(accumulate, seen, tmp_path):
+    """Lightning zeroes the gradients in the next step's closure, after its forward: each forward
+    would store its activations beside the last step's gradients. LoomModule.optimizer_step frees
+    them after the step, so a forward sees none, except the later micro batches of an accumulation
+    window (the plan's `grads_in_forward`: the larger of gradients and activations, or their sum)."""
+    import pytorch_lightning as pl
+
+    optim = OmegaConf.merge(_optim("adamw"), {"warmup_steps": 0, "min_lr_ratio": 1.0})
+    cfg = OmegaConf.create({"seed": 0, "optim": optim, "trainer": {"max_steps": 3}})
+    module = _Regression(cfg, lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)))
+    grads_at_forward: list[bool] = []
+
+    class Watch(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.model.register_forward_pre_hook(
+                lambda mod, args: grads_at_forward.append(any(p.grad is not None for p in mod.parameters())))
+
+    x = torch.randn(96, 8, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, callbacks=[Watch()])
+    trainer.fit(module, data)
+    assert grads_at_forward == seen
+    assert trainer.global_step == 3

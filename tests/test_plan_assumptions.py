@@ -129,21 +129,23 @@ def test_auto_names_its_choice_the_count_and_the_next_layout(capsys, monkeypatch
 
 
 def test_auto_names_the_layouts_it_tied_with(capsys, monkeypatch, tmp_path):
-    """llama3_8b on h100x8: fsdp, zero3 and a 2 x 4 hybrid shard predict the same step (to 3
-    significant figures); fsdp leads by the preset order, and the next distinct one is named."""
+    """llama3_8b on h100x8: fsdp, zero3 and the 2 x 4 and 4 x 2 hybrid shards predict the same step
+    (to 3 significant figures); fsdp leads by the preset order, and the next distinct one is named.
+    (4 x 2 fits since the plan counts the larger of gradients and activations, not their sum.)"""
     ranked = compare(compose(["model=llama3_8b", "hardware=h100x8"])).candidates
     fitting = [c for c in ranked if c.fits]
     same = [c for c in fitting if f"{c.predicted_step_s:.3g}" == f"{fitting[0].predicted_step_s:.3g}"]
     nxt = fitting[len(same)]
-    assert [c.strategy for c in same] == ["fsdp", "zero3", "nd"] and same[2].degrees["dp_replicate"] == 2
+    assert [c.strategy for c in same] == ["fsdp", "zero3", "nd", "nd"]
+    assert [c.degrees["dp_replicate"] for c in same[2:]] == [2, 4]
     assert (nxt.strategy, nxt.degrees["tp"]) == ("fsdp_tp", 2)
 
     out, plan = _plan(capsys, monkeypatch, tmp_path, "model=llama3_8b", "strategy=auto", "hardware=h100x8")
     choice = plan["auto_choice"]
-    assert choice["tied_with"] == ["zero3", "nd dp_replicate=2 dp_shard=4"]
+    assert choice["tied_with"] == ["zero3", "nd dp_replicate=2 dp_shard=4", "nd dp_replicate=4 dp_shard=2"]
     assert choice["runner_up"] == "fsdp_tp tp=2"
     assert choice["runner_up_slower_by"] == pytest.approx(nxt.predicted_step_s / fitting[0].predicted_step_s - 1)
     assert _row(out, "strategy") == (
         f"fsdp, chosen by strategy=auto: fastest estimated step ({fitting[0].predicted_step_s:.3g} s) among "
-        f"{len(fitting)} layout(s) that fit, of {len(ranked)} valid; tied with zero3, nd dp_replicate=2 dp_shard=4 "
-        f"(listed first: fewer moving parts); the next, fsdp_tp tp=2, {choice['runner_up_slower_by']:.1%} slower")
+        f"{len(fitting)} layout(s) that fit, of {len(ranked)} valid; tied with zero3, nd dp_replicate=2 dp_shard=4, "
+        f"nd dp_replicate=4 dp_shard=2 (listed first: fewer moving parts); the next, fsdp_tp tp=2, {choice['runner_up_slower_by']:.1%} slower")

@@ -4,7 +4,8 @@
 For each strategy: `loom train model=gpt_1b strategy=S hardware=auto hardware.devices=1`
 (a known H100/H200 gets its shipped profile: bf16-mixed, datasheet memory) for a few steps,
 then summary.json `memory.peak_gpu_mem_gb_per_rank` (torch.cuda.max_memory_allocated) next
-to plan.json's `memory_per_device_bytes.total` (states + activations) and the build-time
+to plan.json's `memory_per_device_bytes.total` (weights, optimizer, gradients and activations:
+summed, or the larger of the last two where the gradients are freed first) and the build-time
 peak RSS. Goal (issue 14): the plan within 15% of the measured peak.
 
 Without CUDA it prints why and exits 0 without running anything.

@@ -104,6 +104,17 @@ class LoomModule(pl.LightningModule):
             sched.step()
         return loss
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """Lightning's step, then the gradients freed at once. Lightning zeroes them in the next
+        step's closure, after that step's forward, so every forward stored its activations beside
+        the last step's gradients (gpt_1b under fsdp on an H100 peaked at the plan's sum of the
+        two). Freed here, as torchtitan's loop does before forward, a step's peak holds the larger
+        of activations and gradients (`loom.plan.memory.MemoryEstimate`). DeepSpeed's engine keeps
+        its own gradient buffers and zeroes them in its step: left to it."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if not self.trainer.strategy.handles_gradient_accumulation:
+            optimizer.zero_grad(set_to_none=True)
+
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()
         loss = self._loss(batch) if pipe is None else pipe.run(self.model, self._lm_loss, *batch, train=False)

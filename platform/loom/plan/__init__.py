@@ -185,7 +185,8 @@ def _fullest_stage(pipe: dict[str, Any], mem: MemoryEstimate) -> MemoryEstimate:
     estimate; the runtime (CPU) is the whole-model estimate's."""
     worst = max(pipe["stages"], key=lambda st: st["memory_bytes"]["total"])["memory_bytes"]
     keys = ("params", "grads", "optimizer", "activations", "host_offload")
-    return MemoryEstimate(*(worst[k] for k in keys), runtime=mem.runtime)
+    return MemoryEstimate(*(worst[k] for k in keys), runtime=mem.runtime,
+                          grads_in_forward=worst.get("grads_in_forward", True))
 
 
 def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, micro: int) -> int | None:
@@ -193,7 +194,11 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
     per_sample = mem.activations / micro if micro else 0.0
     if cap is None or not per_sample:
         return None
-    room = cap - mem.states - mem.runtime - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
+    room = cap - mem.params - mem.optimizer - mem.runtime - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
+    if mem.grads_in_forward:
+        room -= mem.grads
+    elif mem.grads > room:  # the gradients alone do not fit beside the weights and states
+        return 0
     return max(0, int(room // per_sample))
 
 

@@ -59,14 +59,24 @@ class MemoryEstimate:
     activations: float
     host_offload: float = 0.0    # optimizer (and params) moved to host memory
     runtime: float = 0.0         # CPU: the rank's own runtime, in the same (host) memory
+    # Whether the gradients exist while forward stores the activations (`grads_beside_activations`);
+    # False: the peak holds the larger of the two, not their sum.
+    grads_in_forward: bool = True
 
     @property
     def states(self) -> float:
         return self.params + self.grads + self.optimizer
 
     @property
+    def step_bytes(self) -> float:
+        """Gradients and activations at the step's peak: their sum, or the larger of the two when
+        the gradients are freed after each optimizer step and grow in backward as the activations
+        are freed."""
+        return self.grads + self.activations if self.grads_in_forward else max(self.grads, self.activations)
+
+    @property
     def total(self) -> float:
-        return self.states + self.activations + self.runtime
+        return self.params + self.optimizer + self.step_bytes + self.runtime
 
 
 def per_param_bytes(strategy: str, precision: str, optim: DictConfig | None = None) -> tuple[float, float, float]:
@@ -223,9 +233,19 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
         # compute precision on every rank.
         mem.params += (2.0 if mixed else 4.0) * params / tp
     mem.activations = activation_bytes(cfg, tp, mixed, ac)
+    mem.grads_in_forward = grads_beside_activations(cfg, name, layout)
     if hw.accelerator != "gpu":  # the device is the host: each process's runtime shares it
         mem.runtime = RUNTIME_HOST_BYTES["cpu"]
     return mem
+
+
+def grads_beside_activations(cfg: DictConfig, name: str, layout: ParallelLayout) -> bool:
+    """Whether a step's gradients exist during its forward. Loom frees them after each optimizer
+    step (`LoomModule.optimizer_step`); they still are there under gradient accumulation (the
+    earlier micro batches'), a pipeline (its microbatches'), or a strategy that keeps its own
+    gradient buffers from step to step (DDP's buckets, DeepSpeed's partitions: `grad_buffers`)."""
+    return (strategies.option(name).grad_buffers or layout.pp > 1
+            or int(cfg.trainer.accumulate_grad_batches) > 1)
 
 
 def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout) -> dict[str, float]:

@@ -52,7 +52,8 @@ def render(plan: dict[str, Any]) -> None:
     rows.append(("total", f"{mem['total'] / GB:,.2f} GB of "
                           + (f"{cap / GB:,.2f} GB" if cap is not None else "? GB")
                           + f" ({plan['capacity_source']})"
-                          + (f", incl. {runtime / GB:,.2f} GB runtime per process" if runtime else "")))
+                          + (f", incl. {runtime / GB:,.2f} GB runtime per process" if runtime else "")
+                          + _step_peak_note(mem)))
     if plan["accelerator"] != "gpu" and plan.get("host_capacity_bytes"):
         rows.append(("host memory", _cpu_host_line(plan)))
     if plan["max_micro_batch"] is not None:
@@ -204,6 +205,14 @@ def infeasible_message(plan: dict[str, Any]) -> str:
         hint = host_hint if short[0] is None and not fix else hint if cpu_host_short else hint + host_hint
     why = "; ".join(x for x in short if x) or "more memory than the hardware has"
     return f"Plan infeasible: strategy={plan['strategy']} on hardware={plan['hardware']}: {why}.{hint}"
+
+
+def _step_peak_note(mem: dict[str, Any]) -> str:
+    """Why the total holds gradients and activations as it does (`MemoryEstimate.step_bytes`)."""
+    if mem.get("grads_in_forward", True):
+        return ""
+    return ("; params + optimizer + the larger of grads and activations: the gradients are freed after each "
+            "optimizer step and grow in backward as the activations are freed")
 
 
 def _device_shortfall(plan: dict[str, Any]) -> str | None:

@@ -15,13 +15,14 @@ LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer 
 
 def planned_bytes(plan: dict[str, Any], pp_rank: int | None) -> dict[str, float]:
     """The plan's bytes per device for this rank: its pipeline stage's when it has one. `peak`
-    is the plan's states + activations (its runtime and host offload are not tensors the
-    tracker sees)."""
+    is the plan's total less its runtime (the runtime and host offload are not tensors the
+    tracker sees): states + activations, or the larger of gradients and activations where
+    the gradients are freed before forward (`MemoryEstimate.step_bytes`)."""
     mem = plan["memory_per_device_bytes"]
     if pp_rank is not None and plan.get("pipeline"):
         mem = plan["pipeline"]["stages"][pp_rank]["memory_bytes"]
     out = {k: float(mem[k]) for k in ("params", "grads", "optimizer", "activations")}
-    out["peak"] = sum(out.values())
+    out["peak"] = float(mem["total"]) - float(mem.get("runtime", 0.0))
     return out
 
 

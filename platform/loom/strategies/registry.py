@@ -44,10 +44,13 @@ class StrategyOption:
     # its yaml; `strategies/variants.py`), and the ranks one data-parallel replica of a candidate spans (tp x pp).
     candidates: Callable[[variants.Machine], list[variants.Fields]] = variants.data_parallel
     model_parallel: Callable[[DictConfig, int], int] = variants.no_model_parallel
+    # Gradients in buffers the strategy keeps from step to step (DDP's buckets, DeepSpeed's
+    # partitions), i.e. beside the activations even with the `.grad` tensors freed (`loom.plan.memory`).
+    grad_buffers: bool = False
 
 
 _ZERO = dict(build="loom.strategies.deepspeed:build", check=checks.check_zero, normalize=checks.normalize_zero,
-             mixed_precision="deepspeed")
+             mixed_precision="deepspeed", grad_buffers=True)
 # fsdp, fsdp_tp, pp and nd: presets of one N-D mesh implementation (`pipeline.build_mesh`).
 _MESH = "loom.strategies.pipeline:build_mesh"
 _MODEL_PARALLEL = dict(build=_MESH, check=checks.check_model_parallel, mixed_precision="fsdp2")
@@ -56,7 +59,7 @@ STRATEGIES: dict[str, StrategyOption] = {
     "single": StrategyOption(SingleStrategyConfig, "replicate", "none", "loom.strategies.single:build",
                              check=checks.check_single, candidates=variants.alone),
     "ddp": StrategyOption(DDPStrategyConfig, "replicate", "none", "loom.strategies.ddp:build",
-                          check=checks.check_ddp),
+                          check=checks.check_ddp, grad_buffers=True),
     "fsdp": StrategyOption(FSDPStrategyConfig, "hybrid", "all", **_MODEL_PARALLEL, candidates=variants.sharded),
     "fsdp_tp": StrategyOption(FSDPTPStrategyConfig, "shard", "all", **_MODEL_PARALLEL,
                               candidates=variants.tensor_parallel, model_parallel=variants.tp_degree),
