@@ -22,7 +22,7 @@ is a tiny one, a whole run takes a second or two: it also holds the first attemp
 until the test has killed the node, so the loss happens mid-run.)
 
 Checked against an uninterrupted 2-node run of the same command (also the suite's two-node
-run: test_multinode checks a fixed-size one through its restart test): every step's loss
+run: test_kubernetes's pod simulation checks a fixed-size pair losing a node): every step's loss
 within 1e-4 (the same math in another summation order), the same samples consumed (count, and
 no step trained a sample the reference did not train at that step), world_history 2 -> 1 -> 2.
 The timings are wide for a loaded machine: heartbeats every 2 s, a 15 s last call (both nodes

@@ -96,4 +96,7 @@ def test_sigkill_of_one_rank_under_dp_and_pp_resumes_bit_identical(shared, tmp_p
     assert r.losses() == ref.losses()
     wa = load_file(ref.run_dir / "final" / "model.safetensors")
     wb = load_file(run_dir / "final" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert wa.keys() == wb.keys()
+    # which entries differ and by how much, with where the run resumed (a flaky difference, seen twice in CI)
+    differ = {k: float((wa[k].double() - wb[k].double()).abs().max()) for k in wa if not torch.equal(wa[k], wb[k])}
+    assert not differ, (differ, r.summary()["resumed_from_step"], r.summary()["attempts"])

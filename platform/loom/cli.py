@@ -112,9 +112,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.cfg:
         print(frozen_yaml(cfg), end="")
         return EXIT_OK
-    if args.dry_run and cfg.hardware.launcher != "slurm":
+    if args.dry_run and cfg.hardware.launcher not in ("slurm", "kubernetes"):
         raise ConfigError(
-            f"Invalid usage: --dry-run writes the sbatch script of a hardware.launcher=slurm run, but "
+            f"Invalid usage: --dry-run writes the sbatch script or the TrainJob of a hardware.launcher=slurm "
+            f"or kubernetes run, but "
             f"hardware={cfg.hardware.name} runs here (hardware.launcher={cfg.hardware.launcher}): it would "
             "train for real. Drop --dry-run, or use `loom plan ...` to see the plan without training, or "
             "`loom train --cfg job ...` for the composed config.")

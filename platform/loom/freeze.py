@@ -25,7 +25,7 @@ from loom.strategies.world import check_elastic_range, derive_accumulation, worl
 # Activation checkpointing recomputes the same values, profiling only observes, async checkpoints write the same bytes,
 # and the export dtype and format only shape final/; so a run can also resume with
 # checkpointing switched on to fit, and run ids frozen before these keys existed still hold.
-VOLATILE = ("run", "tracking", "sweep", "hardware.max_restarts", "hardware.rdzv_endpoint",
+VOLATILE = ("run", "tracking", "sweep", "kubernetes", "hardware.max_restarts", "hardware.rdzv_endpoint",
             "hardware.rdzv_keep_alive_s", "hardware.rdzv_last_call_s",
             "trainer.log_every_n_steps", "trainer.activation_checkpointing", "trainer.profile", "checkpoint.async",
             "checkpoint.export_dtype", "checkpoint.export_format", "checkpoint.export_shard_gb")

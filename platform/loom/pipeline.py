@@ -19,6 +19,7 @@ from loom.errors import EXIT_INFEASIBLE, EXIT_OK, ConfigError
 from loom.finish import finish, launch_mark
 from loom.freeze import freeze
 from loom.hardware.machine import check_machine
+from loom.hardware.schema import SUBMITTED
 from loom.launch import launch, multi_node
 from loom.plan import Plan, make_plan
 from loom.plan.assumptions import assumptions
@@ -27,6 +28,7 @@ from loom.plan.render import infeasible_message, render
 from loom.rundir.checkpoints import UnsafeCheckpoint, newest_checkpoint
 from loom.rundir.lock import run_lock
 from loom.rundir.summary import read_summary, summary_mark
+from loom.schema import load
 from loom.tracking.checks import tracking_checks
 from loom.validate import validate
 
@@ -94,11 +96,9 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
               "Nothing to do. Change an override or set run.id=<new id> to train a new run.")
         return EXIT_OK, frozen.run_dir, None
     cfg.run.id = frozen.run_id
-    if cfg.hardware.launcher == "slurm":  # submitted (exit 0): the job trains later, in the allocation
-        from loom.launch.slurm import submit
-
+    if cfg.hardware.launcher in SUBMITTED:  # submitted (exit 0): the job trains later, on the scheduler's nodes
         _check_newest_checkpoint(frozen.run_dir)
-        return submit(cfg, frozen.run_dir, dry_run), frozen.run_dir, None
+        return load(SUBMITTED[cfg.hardware.launcher][0])(cfg, frozen.run_dir, dry_run), frozen.run_dir, None
     # One launcher per run dir (every node of a multi-node run shares it): a second launch of a
     # running run exits 2 here, before it touches a file of the run.
     seen = summary_mark(frozen.run_dir)

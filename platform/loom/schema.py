@@ -99,12 +99,35 @@ class SecurityConfig:
     allow_targets: list[str] = field(default_factory=list)
 
 
+@dataclass
+class KubernetesConfig:
+    """hardware.launcher=kubernetes: the Kubeflow Trainer TrainJob `loom train` renders and submits
+    (loom.launch.kubernetes). Launch settings, not part of the run: a resubmission resumes it."""
+
+    image: str | None = None           # the container image with Loom installed (required)
+    namespace: str = "default"
+    runtime: str = "torch-distributed"  # the ClusterTrainingRuntime the TrainJob references
+    pvc: str | None = None             # the PersistentVolumeClaim holding run.root (required)
+    mount: str = "/runs"               # where every pod mounts it (and this machine sees it): run.root is under it
+    submit: bool | None = None         # null: submit when a kube context is configured, else render only
+    gpus_per_node: int | None = None   # GPUs of the cluster's nodes (null: hardware.devices)
+    gpu_resource: str = "nvidia.com/gpu"
+    cpu: str | None = None             # per pod, Kubernetes quantities ("32", "500Gi"); null: none asked
+    memory: str | None = None
+    credentials_from: str | None = None  # a Secret: each of credential_keys becomes that env var
+    credential_keys: list[str] = field(default_factory=lambda: ["WANDB_API_KEY"])
+    env: dict[str, str] = field(default_factory=dict)  # plain env vars of the pods (no credentials)
+    python: str = "python"             # the image's interpreter
+    termination_grace_s: int = 180     # SIGTERM to SIGKILL: the ranks' checkpoint on a stop
+
+
 SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "trainer": TrainerConfig,
     "checkpoint": CheckpointConfig,
     "security": SecurityConfig,
     "sweep": SweepConfig,
+    "kubernetes": KubernetesConfig,
 }
 TOP_LEVEL = {"experiment": str, "seed": int}
 

@@ -23,6 +23,8 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError
 from loom.hardware.nvml import visible_count, visible_entry
 from loom.hardware.peaks import bf16_capable, lookup
+from loom.hardware.schema import SUBMITTED
+from loom.schema import load
 
 # NVML device names whose datasheet numbers a shipped profile holds. Exact names only: an
 # H100 PCIe (756 dense bf16) must not borrow the SXM peak. Other devices become `gpu` with the
@@ -187,13 +189,14 @@ def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
     """Refuse a profile this machine cannot run (exit 2 before any process starts).
 
     `loom train` only: every node of a multi-node run starts the same command, so this node
-    must have `hardware.devices` GPUs itself. `launcher: slurm` is submitted from a login node
-    without GPUs: there, `sbatch` must exist (unless `--dry-run`), and the nodes of the
-    allocation are SLURM's to provide.
+    must have `hardware.devices` GPUs itself. `launcher: slurm` and `kubernetes` are submitted
+    from a machine without GPUs: their own checks run instead (`hardware.schema.SUBMITTED`:
+    sbatch here unless `--dry-run`; the TrainJob's image, claim, GPUs, credentials and kube
+    context), and the nodes are the scheduler's to provide.
     """
     hw = cfg.hardware
-    if hw.launcher == "slurm":
-        _check_submit(cfg, dry_run)
+    if hw.launcher in SUBMITTED:  # its own checks: sbatch here, or the TrainJob's inputs
+        load(SUBMITTED[hw.launcher][1])(cfg, dry_run)
         return
     if hw.accelerator == "gpu":
         have = visible_gpus()
@@ -227,7 +230,7 @@ def check_machine(cfg: DictConfig, dry_run: bool = False) -> None:
         )
 
 
-def _check_submit(cfg: DictConfig, dry_run: bool) -> None:
+def check_sbatch(cfg: DictConfig, dry_run: bool) -> None:
     """`loom train` with launcher=slurm: sbatch must be here unless only the script is wanted."""
     if dry_run or shutil.which("sbatch"):
         return

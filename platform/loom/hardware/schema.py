@@ -50,7 +50,7 @@ class HardwareConfig:
     max_restarts: int = 0
     precision: str = "32-true"
     backend: str = "gloo"             # gloo | nccl (nccl needs accelerator=gpu)
-    launcher: str = "torchrun"        # torchrun | slurm
+    launcher: str = "torchrun"        # torchrun | slurm | kubernetes (the top-level `kubernetes` block)
     device_name: str = "cpu"
     device_memory_gb: float | None = None
     bf16_supported: bool = True       # false for pre-Ampere GPUs (V100, T4)
@@ -91,4 +91,8 @@ SCHEMAS: dict[str, type] = {"*": HardwareConfig}
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32")
 BACKENDS = ("gloo", "nccl")
-LAUNCHERS = ("torchrun", "slurm")
+LAUNCHERS = ("torchrun", "slurm", "kubernetes")
+# Launchers that submit the frozen run as a job elsewhere (no ranks start on this machine), and
+# their "module:function" submit(cfg, run_dir, dry_run) -> exit code, check(cfg, dry_run).
+SUBMITTED = {"slurm": ("loom.launch.slurm:submit", "loom.hardware.machine:check_sbatch"),
+             "kubernetes": ("loom.launch.kube_follow:submit", "loom.launch.kubernetes:check")}
