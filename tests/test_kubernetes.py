@@ -97,6 +97,22 @@ def test_a_run_root_off_the_claim_is_refused(tmp_path):
     assert "must be on the claim, mounted at kubernetes.mount=/mnt/claim" in err and "run.root=/mnt/claim/" in err
 
 
+def test_with_a_kube_context_it_submits_and_says_when_the_cluster_is_unreachable(tmp_path, monkeypatch):
+    """A kubeconfig's current context makes submit=null submit, through the real Kubernetes client;
+    an API server that refuses connections exits 1 naming the context and the manifest to apply."""
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "lab",
+        "clusters": [{"name": "lab", "cluster": {"server": f"https://127.0.0.1:{_free_port()}"}}],
+        "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": "me"}}],
+        "users": [{"name": "me", "user": {}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(config))
+    rc, out, run_dir = _render(tmp_path, *[a for a in BASE if a != "kubernetes.submit=false"], "run.id=lab")
+    assert rc == 1 and run_dir is not None, out
+    assert "could not reach the cluster of kube context lab to create TrainJob loom-lab" in out, out
+    assert f"kubectl apply -f {run_dir / 'trainjob.yaml'}" in out and not (run_dir / "kubernetes.json").exists()
+
+
 # ----------------------------------------------------------------------------- pod simulation
 
 

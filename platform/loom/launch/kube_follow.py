@@ -76,6 +76,11 @@ def active_job(cfg: DictConfig, run_dir: Path) -> str | None:
         if e.status == 404:
             return None
         raise
+    except Exception as e:  # noqa: BLE001 - unreachable: whether the job runs is unknown, so no second one
+        raise ConfigError(f"Invalid config: this run was submitted as TrainJob {known['name']} (namespace "
+                          f"{known['namespace']}, {record}), and the cluster of kube context {kube_context()} "
+                          f"cannot be reached to tell whether it still runs ({type(e).__name__}); two jobs must "
+                          "not train one run dir. Retry once it is reachable.") from None
     return None if any(_conditions(job).get(c) == "True" for c in DONE) else known["name"]
 
 
@@ -92,6 +97,11 @@ def create_and_follow(cfg: DictConfig, run_dir: Path, manifest: Path) -> int:
             print(f"loom: the cluster refused TrainJob {name} ({e.status} {e.reason}): {e.body}", flush=True)
             return EXIT_FAILED
         print(f"loom: TrainJob {name} already exists in namespace {ns}: following it", flush=True)
+    except Exception as e:  # noqa: BLE001 - the API server unreachable (urllib3's MaxRetryError, TLS, DNS)
+        print(f"loom: could not reach the cluster of kube context {kube_context()} to create TrainJob {name}: "
+              f"{type(e).__name__}: {e}\nThe manifest is {manifest}: `kubectl apply -f {manifest}` once the "
+              "cluster is reachable, or the same `loom train` command again.", flush=True)
+        return EXIT_FAILED
     (run_dir / RECORD).write_text(json.dumps({"name": name, "namespace": ns}))
     print(f"loom: TrainJob {name} submitted to namespace {ns} ({manifest}); Ctrl-C stops it (the ranks "
           f"checkpoint)", flush=True)
