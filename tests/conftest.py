@@ -60,9 +60,26 @@ class LoomResult:
         return {int(r["step"]): float(r["train/loss"]) for r in self.metrics() if r.get("train/loss")}
 
 
+# The environment pytest started with: an in-process Lightning Trainer sets OMP_NUM_THREADS in
+# this process (lightning_fabric's _set_num_threads_if_needed: every core), and a launched run
+# inheriting it gives each rank that many threads, which changes CPU sums: the SIGKILL resume of
+# test_nd, launched after such a test, ended ~1e-6 off its reference launched before it.
+_STARTED_WITH_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def launch_env(env: dict | None = None) -> dict[str, str]:
+    """What a launched `loom` gets: this environment, as a fresh shell would have it."""
+    full = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    if _STARTED_WITH_THREADS is None:
+        full.pop("OMP_NUM_THREADS", None)
+    else:
+        full["OMP_NUM_THREADS"] = _STARTED_WITH_THREADS
+    return {**full, **(env or {})}
+
+
 def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = None) -> LoomResult:
     """`loom <args> run.root=<root>`; finds the run dir from the launcher's output."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    full_env = launch_env(env)
     verb, *rest = args
     cmd = [*LOOM, verb, *rest]
     if verb in ("train", "plan") and "--cfg" not in rest:
@@ -108,7 +125,7 @@ def start_loom(*args: str, root: Path, env: dict | None = None, merge_stderr: bo
                **popen: object) -> subprocess.Popen:
     """`loom <args> run.root=<root>` in the background (output merged into stdout unless
     `merge_stderr` is false), to kill or signal part-way. Counted as one launch."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    full_env = launch_env(env)
     verb, *rest = args
     LEDGER.record(1)
     return subprocess.Popen([*LOOM, verb, *rest, f"run.root={root}"], cwd=root, env=full_env, text=True,

@@ -4,6 +4,7 @@ timeouts, and the garbage-collection schedule: pure functions and one in-process
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -119,3 +120,24 @@ def test_gc_every_0_leaves_pythons_collector_alone():
     cb.on_train_start(_Trainer(), None)
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert resolve([]).trainer.gc_every_n_steps == 50
+
+
+def test_an_in_process_rank_leaves_the_launchers_environment_as_it_was(monkeypatch):
+    """A one-process run trains inside the launcher (loom.launch._launch), and the rank, Lightning
+    and the libraries it loads set environment variables there: OMP_NUM_THREADS to every core
+    (lightning_fabric's _set_num_threads_if_needed, Loom's worker). Kept, the launcher's next run
+    (a sweep's next trial) would hand each of its ranks that many threads. After the rank: as before."""
+    import torch
+    from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+
+    from loom.launch import rank_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads, before = torch.get_num_threads(), dict(os.environ)
+    try:
+        with rank_environment({"LOOM_LAUNCH_TIME": "1"}):
+            _set_num_threads_if_needed(num_processes=1)
+            assert os.environ["OMP_NUM_THREADS"] and os.environ["LOOM_LAUNCH_TIME"] == "1"
+        assert dict(os.environ) == before
+    finally:
+        torch.set_num_threads(threads)
