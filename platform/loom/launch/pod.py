@@ -26,7 +26,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loom.errors import EXIT_INVALID
-from loom.launch import nnodes, rdzv_conf, worker_env
+from loom.launch import nnodes, torchrun_command, worker_env
 from loom.launch.kubernetes import PET_KEYS
 
 # How the SLURM job script calls the same helpers (loom.finish's `mark` and `finish`).
@@ -55,16 +55,10 @@ def check_against_run(cfg: DictConfig, pet: dict[str, str]) -> None:
                          f"hardware.devices={hw.devices} per node")
 
 
-def agent_command(cfg: DictConfig, run_dir: Path, pet: dict[str, str], python: str = sys.executable) -> list[str]:
-    """Loom's torchrun agent for this pod: the run's node and process counts, a c10d rendezvous at
-    the first pod (its agent hosts the store), keyed by the run id."""
-    hw = cfg.hardware
-    cmd = [python, "-m", "loom.worker.agent", f"--nproc-per-node={hw.devices}", f"--nnodes={nnodes(cfg)}",
-           f"--max-restarts={hw.max_restarts}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint={pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}", f"--rdzv-id={cfg.run.id}"]
-    if ":" in nnodes(cfg):
-        cmd.append(rdzv_conf(hw))
-    return [*cmd, str(run_dir)]
+def agent_command(cfg: DictConfig, run_dir: Path, pet: dict[str, str]) -> list[str]:
+    """Loom's torchrun agent for this pod: the launcher's own torchrun command, its c10d rendezvous
+    at the first pod (whose agent hosts the store), keyed by the run id."""
+    return torchrun_command(cfg, run_dir, endpoint=f"{pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']}")
 
 
 def run_pod(run_dir: Path, env: dict[str, str] | None = None) -> int:
