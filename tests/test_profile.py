@@ -59,9 +59,11 @@ def test_rank0_summary_splits_the_step_time_and_the_report_shows_it(profiled):
     # the forward's biased Linears run aten::addmm, their backward and the head aten::mm
     assert {"aten::mm", "aten::addmm"} <= {o["name"] for o in ops}, ops
     trace = _trace(profiled.run_dir / "profile" / "rank-0.pt.trace.json.gz")
-    for o in ops:  # the same window as the trace's: every op's calls are its events there
-        calls = sum(e.get("ph") == "X" and e.get("name") == o["name"] for e in trace)  # ops and annotations
-        assert o["calls"] == calls, (o, calls)
+    for o in ops:  # the summary's rule on the trace: every host range of the name, on every thread
+        ranges = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+                  and e.get("name") == o["name"]]
+        assert o["calls"] == len(ranges), (o, len(ranges))
+        assert 0 < o["self_ms"] <= sum(e["dur"] for e in ranges) / 1000 + 1e-3, o  # self time: within the ranges
         assert o["share"] == pytest.approx(o["self_ms"] / t["step"], abs=1e-4)
     peaks = p["memory_peak_bytes_per_phase"]
     assert set(peaks) == {"forward", "backward", "optimizer"} and all(set(v) == {"cpu"} for v in peaks.values())
@@ -96,6 +98,34 @@ def test_summary_and_metrics_are_those_of_a_full_run(profiled):
 def test_a_window_outside_the_run_is_refused_naming_the_key(tmp_path, window):
     err = refused(tmp_path, "hardware=cpu", f"trainer.max_steps={STEPS}", f"trainer.profile.steps={window}")
     assert "trainer.profile.steps=" in err and f"<= {STEPS + 1}" in err
+
+
+def test_top_ops_are_the_traces_ranges_with_self_time_per_thread():
+    """Self time is a range's duration less its direct children's on its own thread; a range
+    nested in one of the same name counts as a call of its own (torch's key_averages merges it);
+    another thread's ranges are its own; a GPU trace ranks its kernels by device time."""
+    from loom.worker.profile_summary import top_ops
+
+    def x(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [x("ProfilerStep#3", 0, 100, cat="user_annotation"),
+              x("aten::add_", 10, 30), x("aten::add_", 12, 20),  # one call inside another of its name
+              x("aten::copy_", 15, 5),                            # ... inside that
+              x("aten::mm", 50, 40), x("aten::mm", 55, 100, tid=2),  # two threads
+              x("gloo:all_reduce", 60, 10, tid=3, cat="user_annotation"),
+              {"ph": "i", "name": "aten::mm", "ts": 1}]         # not a range
+    ops, device = top_ops(events, step_ms=0.1)
+    assert not device
+    assert ops == [{"name": "aten::mm", "self_ms": 0.14, "calls": 2, "share": 1.4},
+                   {"name": "aten::add_", "self_ms": 0.025, "calls": 2, "share": 0.25},  # (30-20) + (20-5)
+                   {"name": "gloo:all_reduce", "self_ms": 0.01, "calls": 1, "share": 0.1},
+                   {"name": "aten::copy_", "self_ms": 0.005, "calls": 1, "share": 0.05}]
+    kernels = [x("sm90_gemm", 0, 30, cat="kernel"), x("sm90_gemm", 40, 20, cat="kernel"),
+               x("ncclAllReduce", 10, 50, cat="kernel")]
+    ops, device = top_ops(events + kernels, step_ms=0.1)
+    assert device and [(o["name"], o["self_ms"], o["calls"]) for o in ops] == [
+        ("sm90_gemm", 0.05, 2), ("ncclAllReduce", 0.05, 1)]
 
 
 def test_time_split_merges_overlapping_ranges_and_keeps_them_inside_the_steps():

@@ -113,6 +113,9 @@ class StepLog:
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.faults: list[int] = []           # minor page faults per step (fresh memory the allocator maps)
+        self.started: list[float] = []        # perf_counter at each step's start (CLOCK_MONOTONIC: one clock
+        #                                       for every process of the machine, so sides can be ordered)
+        self.slowed: list[float] = []         # the deliberate slowdown added to each step (seconds asked for)
         self._t0 = self._c0 = 0.0
         self._f0 = 0
         self.children_cpu: list[float] = []   # descendants' CPU seconds, sampled at step ends 5 and last
@@ -122,8 +125,11 @@ class StepLog:
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
-        if self.slow > 0:
-            self._slow_down(self.slow * (time.perf_counter() - self._t0))
+        slowed = self.slow * (time.perf_counter() - self._t0) if self.slow > 0 else 0.0
+        if slowed:
+            self._slow_down(slowed)
+        self.started.append(self._t0)
+        self.slowed.append(slowed)
         self.wall.append(time.perf_counter() - self._t0)
         self.cpu.append(time.process_time() - self._c0)
         self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._f0)
@@ -142,7 +148,8 @@ class StepLog:
         if len(self.children_cpu) == 1:
             self.children_cpu.append(children_cpu_s())
         out = Path(directory) / f"steps-{self.side}-{rank()}.json"
-        out.write_text(json.dumps({"side": self.side, "rank": rank(), "wall_s": self.wall, "cpu_s": self.cpu, "minor_faults": self.faults,
+        out.write_text(json.dumps({"side": self.side, "rank": rank(), "wall_s": self.wall, "cpu_s": self.cpu,
+                                   "started_s": self.started, "slowed_s": self.slowed, "minor_faults": self.faults,
                                    "children_cpu_s": self.children_cpu, "slow": self.slow,
                                    "slow_kind": self.slow_kind, **(extra or {})}))
 

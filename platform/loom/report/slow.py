@@ -41,8 +41,8 @@ def profile_section(run_dir: Path) -> list[str]:
              *_md_table(["time in", "ms", "share"],
                         [[k.replace("_", " "), f"{t[k]:,.1f}", _pct(share[k])]
                          for k in ("compute", "communication", "data_wait")]), "",
-             f"Top operators by {p.get('self_time', 'cpu')} self time:", "",
-             *_md_table(["operator", "self ms", "calls", "share of step time"],
+             "Top kernels by device time:" if p.get("self_time") == "device" else "Top operators by cpu self time:", "",
+             *_md_table(["kernel" if p.get("self_time") == "device" else "operator", "self ms", "calls", "share of step time"],
                         [[o["name"], f"{o['self_ms']:,.2f}", o["calls"], _pct(o["share"])] for o in p["top_ops"]]), ""]
     peaks = p.get("memory_peak_bytes_per_phase")
     if peaks:

@@ -1,5 +1,5 @@
-"""Rank 0's reading of its profile window, for `loom report`: the top operators by self time
-and where the steps' time went (communication, data wait, compute), plus the allocator's peak
+"""Rank 0's reading of its profile window, for `loom report`, from its trace file: the top
+operators by self time (on a GPU the kernels by device time) and where the steps' time went (communication, data wait, compute), plus the allocator's peak
 per phase. Written to `<run>/profile/summary.json` so the report needs no torch.
 
 Time shares are of the profiled steps' wall time (`ProfilerStep#N` ranges): data wait is the
@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,53 @@ PHASES = ("forward", "backward", "optimizer")
 DEVICE_TYPES = {0: "cpu", 1: "cuda"}
 
 
-def top_ops(averages: Iterable[Any], step_ms: float, n: int = TOP_OPS) -> tuple[list[dict], bool]:
-    """(the n operators with the most self time, each with its share of the profiled steps'
-    time; whether that is device time)."""
-    rows = [a for a in averages if not a.key.startswith(("ProfilerStep#", "loom:"))]
-    device = any(getattr(a, "self_device_time_total", 0) > 0 for a in rows)
-    attr = "self_device_time_total" if device else "self_cpu_time_total"
-    rows.sort(key=lambda a: getattr(a, attr), reverse=True)
-    return [{"name": a.key, "self_ms": round(getattr(a, attr) / 1000, 3), "calls": int(a.count),
-             "share": round(getattr(a, attr) / 1000 / step_ms, 4) if step_ms else None} for a in rows[:n]], device
+OP_CATEGORIES = ("cpu_op", "user_annotation")  # host-side ranges: operators, record_function annotations
+NOT_OPS = ("ProfilerStep#", "loom:")            # the window's own marks, not work
+
+
+def _self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each host range's self time (µs): its duration less its direct children's on the same
+    thread (torch's definition); ranges that start in a parent and end past it count as its children."""
+    out: list[tuple[dict, float]] = []
+    by_thread: dict[tuple[Any, Any], list[dict]] = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for spans in by_thread.values():
+        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, end, children's µs]
+        for e in spans:
+            while stack and stack[-1][1] <= e["ts"]:
+                done = stack.pop()
+                out.append((done[0], done[0]["dur"] - done[2]))
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e, e["ts"] + e["dur"], 0.0])
+        out.extend((done[0], done[0]["dur"] - done[2]) for done in reversed(stack))
+    return out
+
+
+def top_ops(events: list[dict], step_ms: float, n: int = TOP_OPS) -> tuple[list[dict], bool]:
+    """(the n largest entries by self time, each with its calls and its share of the profiled
+    steps' time; whether that is device time). Read from the trace itself, every thread: each
+    figure is the trace's, so `calls` is the number of the name's ranges a user finds in Perfetto.
+    On a GPU the entries are the kernels by device time; on a CPU the operators and annotations
+    by self time. Written by hand because torch's `key_averages()` merges a range into a parent of
+    the same name with a single child (EventList._remove_dup_nodes): its counts are not the trace's."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    if kernels:
+        timed = [(e, float(e["dur"])) for e in kernels]
+    else:
+        host = [e for e in events if e.get("ph") == "X" and e.get("cat") in OP_CATEGORIES and "dur" in e]
+        timed = [(e, t) for e, t in _self_times(host) if not e["name"].startswith(NOT_OPS)]
+    totals: dict[str, list[float]] = {}
+    for e, us in timed:
+        entry = totals.setdefault(e["name"], [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: kv[1][0], reverse=True)[:n]
+    return [{"name": name, "self_ms": round(us / 1000, 3), "calls": int(calls),
+             "share": round(us / 1000 / step_ms, 4) if step_ms else None}
+            for name, (us, calls) in ranked], bool(kernels)
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -90,11 +127,11 @@ def phase_peaks(events: list[dict]) -> dict[str, dict[str, int]]:
     return peaks
 
 
-def write_summary(prof: Any, trace: Path, out: Path, window: tuple[int, int], snapshot: Path | None) -> None:
+def write_summary(trace: Path, out: Path, window: tuple[int, int], snapshot: Path | None) -> None:
     with gzip.open(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     split = time_split(events)
-    ops, device = top_ops(prof.key_averages(), split["time_ms"]["step"])
+    ops, device = top_ops(events, split["time_ms"]["step"])
     summary = {"window": list(window), **split, "top_ops": ops,
                "self_time": "device" if device else "cpu", "trace": trace.name,
                "memory_peak_bytes_per_phase": phase_peaks(events) or None,

@@ -140,4 +140,4 @@ class Profiling(pl.Callback):
         if self.rank == 0:
             from loom.worker.profile_summary import write_summary
 
-            write_summary(prof, trace, self.dir / "summary.json", self.window, snapshot)
+            write_summary(trace, self.dir / "summary.json", self.window, snapshot)
