@@ -77,7 +77,7 @@ def launch_env(env: dict | None = None) -> dict[str, str]:
     return {**full, **(env or {})}
 
 
-def run_loom(*args: str, root: Path, timeout: float = 300, env: dict | None = None) -> LoomResult:
+def run_loom(*args: str, root: Path, timeout: float = 900, env: dict | None = None) -> LoomResult:
     """`loom <args> run.root=<root>`; finds the run dir from the launcher's output."""
     full_env = launch_env(env)
     verb, *rest = args
@@ -188,7 +188,7 @@ class SharedRuns:
         self.root = root
         self.runs: dict[tuple, LoomResult] = {}
 
-    def get(self, *args: str, env: dict | None = None, timeout: float = 400) -> LoomResult:
+    def get(self, *args: str, env: dict | None = None, timeout: float = 900) -> LoomResult:
         key = (args, tuple(sorted((env or {}).items())))
         if key not in self.runs:
             root = self.root / f"run-{len(self.runs):03d}"
@@ -309,7 +309,7 @@ def refused(root: Path, *args: str) -> str:
 def loom(tmp_path):
     """Call as loom("train", "k=v", ...) -> LoomResult, with runs under tmp_path."""
 
-    def _run(*args: str, timeout: float = 300, env: dict | None = None) -> LoomResult:
+    def _run(*args: str, timeout: float = 900, env: dict | None = None) -> LoomResult:
         return run_loom(*args, root=tmp_path, timeout=timeout, env=env)
 
     return _run

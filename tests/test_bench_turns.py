@@ -35,7 +35,7 @@ def _run_pair(tmp_path: Path, slow_a: float = 0.0) -> dict[str, dict]:
                                                                   steps=STEPS, slow=slow)])
              for side, slow in (("b", 0.0), ("a", slow_a))]
     for p in procs:
-        assert p.wait(timeout=60) == 0
+        assert p.wait(timeout=300) == 0
     return {side: json.loads((tmp_path / f"steps-{side}-0.json").read_text()) for side in ("a", "b")}
 
 

@@ -222,7 +222,7 @@ def test_version_names_loom_python_torch_cuda_and_nccl():
     import torch
     from conftest import LOOM
 
-    p = subprocess.run([*LOOM, "--version"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([*LOOM, "--version"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["loom", "python", "torch", "cuda", "nccl"], p.stdout

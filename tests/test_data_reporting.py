@@ -306,7 +306,8 @@ def test_slash_nested_validation_names_are_read_and_plotted_apart(tmp_path):
 
 
 class _SlowSet(torch.utils.data.Dataset):
-    """A dataset whose every sample takes 3 ms to read: the loader, not the model, is slow."""
+    """A dataset whose every sample takes 25 ms to read: the loader, not the model, is slow (a
+    batch of 4 sleeps 100 ms; the step's own work, a few ms idle, stays far below it under load)."""
 
     def __init__(self, n: int) -> None:
         self.x, self.y = torch.randn(n, 8), torch.randn(n, 1)
@@ -315,7 +316,7 @@ class _SlowSet(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        time.sleep(0.003)
+        time.sleep(0.025)
         return self.x[i], self.y[i]
 
 
@@ -365,7 +366,7 @@ def _lightning_classes():
 
 def test_a_trainer_with_a_slow_loader_and_two_validation_sources(tmp_path, caplog):
     """In-process Lightning: the summary, metrics.csv and report.md of a run whose loader reads
-    in the training process (workers 0) and sleeps 12 ms a batch while the step takes well under
+    in the training process (workers 0) and sleeps 100 ms a batch while the step takes well under
     that, and whose module logs `val/loss/web` and `val/loss/code` beside `val/loss`."""
     import pytorch_lightning as pl
 

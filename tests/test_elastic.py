@@ -116,7 +116,7 @@ def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher
         os.kill(ranks[-1], signal.SIGTERM)
     else:
         proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=180)
+    out, _ = proc.communicate(timeout=600)
     return LoomResult(proc.returncode, out, "", run_dir)
 
 

@@ -22,7 +22,7 @@ HANG = [*(o for o in FAST if not o.startswith(("dataset.", "checkpoint."))), "da
 @launching_fixture(scope="module")
 def hung(tmp_path_factory):
     root = tmp_path_factory.mktemp("hang")
-    return run_loom("train", *HANG, root=root, env=helpers_env(root), timeout=240)
+    return run_loom("train", *HANG, root=root, env=helpers_env(root), timeout=600)
 
 
 def test_the_launcher_says_where_each_rank_hung(hung):

@@ -281,7 +281,7 @@ def test_probe_writes_a_profile_plan_accepts(tmp_path):
         assert "measured" in out.read_text().split("name:")[0]  # the comment says so
     plan_json = tmp_path / "plan.json"
     p = subprocess.run([*LOOM, "plan", "hardware=probe_test", "--json", str(plan_json)],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=60, env={**os.environ, **env})
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, **env})
     assert p.returncode == 0, p.stderr
     plan = OmegaConf.load(plan_json)
     if prof.accelerator == "cpu":

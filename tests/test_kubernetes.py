@@ -166,7 +166,7 @@ def test_pods_train_lose_one_and_resume_on_fewer_nodes(tmp_path, single_run):
         assert time.monotonic() < deadline, "no step-4 checkpoint"
         time.sleep(0.05)
     os.killpg(pods[1].pid, signal.SIGKILL)  # the pod is gone: its agent and rank with it
-    outs = _wait(pods, timeout=240)
+    outs = _wait(pods, timeout=600)
     assert pods[0].returncode != 0, outs[0]  # the survivor's collective failed: the job failed
     assert "node rank 0 of 2 x 1 process(es); rendezvous at 127.0.0.1" in outs[0], outs[0]
 

@@ -150,12 +150,12 @@ def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_sam
     run = _start(root, args)
     try:
         _wait_for_step_1(run)
-        second = run_loom("train", *args, root=root, timeout=120)
+        second = run_loom("train", *args, root=root, timeout=600)
         assert second.rc == 2, second.out + second.err
         assert f"pid {run.pid}" in second.err and "tail -f" in second.err and "rank-0.log" in second.err
         assert "Traceback" not in second.err and "Resuming" not in second.out
         os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground job
-        out, err = run.communicate(timeout=150)
+        out, err = run.communicate(timeout=600)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
@@ -171,7 +171,7 @@ def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_sam
     assert (run_dir / "logs" / "rank-0.log").read_text().count("started, attempt") == 1  # not by the second
 
     (root / "gate-ctrlc").touch()  # the resumed run trains straight on
-    again = run_loom("train", *args, root=root, timeout=150)
+    again = run_loom("train", *args, root=root, timeout=600)
     assert again.rc == 0 and "Resuming run ctrlc" in again.out, again.out + again.err
     s = again.summary()
     assert s["status"] == "completed" and s["resumed_from_step"] == stopped and s["global_step"] == STEPS
@@ -192,7 +192,7 @@ def test_a_worker_error_before_step_1_is_one_paragraph_without_a_restart(root):
     shape-mismatch RuntimeError in the first forward (a code error, not a flaky one); exit 1
     after one attempt, the console holds one paragraph. (The other classes: test below.)"""
     r = run_loom("train", *BASE, "hardware=cpu", "hardware.max_restarts=1",
-                 "model.module._target_=lifecycle_models.Broken", "run.id=broken", root=root, timeout=240)
+                 "model.module._target_=lifecycle_models.Broken", "run.id=broken", root=root, timeout=600)
     assert r.rc == 1, r.out + r.err
     assert "Traceback" not in r.out + r.err and "ChildFailedError" not in r.err
     paragraph = [line for line in r.err.splitlines() if not line.startswith("warning:")]

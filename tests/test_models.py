@@ -199,7 +199,7 @@ def test_custom_target_validation_does_not_import_torch_for_loom(tmp_path):
             "try:\n    resolve(['model=custom', 'model.module._target_=plainmod.Thing', "
             "'security.allow_targets=[plainmod.]', 'hardware=cpu'])\nexcept ConfigError as e:\n    print(e)\n"
             "print('torch' in sys.modules)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert "not a LightningModule" in p.stdout and p.stdout.strip().endswith("False"), p.stdout + p.stderr
 
 

@@ -133,7 +133,7 @@ def worker(rank: int, ep: int, init_file: str, out_dir: str) -> None:
                Path(out_dir) / f"{rank}.pt")
 
 
-def run_ranks(ep: int, tmp_path: Path, timeout: float = 120) -> list[dict]:
+def run_ranks(ep: int, tmp_path: Path, timeout: float = 600) -> list[dict]:
     import torch.multiprocessing as mp
 
     context = mp.start_processes(worker, args=(ep, str(tmp_path / "init"), str(tmp_path)), nprocs=ep,

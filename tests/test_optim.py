@@ -76,7 +76,7 @@ def test_plan_optimizer_bytes_follow_the_optimizer():
 ])
 def test_unknown_optimizer_values_are_refused(override, key, choices, tmp_path):
     p = subprocess.run([*LOOM, "plan", "hardware=cpu", override, f"run.root={tmp_path}"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     msg = p.stdout + p.stderr
     assert key in msg and choices in msg, msg

@@ -273,7 +273,7 @@ def test_plan_never_imports_torch():
             "'hardware=h100x8']); assert rc == 0, rc; "
             "bad = [m for m in ('torch', 'pytorch_lightning', 'deepspeed') if m in sys.modules]; "
             "assert not bad, bad; print('clean')")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "clean" in p.stdout, p.stderr
 
 

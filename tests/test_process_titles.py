@@ -67,7 +67,7 @@ def test_a_title_is_what_ps_and_pgrep_see_and_titled_gives_the_old_one_back():
         assert _cmdline(child.pid) == [f"loom[{run_id}] rank 1/2"] and _comm(child.pid) == "loom-rank-1"
         child.stdin.write("\n")
         child.stdin.flush()
-        assert child.wait(timeout=30) == 0
+        assert child.wait(timeout=120) == 0
     finally:
         if child.poll() is None:
             child.kill()

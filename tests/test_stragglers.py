@@ -75,11 +75,36 @@ def test_the_report_draws_the_ranks_heatmap(slow_run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_fair_run_names_no_straggler(shared):
+def test_a_fair_run_is_judged_by_the_rule_on_its_own_rows(shared):
+    """The shared ddp run records a row per log step, and what it names is exactly the rule's reading
+    of them: nothing while the ranks keep within the threshold. Whether they do is up to the
+    machine's load (a busy core can hold one rank back for a window: then naming it is right), so
+    the no-straggler case of fair ranks is the synthetic test below, not this run (issue 49)."""
+    from loom.tracking.stragglers import StragglerWatch, read_ranks
+
     r = shared.get(*DDP_ARGS, env=SENTINELS)
     assert r.rc == 0, r.out + r.err
-    assert r.summary()["stragglers"] == [] and "Straggler:" not in r.out
-    assert len((r.run_dir / "ranks.jsonl").read_text().splitlines()) >= STEPS
+    rows = read_ranks(r.run_dir)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    replay = StragglerWatch(None, threshold=0.2, window=5, hosts=[socket.gethostname()] * 2)
+    for row in rows:
+        replay.update(row["step"], row["step_ms"], row["data_wait_ms"], row["compute_ms"])
+    named = r.summary()["stragglers"]
+    assert [{**x, "slowdown": pytest.approx(x["slowdown"], abs=1e-3)} for x in replay.found] == named
+    assert sum(line.startswith("Straggler: rank") for line in r.out.splitlines()) == len(named)
+
+
+def test_fair_ranks_with_jitter_below_the_threshold_name_no_straggler():
+    """Four ranks whose own time varies by up to 15% of a step at random, every log step: no streak."""
+    import random
+
+    from loom.tracking.stragglers import StragglerWatch
+
+    rng = random.Random(0)
+    w = StragglerWatch(None, threshold=0.2, window=5, hosts=["h"] * 4)
+    for step in range(1, 101):
+        w.update(step, [100.0] * 4, [rng.uniform(0, 5) for _ in range(4)], [rng.uniform(40, 50) for _ in range(4)])
+    assert w.found == []
 
 
 def test_a_users_callback_runs_on_every_rank_after_loom_s(slow_run):

@@ -53,7 +53,7 @@ def sweep(tmp_path_factory) -> SimpleNamespace:
     killed = _kill_after_trial_0(root)
     r = run_loom(*SWEEP, root=root, timeout=400)
     assert r.rc == 0, r.out + r.err
-    third = run_loom(*SWEEP, root=root, timeout=200)
+    third = run_loom(*SWEEP, root=root, timeout=600)
     (manifest_path,) = root.glob("gpt/sweeps/*/manifest.json")
     manifest = json.loads(manifest_path.read_text())
     summaries = {float(t["params"]["optim.lr"]): json.loads((Path(t["run_dir"]) / "summary.json").read_text())
@@ -167,7 +167,7 @@ def test_validation_is_logged_at_the_last_step_and_in_the_summary(sweep):
 def digits(tmp_path_factory) -> SimpleNamespace:
     """A classifier run (what a resumed run's first loss is: tests/test_tracking.py's resumed run)."""
     root = tmp_path_factory.mktemp("digits")
-    r = run_loom(*DIGITS, root=root, timeout=200)
+    r = run_loom(*DIGITS, root=root, timeout=600)
     assert r.rc == 0, r.out + r.err
     return SimpleNamespace(r=r)
 

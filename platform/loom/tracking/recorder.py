@@ -121,11 +121,11 @@ class Recorder(pl.Callback):
         self.data_watch.start(loader_workers(trainer))
         self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
                                flops=0 if self.flops_per_token else None)
+        if trainer.global_rank == 0:  # before the collective below: the line's time is the clock's start
+            log.info(f"training loop started at step {self.start_step}")
         hosts = gather_hosts(trainer.world_size)  # once, for naming a straggler's host
         if self.stragglers is not None:
             self.stragglers.hosts = hosts
-        if trainer.global_rank == 0:
-            log.info(f"training loop started at step {self.start_step}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.forward_start = time.perf_counter()
