@@ -218,6 +218,7 @@ def test_tensor_parallel_after_activation_checkpointing_and_the_pipeline_cut(fak
 
 # --- 4 processes ---------------------------------------------------------------------------------------------
 
+@pytest.mark.launch  # 4 training processes (spawned ranks, not `loom train`: nothing for the launch budget)
 def test_parallel_training_matches_one_process(tmp_path):
     import torch.multiprocessing as mp
     from hf_parallel_helpers import ARCHS, MODES, PP_COMPOSED, TP_LAYERS, reference, worker
