@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launches import (  # noqa: F401  (pytest hooks: the launch ledger and budget)
+from launches import (  # noqa: F401  (pytest hooks: the budgets of launches and seconds)
     LEDGER,
     launching_fixture,
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_runtest_logreport,
+    pytest_runtest_makereport,
     pytest_runtest_protocol,
     pytest_sessionfinish,
     pytest_terminal_summary,

@@ -96,3 +96,13 @@ def test_under_xdist_the_table_adds_up_the_workers_reports(pytester, monkeypatch
                             "test_inner.py * 4 * 4 * 1 *", "no budget of seconds in budget.toml: test_inner.py",
                             "launches: 4 of a budget of 10*"])
     assert _session(pytester, 3, "-n", "2").ret == 1  # over the launch budget, from the workers' reports
+
+
+def test_conftest_registers_every_hook_of_the_budgets():
+    """conftest.py imports the hooks by name (a non-root conftest cannot use pytest_plugins): one left
+    out is silently not run (a report without the ledger's records counted no launch at all)."""
+    import conftest
+    import launches
+
+    hooks = {name for name in vars(launches) if name.startswith("pytest_")}
+    assert hooks and hooks <= set(vars(conftest)), hooks - set(vars(conftest))
