@@ -21,6 +21,7 @@ from loom.freeze import freeze
 from loom.hardware.machine import check_machine
 from loom.hardware.schema import SUBMITTED
 from loom.launch import launch, multi_node
+from loom.packages import TRAINING, check_needs
 from loom.plan import Plan, make_plan
 from loom.plan.assumptions import assumptions
 from loom.plan.auto import auto_choice_of, choose
@@ -30,7 +31,7 @@ from loom.rundir.lock import run_lock
 from loom.rundir.summary import read_summary, summary_mark
 from loom.schema import load
 from loom.tracking.checks import tracking_checks
-from loom.validate import validate
+from loom.validate import package_needs, validate
 
 Outcome = tuple[int, Path | None, str | None]  # (exit code, run dir, error)
 
@@ -84,6 +85,7 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
     """validate -> plan -> freeze -> launch -> finish for one run."""
     cfg = cfg if cfg is not None else resolve(overrides)
     launcher_debug(lambda: "composed config (before freeze):\n" + OmegaConf.to_yaml(cfg, resolve=False))
+    check_needs(cfg, package_needs(), TRAINING)  # what only training needs: trackers, launchers, sweeps
     tracking_checks(cfg)
     check_machine(cfg, dry_run=dry_run)
     plan = plan_run(cfg, show=False, overrides=overrides)

@@ -20,6 +20,8 @@ from omegaconf import DictConfig
 
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
+from loom.packages import TRAINING, check_needs
+from loom.validate import package_needs
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
 ALIASES = {
@@ -148,6 +150,7 @@ def run_sweep(
     sampler = base.sweep.sampler
     if sampler not in ("grid", "optuna"):
         raise ConfigError(f"Invalid config: sweep.sampler={sampler!r}: valid choices: grid, optuna.")
+    check_needs(base, package_needs(), TRAINING)  # Optuna's package before the study is made
     if sampler == "optuna" and base.hardware.get("launcher") == "slurm":
         raise ConfigError(
             "Invalid config: sweep.sampler=optuna with hardware=slurm: Optuna needs each trial's result "

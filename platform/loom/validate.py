@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from loom import strategies
 from loom.compose import GROUP_PACKAGES, valid_keys
 from loom.errors import ConfigError, require
+from loom.packages import PACKAGES, TRAINING, VALIDATION, Need, check_needs
 from loom.redaction import secret_literals
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, typed, unknown_key_message
 from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
@@ -26,11 +27,36 @@ from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
 CHECK_ORDER = ("optim", "hardware", "dataset", "model", "strategy", "tracking")
 
 
+# The run's own sections' rows of loom.packages' table (the groups hand theirs as `NEEDS`).
+NEEDS: tuple[Need, ...] = (
+    Need("sweep.sampler=optuna (hydra/sweeper=optuna)", lambda cfg: cfg.sweep.sampler == "optuna", "optuna",
+         example=("sweep.sampler=optuna",), checked=TRAINING),
+)
+
+
+def package_needs() -> tuple[Need, ...]:
+    """The whole table: which option needs which optional package (README "Installing")."""
+    return (*NEEDS, *(need for group in GROUP_PACKAGES.values() for need in getattr(group, "NEEDS", ())))
+
+
+def needs_table() -> str:
+    """The README's table of optional packages (tests/test_packages.py holds the README to it)."""
+    rows = ["| option | needs | from | refused by |", "|---|---|---|---|"]
+    for need in package_needs():
+        pip_name, extra = PACKAGES[need.module]
+        when = "`loom train`" if need.checked == TRAINING else "validation (`loom plan`, `loom train`)"
+        rows.append(f"| `{need.option}` | {pip_name} | `loom[{extra}]` | {when} |")
+    return "\n".join(rows)
+
+
 def validate(cfg: DictConfig) -> DictConfig:
-    """The typed, normalized and checked config of one run (a new object; `cfg` is untouched)."""
+    """The typed, normalized and checked config of one run (a new object; `cfg` is untouched).
+    Optional packages are checked before any group normalizes: a missing one is named, not met
+    as a failure to read what it would have read."""
     _refuse_targets(cfg)
     _refuse_secrets(cfg)
     out = typed_config(cfg)
+    check_needs(out, package_needs(), VALIDATION)
     normalize(out)
     check(out)
     return out

@@ -17,8 +17,18 @@ from loom.data.fingerprint import fingerprint_line
 from loom.data.registry import DATASETS
 from loom.errors import ConfigError
 from loom.layout import ParallelLayout
+from loom.packages import Need
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in DATASETS.items()}
+
+# This group's rows of loom.packages' table: an option's own packages, and a tokenizer's (transformers
+# loads it; `tokenizers`, which reads a tokenizer.json, comes with it).
+NEEDS: tuple[Need, ...] = (
+    *(Need(f"dataset={name}", lambda cfg, name=name: cfg.dataset.name == name, module, example=(f"dataset={name}",))
+      for name, option in DATASETS.items() for module in option.packages),
+    Need("dataset.tokenizer=<name or directory>", lambda cfg: bool(cfg.dataset.get("tokenizer")), "transformers",
+         example=("dataset.tokenizer=gpt2",)),
+)
 
 
 def dataset_fingerprint(cfg: DictConfig) -> str | None:

@@ -66,6 +66,7 @@ class DatasetOption:
     # the token ids its data can hold, where the option knows better than its tokenizer (None: ask it)
     vocab: Callable[[DictConfig], int | None] | None = None
     packings: tuple[str, ...] = ("concat", "documents")  # dataset.packing's choices
+    packages: tuple[str, ...] = ()         # optional packages it needs (import names, loom.packages.PACKAGES)
 
 
 DATASETS: dict[str, DatasetOption] = {
@@ -83,13 +84,15 @@ DATASETS: dict[str, DatasetOption] = {
                                 val_size=lambda ds: checks.corpus_val_size(
                                     ds, text_files.corpus_files(list(ds.paths), ds.max_bytes))),
     "hf": DatasetOption(HFDatasetConfig, "loom.data.hf:datasets", _always(True), hf.inputs, hf.source,
-                        tokenized=True, stores=hf.stores, check=checks.check_hf, normalize=checks.normalize_hf),
+                        tokenized=True, stores=hf.stores, check=checks.check_hf, normalize=checks.normalize_hf,
+                        packages=("datasets",)),
     "chat": DatasetOption(ChatDatasetConfig, "loom.data.chat.samples:datasets", _always(True), chat.inputs,
                           chat.source, tokenized=True, stores=chat.stores, check=chat.check_chat,
-                          normalize=chat.normalize_chat, packings=chat.PACKINGS),
+                          normalize=chat.normalize_chat, packings=chat.PACKINGS,
+                          packages=("transformers",)),  # the chat template's renderer
     "digits": DatasetOption(DigitsDatasetConfig, "loom.data.digits:datasets", _always(False), no_inputs,
                             lambda ds: "scikit-learn's 8x8 digits", val_size=checks.digits_val_size,
-                            features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES)),
+                            features=lambda ds: (DIGITS_FEATURES, DIGITS_CLASSES), packages=("sklearn",)),
     "synthetic": DatasetOption(SyntheticDatasetConfig, "loom.data.synthetic:datasets",
                                lambda ds: ds.kind == "tokens", no_inputs, lambda ds: f"random {ds.kind}",
                                val_size=checks.synthetic_val_size, features=_synthetic_features,

@@ -25,7 +25,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from loom import packages
 from loom.errors import ConfigError
 from loom.redaction import is_secret_key
 
@@ -68,8 +67,6 @@ def _refuse(key: str, value: Any, why: str) -> None:
 def check(cfg: DictConfig, dry_run: bool = False) -> None:
     """The TrainJob's inputs, before anything is frozen or submitted (exit 2)."""
     k, hw = cfg.kubernetes, cfg.hardware
-    packages.require("kubeflow_trainer_api", option="hardware.launcher=kubernetes", extra="kubernetes",
-                     pip_name="kubeflow-trainer-api")
     if not k.image:
         _refuse("kubernetes.image", None, "the pods need a container image with Loom installed; set "
                 "kubernetes.image=<registry>/<image>:<tag>")

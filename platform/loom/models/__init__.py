@@ -18,9 +18,17 @@ from loom.layout import ParallelLayout
 from loom.models import checks, init_from, lora_checks
 from loom.models.registry import FAMILIES, MODELS
 from loom.models.spec import ModelSpec, Parts
+from loom.packages import Need
 from loom.schema import load
 
 SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items()}
+
+# This group's rows of loom.packages' table: a family's own packages, and LoRA's (peft).
+NEEDS: tuple[Need, ...] = (
+    *(Need(f"model={' or '.join(f.options)}", lambda cfg, f=f: cfg.model.name in f.options, module,
+           example=(f"model={f.options[0]}",)) for f in FAMILIES for module in f.packages),
+    Need("model.lora.r > 0", lambda cfg: lora_checks.lora_on(cfg.model), "peft", example=("model=llama_tiny", "model.lora.r=8")),
+)
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

@@ -81,3 +81,5 @@ class ModelFamily:
     experts: Callable[[DictConfig], int] = lambda cfg: 0
     experts_per_token: Callable[[DictConfig], int] = lambda cfg: 0  # the router's top-k
     expert_params: Callable[[DictConfig], int] = lambda cfg: 0
+    # the optional packages (import names, loom.packages.PACKAGES) its options need on any machine
+    packages: tuple[str, ...] = ()

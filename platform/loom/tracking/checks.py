@@ -15,8 +15,6 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
-from loom.packages import require
-from loom.tracking.registry import TRACKERS, enabled_trackers
 from loom.tracking.schema import MODES
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
@@ -44,13 +42,6 @@ def has_wandb_key() -> bool:
     return bool(auth and auth[2])
 
 
-def _option(tr: DictConfig, tracker: str) -> str:
-    """How the user turned `tracker` on: the option itself, or a key added to another option."""
-    if tr.name in TRACKERS[tracker].options:
-        return f"tracking={tr.name}"
-    return f"{TRACKERS[tracker].switch}=true (tracking={tr.name})"
-
-
 def tracking_checks(cfg: DictConfig) -> None:
     """Raise ConfigError (exit 2) for a tracking config that cannot work on this machine."""
     tr = cfg.tracking
@@ -65,11 +56,6 @@ def tracking_checks(cfg: DictConfig) -> None:
         raise ConfigError(
             f"Invalid config: tracking.mode={mode!r} is not a wandb mode; valid choices: {', '.join(MODES)}."
         )
-    for name in enabled_trackers(tr):  # each tracker's package, named with its extra
-        t = TRACKERS[name]
-        if t.module:
-            require(t.module, option=_option(tr, name), extra="tracking", pip_name=t.pip_name,
-                    instead="tracking=csv (metrics.csv only)")
     if tr.wandb and mode == "online" and not has_wandb_key():
         raise ConfigError(
             f"Invalid config: tracking={tr.name} logs to wandb online (tracking.mode=online) but no wandb "

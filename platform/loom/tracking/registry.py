@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError, require
+from loom.packages import TRAINING, Need
 
 # MLflow tracking URI schemes Loom passes through (a plain path is a local file store).
 MLFLOW_SCHEMES = ("file", "http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
@@ -27,7 +28,6 @@ class Tracker:
     builder: str                           # "module:function"
     switch: str                            # the key that turns it on beside another option
     options: tuple[str, ...]               # the tracking options (conf/tracking/) that turn it on themselves
-    pip_name: str | None = None            # when it differs from `module`
 
 
 TRACKERS: dict[str, Tracker] = {
@@ -38,9 +38,23 @@ TRACKERS: dict[str, Tracker] = {
     "tensorboard": Tracker(lambda tr: bool(tr.get("tensorboard")), "tensorboard",
                            "loom.tracking.loggers:build_tensorboard", "tracking.tensorboard", ("tensorboard",)),
     "mlflow": Tracker(lambda tr: bool(tr.get("mlflow") and tr.mlflow.enabled), "mlflow",
-                      "loom.tracking.mlflow_run:build_mlflow", "tracking.mlflow.enabled", ("mlflow",),
-                      pip_name="mlflow-skinny"),
+                      "loom.tracking.mlflow_run:build_mlflow", "tracking.mlflow.enabled", ("mlflow",)),
 }
+
+
+def _option(tr: DictConfig, tracker: str) -> str:
+    """How the user turned `tracker` on: the option itself, or a key added to another option."""
+    if tr.name in TRACKERS[tracker].options:
+        return f"tracking={tr.name}"
+    return f"{TRACKERS[tracker].switch}=true (tracking={tr.name})"
+
+
+# Each tracker's package (loom.packages' table), checked by `loom train` only: a plan needs no tracker.
+NEEDS: tuple[Need, ...] = tuple(
+    Need(f"tracking={' or '.join(t.options)}, or {t.switch}=true", lambda cfg, t=t: t.enabled(cfg.tracking), t.module,
+         example=(f"tracking={t.options[0]}",), instead="tracking=csv (metrics.csv only)", checked=TRAINING,
+         says=lambda cfg, name=name: _option(cfg.tracking, name))
+    for name, t in TRACKERS.items() if t.module)
 
 
 def enabled_trackers(tracking: DictConfig) -> list[str]:

@@ -244,4 +244,4 @@ FAMILY = ModelFamily(
     width=lambda cfg: int(getattr(hf.auto_config(cfg.model), "hidden_size", 0) or 0),
     hf_config=lambda cfg: hf.config_dict(cfg.model), largest=largest, parts=parts,
     built_on_host=lambda cfg: hf.loads_whole(cfg.model), zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
-    lora_targets=lora_targets, weights_dir=weights_dir)
+    lora_targets=lora_targets, weights_dir=weights_dir, packages=("transformers",))
