@@ -268,3 +268,84 @@ def test_a_template_that_does_not_render_is_refused(tmp_path):
     bad.write_text("{% for m in messages %}{{ m.content }")
     err = refused(tmp_path, *_chat_args(tmp_path), f"dataset.chat_template={bad}")
     assert "dataset.chat_template" in err and "does not render" in err
+
+
+# ---------------------------------------------------------------- what cannot train is refused (issue 50)
+def _cache_entries(tmp_path) -> list[str]:
+    """Loom's entries in the cache (`hf/` beside them is the datasets library's own arrow copy of the source)."""
+    cache = tmp_path / "cache"
+    return sorted(p.name for p in cache.iterdir() if p.name != "hf") if cache.is_dir() else []
+
+
+def test_a_refused_render_leaves_nothing_in_the_cache(tmp_path):
+    """An unknown role refuses the render ("nothing was written"): no store skeleton is left behind."""
+    rows = [CONVERSATIONS[1], {"messages": [{"role": "robot", "content": "beep"}]}]
+    err = refused(tmp_path, *_chat_args(tmp_path, rows=rows))
+    assert "row 1: message 0 has role 'robot'" in err and "nothing was written" in err
+    assert _cache_entries(tmp_path) == [], _cache_entries(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
+def test_a_malformed_row_of_any_data_file_is_one_paragraph_naming_it(tmp_path, kind):
+    """A line that is not JSON, a CSV record with a field too many, a damaged parquet file: exit 2 with
+    one paragraph naming the file, the row and the parser's words (was an 89-line pyarrow traceback),
+    and nothing in the cache."""
+    import json
+
+    good = {"prompt": "the quick brown fox", "completion": "jumps over the lazy dog"}
+    data = tmp_path / f"pairs.{kind}"
+    if kind == "jsonl":
+        data.write_text(json.dumps(good) + "\n" + '{"prompt": "a", "completion": }\n' + json.dumps(good) + "\n")
+        where = f"{data} line 2 is not JSON (Expecting value at column 31"
+    elif kind == "csv":
+        data.write_text("prompt,completion\nthe quick brown fox,jumps\na,b,c\n")
+        where = f"{data} record at line 3 has 3 fields where the header has 2"
+    else:
+        data.write_bytes(b"PAR1" + b"\x00garbage" * 20)
+        where = f"{data} is not a readable parquet file"
+    args = [a for a in _chat_args(tmp_path) if not a.startswith("dataset.path=")]
+    err = refused(tmp_path, *args, f"dataset.path={data}", "dataset.format=prompt_completion")
+    assert where in err and "nothing was written" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert _cache_entries(tmp_path) == [], _cache_entries(tmp_path)
+
+
+def test_empty_assistant_replies_are_dropped_and_counted_or_refused(tmp_path):
+    """dataset.empty_replies=drop (default): the row is left out and counted in the dataset line;
+    =refuse names it. A reply of whitespace is empty; an assistant turn that calls a tool is not."""
+    from omegaconf import OmegaConf
+
+    from loom.data.chat.build import stores
+    from loom.data.chat.samples import ChatSamples
+
+    empty = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}
+    rows = [CONVERSATIONS[1], empty, CONVERSATIONS[2]]
+    err = refused(tmp_path / "r", *_chat_args(tmp_path / "r", rows=rows), "dataset.empty_replies=refuse")
+    assert "1 of 3 rows cannot be trained" in err and "row 1: message 1 (assistant) is empty" in err, err
+    tok = make_chat_tokenizer(tmp_path / "tok", CHATML, eos="<|im_end|>")
+    ds = OmegaConf.merge(OmegaConf.load("conf/dataset/chat.yaml"), {
+        "path": str(write_chats(tmp_path / "chats.jsonl", 3, rows)), "tokenizer": str(tok), "val_every": 0,
+        "seq_len": 256, "cache_dir": str(tmp_path / "cache")})
+    train = ChatSamples(stores(OmegaConf.create({"dataset": ds}))["train"], "chat", 256, "padded", "truncate")
+    assert len(train) == 2 and "; 1 with an empty assistant reply dropped ->" in train.describe(0), train.describe(0)
+    err = refused(tmp_path / "e", *_chat_args(tmp_path / "e", rows=[empty, empty]))
+    assert "no conversation to train on: 2 rows (2 with an empty assistant reply dropped)" in err, err
+
+
+def test_a_dataset_with_nothing_to_train_at_seq_len_is_refused_with_counts(tmp_path):
+    """Every prompt longer than seq_len: truncated, no reply token is left in any row. Was a run at
+    loss 0.0000 that completed; now exit 2 before launch, counted per reason. With drop, the same."""
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
+    rows = [{"messages": [{"role": "user", "content": f"{long} {i}"}, {"role": "assistant", "content": "ok"}]}
+            for i in range(4)]
+    err = refused(tmp_path, *_chat_args(tmp_path, rows=rows), "dataset.val_every=0")
+    assert "dataset.seq_len=64" in err and "no conversation of the 4 in the train split" in err, err
+    assert "4 longer than seq_len+1 truncated; 4 with no trained token within seq_len+1 dropped" in err, err
+    err = refused(tmp_path / "d", *_chat_args(tmp_path / "d", rows=rows), "dataset.val_every=0",
+                  "dataset.overlong=drop")
+    assert "(4 longer than seq_len+1 dropped)" in err and "dataset.overlong=truncate" in err, err
+    mixed = [*rows[:3], CONVERSATIONS[1]]  # one conversation trains: accepted, the rest counted
+    from loom import cli
+
+    args = [*_chat_args(tmp_path / "m", rows=mixed), "dataset.val_every=0", f"run.root={tmp_path / 'm'}"]
+    assert cli.main(["plan", *args]) == 0

@@ -171,8 +171,18 @@ def load(ds: DictConfig) -> Any:
         from loom.data.tokens import cache_root
 
         cache = str(cache_root(ds.cache_dir) / "hf") if ds.cache_dir else None
-        return datasets.load_dataset(BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train",
-                                     cache_dir=cache)
+        bars = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # its per-file bars on the console: Loom says what it reads
+        try:
+            return datasets.load_dataset(BUILDERS[files[0].suffix], data_files=[str(f) for f in files],
+                                         split="train", cache_dir=cache)
+        except Exception as e:  # a malformed file: one paragraph naming it and its row, not pyarrow's traceback
+            from loom.data.bad_rows import unreadable
+
+            raise unreadable("dataset.path", str(ds.path), files, e) from None
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
     return datasets.load_dataset(ds.hub, ds.config, split=ds.split)
 
 

@@ -83,6 +83,7 @@ class ChatDatasetConfig:
     train_on: str = "assistant"       # assistant | all | last (the last assistant message)
     packing: str = "padded"           # padded: one conversation per row | documents: packed apart
     overlong: str = "truncate"        # truncate | drop: conversations longer than seq_len + 1 tokens
+    empty_replies: str = "drop"       # drop | refuse: rows with an empty assistant reply (counted)
     val_every: int = 20               # every Nth conversation goes to validation (0: none)
     max_docs: int | None = None       # only the first N rows
     cache_dir: str | None = None

@@ -4,7 +4,11 @@ offset, length and trained targets), once, cached by inputs, template and tokeni
 is rendered when the config is checked, before the run dir exists (a later run finds the cache;
 a SLURM job's rank 0 renders in `prepare_data` where it is missing), so a row that cannot be
 trained (no messages, a non-string content, an unknown role, a template that rewrites earlier
-turns, nothing to train) stops the launch with exit 2, naming the rows. No torch here.
+turns, nothing to train) stops the launch with exit 2, naming the rows, and so does a split
+left with nothing to train at dataset.seq_len (counted per reason: loom.data.chat.rows). A row
+with an empty assistant reply is dropped and counted, or refused (`dataset.empty_replies`). The
+stores are written beside the cache entry and renamed into it when whole: a refused or
+interrupted render leaves nothing in the cache. No torch here.
 
     loom train recipe=sft dataset.path=/data/chats.jsonl dataset.tokenizer=/models/Qwen2.5-0.5B-Instruct
 """
@@ -20,6 +24,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from loom.data.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
+from loom.data.chat.rows import CONVERSATIONS, fit
 from loom.data.chat.template import ChatTemplate, TemplateError, load_template
 from loom.data.fingerprint import DataInputs
 from loom.errors import ConfigError, fail
@@ -28,8 +33,8 @@ from loom.layout import ParallelLayout
 log = logging.getLogger("loom")
 PACKINGS = ("padded", "documents")
 OVERLONG = ("truncate", "drop")
+EMPTY_REPLIES = ("drop", "refuse")  # a row whose assistant reply is empty: dropped (counted) | refused
 SPLITS = ("train", "val")
-CONVERSATIONS = "conversations.npy"  # per conversation: token offset, length, trained targets
 SHOWN = 5  # bad rows named in the error
 
 
@@ -53,7 +58,8 @@ def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
     """The fields, the tokenizer and its template (rendering the first row), in a second."""
     ds = cfg.dataset
     for key, value, choices in (("format", ds.format, FORMATS), ("train_on", ds.train_on, TRAIN_ON),
-                                ("packing", ds.packing, PACKINGS), ("overlong", ds.overlong, OVERLONG)):
+                                ("packing", ds.packing, PACKINGS), ("overlong", ds.overlong, OVERLONG),
+                                ("empty_replies", ds.empty_replies, EMPTY_REPLIES)):
         if value not in choices:
             fail(f"dataset.{key}", value, f"valid choices: {', '.join(choices)}")
     if not ds.path and not ds.hub:
@@ -72,7 +78,20 @@ def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
     except TemplateError as e:
         fail("dataset.chat_template" if ds.get("chat_template") else "dataset.tokenizer",
              ds.get("chat_template") or ds.tokenizer, str(e))
-    stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
+    dirs = stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
+    check_trainable(ds, dirs["train"])
+
+
+def check_trainable(ds: DictConfig, train_dir: Path) -> None:
+    """A train split with no conversation left to train at dataset.seq_len is refused, counted per reason."""
+    rows = fit(train_dir, ds.seq_len, ds.overlong)
+    if len(rows.conv):
+        return
+    longest = int(np.load(train_dir / CONVERSATIONS)[:, 1].max(initial=0))
+    fail("dataset.seq_len", ds.seq_len,
+         f"no conversation of the {rows.total:,} in the train split has a token to train within seq_len+1 tokens "
+         f"({rows.reasons()}); the longest is {longest:,} tokens: raise dataset.seq_len, shorten the prompts"
+         + (", or set dataset.overlong=truncate" if rows.dropped else ""))
 
 
 def inputs(ds: DictConfig) -> DataInputs:
@@ -92,7 +111,7 @@ def _key(ds: DictConfig, template: ChatTemplate) -> str:
     from loom.data.tokens import fingerprint
 
     spec = (ds.format, ds.get("messages_column"), ds.train_on, ds.val_every, ds.get("max_docs"),
-            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()))
+            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()), ds.empty_replies)
     files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
     return fingerprint(files, *spec, None if ds.path else hf.source_key(ds, None))
 
@@ -107,19 +126,23 @@ def store_root(ds: DictConfig) -> Path:
 
 def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
     """{split: its directory}, rendered into the cache where missing (ConfigError: bad rows)."""
-    from loom.data.store import SIDECAR
-
     ds = cfg.dataset
     root = store_root(ds)
-    if not all((root / s / "tokens" / SIDECAR).is_file() for s in SPLITS):
+    if not _complete(root):
         _write(ds, root)
     return {s: root / s for s in SPLITS}
+
+
+def _complete(root: Path) -> bool:
+    from loom.data.store import SIDECAR
+
+    return all((root / s / "tokens" / SIDECAR).is_file() for s in SPLITS)
 
 
 def _rows(ds: DictConfig):
     from loom.data import hf
 
-    dataset = hf.load(ds)
+    dataset = hf.load(ds)  # a file it cannot read: ConfigError naming the file, the row and the error
     i = 0
     for batch in dataset.iter(batch_size=256):
         keys = list(batch)
@@ -130,23 +153,66 @@ def _rows(ds: DictConfig):
             i += 1
 
 
+def _empty_reply(messages: list[dict]) -> int | None:
+    """The index of the first assistant message with an empty reply (no text, no tool call)."""
+    return next((k for k, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")
+                 and not str(m.get("content") or "").strip()), None)
+
+
 def _write(ds: DictConfig, root: Path) -> None:
-    """Render every row; write both splits (row i is validation when i % val_every == val_every-1)."""
+    """Render every row into a directory beside `root`, renamed to it when whole (row i is
+    validation when i % val_every == val_every-1); a failure removes it."""
+    import os
+    import shutil
+
+    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _render_rows(ds, tmp)
+        if root.exists() and not _complete(root):  # left by an older Loom's interrupted render
+            shutil.rmtree(root, ignore_errors=True)
+        if not root.exists():  # else another process finished the same entry first
+            os.replace(tmp, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _render_rows(ds: DictConfig, root: Path) -> None:
     from loom.data.prepare import token_spec
     from loom.data.prepare.encoding import load_backend
 
     template, spec = template_of(ds), token_spec(str(ds.tokenizer))
     tokenizer, _ = load_backend(str(ds.tokenizer))
     out = {s: _SplitWriter(root / s, spec) for s in SPLITS}
+    try:
+        empty = _render_into(ds, out, template, tokenizer)
+    except BaseException:
+        for w in out.values():
+            w.abort()
+        raise
+    for s, w in out.items():
+        w.finish(ds, template, s, empty)
+
+
+def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTemplate, tokenizer: Any) -> int:
+    """Every row into its split's writer; returns the rows dropped for an empty reply (ConfigError:
+    rows that cannot be trained, or nothing to train)."""
     bad: list[str] = []
-    n_bad = rows = 0
+    n_bad = rows = empty = 0
     every = int(ds.val_every or 0)
     column = ds.get("messages_column") or "messages"
-    log.info(f"dataset chat: rendering {ds.path or ds.hub} with {template.source} into {root} (once)")
+    log.info(f"dataset chat: rendering {ds.path or ds.hub} with {template.source} (once)")
     for i, row in _rows(ds):
         rows += 1
         try:
             messages, tools = conversation(row, ds.format, column)
+            k = _empty_reply(messages)
+            if k is not None and ds.empty_replies == "drop":
+                empty += 1
+                continue
+            if k is not None:
+                raise RowError(f"message {k} (assistant) is empty: trained, it teaches an immediate end of turn "
+                               "(dataset.empty_replies=drop drops such rows, counted)")
             rendered = render(template, tokenizer, messages, tools, ds.train_on)
         except (RowError, TemplateError) as e:
             n_bad += 1
@@ -154,16 +220,15 @@ def _write(ds: DictConfig, root: Path) -> None:
                 bad.append(f"row {i}: {e}")
             continue
         out["val" if every > 1 and i % every == every - 1 else "train"].add(rendered)
+    where = f"dataset.path={ds.path or ds.hub}"
     if n_bad:
-        for w in out.values():
-            w.abort()
-        raise ConfigError(f"Invalid config: dataset.path={ds.path or ds.hub}: {n_bad:,} of {rows:,} rows cannot "
-                          f"be trained (nothing was written). " + "; ".join(bad)
-                          + ("; ..." if n_bad > len(bad) else ""))
-    if rows == 0 or out["train"].n == 0:
-        raise ConfigError(f"Invalid config: dataset.path={ds.path or ds.hub}: no conversation to train on")
-    for s, w in out.items():
-        w.finish(ds, template, s)
+        raise ConfigError(f"Invalid config: {where}: {n_bad:,} of {rows:,} rows cannot be trained (nothing was "
+                          "written). " + "; ".join(bad) + ("; ..." if n_bad > len(bad) else ""))
+    if out["train"].n == 0:
+        gone = f" ({empty:,} with an empty assistant reply dropped)" if empty else ""
+        raise ConfigError(f"Invalid config: {where}: no conversation to train on: {rows:,} rows{gone} (nothing "
+                          "was written)" + ("; dataset.empty_replies=refuse names them" if empty else ""))
+    return empty
 
 
 class _SplitWriter:
@@ -185,6 +250,10 @@ class _SplitWriter:
     def n(self) -> int:
         return len(self.rows)
 
+    def abort(self) -> None:
+        self.tokens.abort()
+        self.mask.abort()
+
     def add(self, r: Any) -> None:
         self.tokens.add_document(r.ids)
         self.mask.add_document(r.mask)
@@ -192,11 +261,7 @@ class _SplitWriter:
         self.offset += len(r.ids)
         self.trained += r.trained
 
-    def abort(self) -> None:
-        self.tokens.abort()
-        self.mask.abort()
-
-    def finish(self, ds: DictConfig, template: ChatTemplate, split: str) -> None:
+    def finish(self, ds: DictConfig, template: ChatTemplate, split: str, empty: int) -> None:
         from loom.atomic import atomic_path
         from loom.data.store import write_sidecar
 
@@ -206,7 +271,8 @@ class _SplitWriter:
             np.save(f, np.asarray(self.rows, dtype=np.int64).reshape(-1, 3))
         s = self.spec
         chat = {"train_on": ds.train_on, "template": template.source, "trained": self.trained,
-                "masked": self.offset - self.trained, "conversations": self.n, "split": split}
+                "masked": self.offset - self.trained, "conversations": self.n, "split": split,
+                "dropped_empty_replies": empty}  # of the whole source (rows are dropped before the split)
         base = {"format": "loom-token-store", "version": 1, "shards": ["part-00000"], "documents": self.n,
                 "tokens": self.offset, "sources": [{"path": str(ds.path or ds.hub)}], "chat": chat}
         write_sidecar(self.d / "mask", {**base, "tokenizer": None, "vocab_size": 2, "dtype": "uint8"})

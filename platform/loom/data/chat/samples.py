@@ -4,7 +4,8 @@
 conversations packed greedily, in store order, into rows of seq_len+1 tokens (never split, so
 a conversation keeps its prompt), positions restarting at each conversation (the models'
 document masks: no attention across conversations). A conversation longer than seq_len+1 is
-truncated or dropped (`dataset.overlong`) and counted.
+truncated or dropped (`dataset.overlong`), one truncated to nothing trained is dropped, each counted
+(loom.data.chat.rows).
 
 Every sample is a dict: `input_ids`, `labels` (-100 where not trained: prompt tokens, padding,
 a target across a conversation boundary), `scale`, and under documents packing `positions`.
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from loom.data.chat.build import CONVERSATIONS
+from loom.data.chat.rows import fit
 from loom.data.index.windows import IGNORE
 
 
@@ -47,15 +48,10 @@ class ChatSamples(Dataset):
         self.name, self.seq_len, self.documents = name, int(seq_len), packing == "documents"
         self.store = open_store(Path(split_dir) / "tokens")
         self.mask = open_store(Path(split_dir) / "mask")
-        conv = np.load(Path(split_dir) / CONVERSATIONS)
+        self.fitted = fit(split_dir, self.seq_len, overlong)
+        self.overlong, self.dropped, self.untrained = self.fitted.overlong, self.fitted.dropped, self.fitted.untrained
+        conv = self.conv = self.fitted.conv
         cap = self.seq_len + 1
-        long = conv[:, 1] > cap
-        self.overlong, self.dropped = int(long.sum()), overlong == "drop"
-        conv = conv[~long] if self.dropped else conv.copy()
-        for i in np.nonzero(conv[:, 1] > cap)[0]:  # truncated: its trained targets within the row
-            off = int(conv[i, 0])
-            conv[i, 1], conv[i, 2] = cap, int(self.mask.read(off + 1, cap - 1).sum())
-        self.conv = conv
         if self.documents:
             self.rows = pack(conv[:, 1], cap)
             self.row_trained = np.add.reduceat(conv[:, 2], self.rows) if len(self.rows) else self.rows
@@ -72,8 +68,10 @@ class ChatSamples(Dataset):
     def describe(self, n_val: int) -> str:
         """The dataset line's middle: conversations, trained and masked tokens, overlong ones."""
         tokens, trained = int(self.conv[:, 1].sum()), self.trained_targets
-        cut = (f"; {self.overlong:,} longer than seq_len+1 {'dropped' if self.dropped else 'truncated'}"
-               if self.overlong else "")
+        empty = int(((self.store.sidecar or {}).get("chat") or {}).get("dropped_empty_replies") or 0)
+        gone = "; ".join(r for r in (self.fitted.reasons(), f"{empty:,} with an empty assistant reply dropped"
+                                     if empty else "") if r)
+        cut = f"; {gone}" if gone else ""
         rows = "rows of whole conversations packed apart" if self.documents else "padded rows, one conversation each"
         return (f"{len(self.conv):,} conversations, {tokens:,} tokens: {trained:,} trained, {tokens - trained:,} "
                 f"masked{cut} -> {len(self):,} train / {n_val:,} val {rows} of {self.seq_len} tokens")
@@ -118,7 +116,7 @@ def datasets(cfg):
     ds = cfg.dataset
     dirs = stores(cfg)
     train = ChatSamples(dirs["train"], "chat", ds.seq_len, ds.packing, ds.overlong)
-    if len(train) == 0:
-        raise ValueError("dataset chat: no conversation left to train on (dataset.overlong=drop dropped them all)")
+    if len(train) == 0:  # validation refuses this before launch (loom.data.chat.build.check_trainable)
+        raise ValueError(f"dataset chat: no conversation left to train on ({train.fitted.reasons()})")
     val = ChatSamples(dirs["val"], "chat", ds.seq_len, ds.packing, ds.overlong)
     return train, (val if len(val) else None)
