@@ -139,6 +139,40 @@ def test_run_lock_is_exclusive_shared_for_nodes_and_freed_by_the_kernel(tmp_path
     node.communicate("\n")
 
 
+def test_a_launcher_waits_for_the_ranks_of_an_earlier_launch_and_names_them(tmp_path, capfd):
+    """Ranks hold `.ranks.lock` shared for their life: a launcher taking the run waits until the last
+    one is gone (saying so once, naming them), and refuses with their pids if they outlive the wait."""
+    from loom.errors import ConfigError
+    from loom.rundir.lock import rank_lock, wait_for_ranks
+
+    def rank(n: int, lives: float | None) -> subprocess.Popen:
+        body = "sys.stdin.readline()" if lives is None else f"time.sleep({lives})"
+        code = (f"import sys, time\nfrom loom.rundir.lock import rank_lock\nwith rank_lock({str(tmp_path)!r}, {n}):\n"
+                f"    print('held', flush=True)\n    {body}\n")
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "held"
+        return p
+
+    wait_for_ranks(tmp_path, "r")  # no rank ever: no file, no wait
+    stuck = [rank(0, None), rank(1, None)]
+    with pytest.raises(ConfigError) as e:
+        wait_for_ranks(tmp_path, "r", timeout=0.5)
+    assert all(f"pid {p.pid}" in str(e.value) for p in stuck) and f"kill {stuck[0].pid} {stuck[1].pid}" in str(e.value)
+    for p in stuck:
+        p.communicate("\n")
+    capfd.readouterr()
+    leaving = rank(0, 1.5)
+    t0 = time.monotonic()
+    wait_for_ranks(tmp_path, "r", timeout=60)
+    assert leaving.poll() is not None and time.monotonic() - t0 > 0.5  # it waited for the rank to exit
+    err = capfd.readouterr().err
+    assert err.count("waiting for the ranks of an earlier launch of run r to exit") == 1 and f"pid {leaving.pid}" in err
+    assert (tmp_path / ".ranks.lock").read_text() == ""  # the dead ranks' records cleared
+    with rank_lock(tmp_path, 0):  # a rank of this process does not block its own launcher's next check
+        pass
+    wait_for_ranks(tmp_path, "r", timeout=0.5)
+
+
 @pytest.mark.launch
 @pytest.mark.slow
 def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_same_command_resumes(root):

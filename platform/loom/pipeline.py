@@ -27,7 +27,7 @@ from loom.plan.assumptions import assumptions
 from loom.plan.auto import auto_choice_of, choose
 from loom.plan.render import infeasible_message, render
 from loom.rundir.checkpoints import UnsafeCheckpoint, newest_checkpoint
-from loom.rundir.lock import run_lock
+from loom.rundir.lock import run_lock, wait_for_ranks
 from loom.rundir.summary import read_summary, summary_mark
 from loom.schema import load
 from loom.tracking.checks import tracking_checks
@@ -105,6 +105,8 @@ def train_one(overrides: list[str], cfg: DictConfig | None = None, dry_run: bool
     # running run exits 2 here, before it touches a file of the run.
     seen = summary_mark(frozen.run_dir)
     with run_lock(frozen.run_dir, frozen.run_id, shared=multi_node(cfg)):
+        if not multi_node(cfg):  # the nodes of a multi-node run join ranks already training
+            wait_for_ranks(frozen.run_dir, frozen.run_id)  # an earlier launch's ranks are gone: one live attempt
         if summary_mark(frozen.run_dir) != seen and (read_summary(frozen.run_dir) or {}).get("status") == "completed":
             # Another launcher completed it between freeze and the lock, and just let go.
             print(f"Run {frozen.run_id} already completed: {frozen.run_dir}\nNothing to do.")

@@ -175,7 +175,7 @@ def _launch(cfg: DictConfig, layout: ParallelLayout, run_dir: Path) -> int:
     if multi_node(cfg):
         print(node_banner(cfg), flush=True)
         print(f"node {socket.gethostname()}: {shlex.join(cmd)}", flush=True)
-    rc = _run_agent(cmd, env, run_dir, signal.SIGKILL if elastic(cfg.hardware) else signal.SIGTERM)
+    rc = _run_agent(cmd, env, run_dir)
     if multi_node(cfg):
         print(f"node {socket.gethostname()}: torchrun exited with {rc}", flush=True)
     return rc
@@ -197,27 +197,27 @@ def rank_environment(values: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _die_with_launcher(death: signal.Signals) -> None:
-    """In the agent, before exec: `death` when the launcher dies, so a killed launcher, whose
-    run-dir lock is then gone, leaves no run training behind it. SIGTERM is a checkpointed stop
-    of the whole run (every rank agrees to stop). An elastic run's node whose launcher was killed
-    is lost for good instead: SIGKILL takes its agent (and, through loom.worker.main, its ranks)
-    down at once, as a failed machine would, so the other nodes' ranks fail, their agents
-    restart them and the rendezvous re-forms a smaller world (a SIGTERMed agent would stop its
-    ranks with SIGTERM, and the checkpointed stop would end every node's run as preempted)."""
+def _die_with_launcher() -> None:
+    """In the agent, before exec: SIGKILL when the launcher dies, so a killed launcher, whose
+    run-dir lock is then gone, leaves no run training behind it: the agent goes at once, its
+    forkserver and ranks with it (loom.worker.main.die_with_parent), as a failed machine's would,
+    and a relaunch resumes from the last checkpoint (it waits for any rank still alive:
+    loom.rundir.lock.wait_for_ranks). An elastic run's other nodes' ranks then fail, their agents
+    restart them and the rendezvous re-forms a smaller world. A checkpointed stop of the whole run
+    is SIGTERM or Ctrl-C to the launcher (`_run_agent` passes it on)."""
     from loom.process import die_with_parent
 
-    die_with_parent(death)
+    die_with_parent(signal.SIGKILL)
 
 
-def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path, death: signal.Signals = signal.SIGTERM) -> int:
+def _run_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> int:
     """torchrun in its own session (the terminal's Ctrl-C reaches the launcher only, which stops
     the agent once, with SIGTERM: its workers save a checkpoint at the next step boundary and
     exit, `preempted`), its stderr through `StderrFilter` (no agent traceback on the console);
-    `death`: what the agent gets if the launcher dies (`_die_with_launcher`)."""
+    SIGKILL if the launcher dies (`_die_with_launcher`)."""
     linux = sys.platform.startswith("linux")
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=(lambda: _die_with_launcher(death)) if linux else None)
+                            preexec_fn=_die_with_launcher if linux else None)
     output = StderrFilter(proc.stderr, agent_log(run_dir), run_dir=run_dir).start()
     stopping: list[int] = []
 

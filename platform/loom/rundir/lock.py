@@ -20,6 +20,13 @@ other, and the nodes of one multi-node run (which the rendezvous joins into one 
 Caveats of POSIX locks, which this module respects: they belong to the process (closing any
 descriptor of the file in that process releases them, so the file is opened once and kept),
 and forked children (DataLoader workers) do not inherit them.
+
+The launcher's lock alone would pass to a new launcher while ranks of the old one still train
+(a launcher killed with -9: ranks that outlived it trained beside the new attempt). So every rank
+process also holds `<run>/.ranks.lock`, shared, for its life (`rank_lock`), and a single-node
+launcher, once it holds the run's lock, waits until it can take that one exclusively
+(`wait_for_ranks`), naming the live ranks, and refuses (exit 2, their pids) if they outlive the
+wait. A run dir never has two live attempts.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from typing import Any
 from loom.errors import ConfigError
 
 LOCK_NAME = ".lock"
+RANKS_LOCK = ".ranks.lock"  # held (shared) by every live rank process of the run
+RANKS_WAIT_S = 60.0         # how long a launcher waits for an earlier launch's ranks to exit
 # The file system cannot lock (e.g. Lustre mounted without -o flock): run unguarded, with a warning.
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -163,3 +172,61 @@ def run_lock(run_dir: Path, run_id: str, shared: bool = False) -> Iterator[None]
         yield
     finally:
         _release(fd, shared)
+
+
+@contextmanager
+def rank_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """This rank process's shared hold of `<run>/.ranks.lock` for the body (its life: the kernel
+    drops it when the process dies, however it dies), with a record naming it."""
+    fd = os.open(Path(run_dir) / RANKS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH)  # blocks only while a launcher's momentary check holds it exclusively
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in _UNSUPPORTED:
+            raise
+        yield  # a file system without POSIX locks: the launcher's lock is then the only guard
+        return
+    try:
+        rec = {"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "started": round(time.time(), 3)}
+        _write(fd, json.dumps(rec) + "\n", truncate=False)
+        yield
+    finally:
+        os.close(fd)
+
+
+def wait_for_ranks(run_dir: Path, run_id: str, timeout: float = RANKS_WAIT_S) -> None:
+    """Before a launcher trains the run: wait until no rank of an earlier launch lives (a launcher
+    killed with -9 takes its ranks down within a second, through their parent-death signals; this
+    is the guarantee), saying so while it waits; ConfigError (exit 2) naming them if they outlive
+    `timeout`. Clears the dead ranks' records."""
+    path = Path(run_dir) / RANKS_LOCK
+    if not path.is_file():
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        deadline, said = time.monotonic() + timeout, False
+        while True:
+            try:
+                if _try(fd, exclusive=True):
+                    os.ftruncate(fd, 0)
+                    return  # closing the descriptor lets it go at once
+            except OSError as e:
+                if e.errno in _UNSUPPORTED:
+                    return
+                raise
+            live = [r for r in _records(fd) if _alive(r)]
+            who = "; ".join(f"rank {r.get('rank')} {describe(r)}" for r in live) or "ranks on another host"
+            if time.monotonic() > deadline:
+                pids = " ".join(str(r["pid"]) for r in live if r.get("host") == socket.gethostname())
+                raise ConfigError(
+                    f"Run {run_id} in {run_dir} still has ranks of an earlier launch training after {timeout:.0f} s: "
+                    f"{who}. Two attempts would train in one directory; wait for them to exit"
+                    + (f", or stop them with `kill {pids}`" if pids else "") + ", then run the same command again.")
+            if not said:
+                print(f"loom: waiting for the ranks of an earlier launch of run {run_id} to exit ({who})",
+                      file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.2)
+    finally:
+        os.close(fd)

@@ -7,7 +7,8 @@ Entry: {start_step, world_size, num_nodes, reason}; reason is `start` (the run's
 after a failure, a preemption or a raised max_steps). Rank 0 adds the attempt's span at every
 log step and at its end (`update_attempt`: end_step, samples, train_s, steady window, compile,
 first step, validation and checkpoint seconds, status, launch time), so an attempt killed
-without a summary still counts in the run's totals (`run_totals`) up to its last log step.
+without a summary still counts in the run's totals (`run_totals`) up to its last log step; the
+next attempt marks such an attempt, left `running`, as `interrupted`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 def record_attempt(run_dir: Path, start_step: int, world_size: int, num_nodes: int) -> list[dict[str, Any]]:
     """Append this attempt's entry (rank 0 only) and return the whole history."""
     history = read_history(run_dir)
+    if history and history[-1].get("status") == "running":  # it ended without saying how (killed)
+        history[-1]["status"] = "interrupted"
     if not history:
         reason = "start"
     elif int(history[-1].get("world_size") or 0) != world_size:

@@ -16,9 +16,9 @@ import warnings
 from pathlib import Path
 
 from loom.compose.hydra_options import apply_verbose
-from loom.hardware.checks import elastic
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
+from loom.rundir.lock import rank_lock
 from loom.worker.failure import Progress, record_failure
 from loom.worker.host_memory import keep_heap
 
@@ -88,17 +88,18 @@ def quiet_progress_bars() -> None:
         os.environ.setdefault(key, "1")
 
 
-def die_with_parent(death: signal.Signals = signal.SIGTERM) -> None:
-    """Under torchrun: get `death` if the agent dies, instead of training on as an orphan
-    (torchrun starts workers in their own sessions). SIGTERM: checkpoint and stop, which every
-    rank agrees to, so the whole run stops. An elastic run passes SIGKILL: its agent dies only
-    with its node (loom.launch kills it with the launcher), and a rank that stopped the run
-    with a checkpoint would end the other nodes' run too instead of letting them go on alone."""
+def die_with_parent() -> None:
+    """Under torchrun: SIGKILL if the agent (so the forkserver, this rank's parent) dies, instead of
+    training on as an orphan (torchrun starts workers in their own sessions). The agent dies only
+    when its launcher does (loom.launch kills it then) or crashes: the run's ranks go at once, as a
+    lost machine's would, and a relaunch resumes from the last checkpoint (the ranks of a launcher
+    killed with -9 used to checkpoint for up to 30 s while the same command, run again, trained
+    beside them). A checkpointed stop is SIGTERM or Ctrl-C to the launcher, which the agent passes on."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     from loom import process
 
-    process.die_with_parent(death)
+    process.die_with_parent(signal.SIGKILL)
 
 
 def name_rank(run_id: str) -> None:
@@ -119,9 +120,14 @@ def run(run_dir: Path) -> int:
     printed: the launcher prints one paragraph from the record."""
     run_dir = Path(run_dir).resolve()
     cfg = load_frozen(run_dir / "config.yaml")
-    die_with_parent(signal.SIGKILL if elastic(cfg.hardware) else signal.SIGTERM)
+    die_with_parent()
     name_rank(str(cfg.run.id))
     rank = int(os.environ.get("RANK", 0))
+    with rank_lock(run_dir, rank):  # while this process lives: no launcher takes the run (loom.rundir.lock)
+        return _run(cfg, run_dir, rank)
+
+
+def _run(cfg, run_dir: Path, rank: int) -> int:
     setup_logging(run_dir, rank)
     quiet_progress_bars()
     progress = Progress()
