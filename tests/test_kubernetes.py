@@ -191,3 +191,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
     rows = csv.DictReader(open(run_dir / "metrics.csv"))
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+def test_an_inline_credential_is_refused_with_advice_that_is_accepted(tmp_path, monkeypatch):
+    """A literal WANDB_API_KEY in kubernetes.env: the refusal names kubernetes.credentials_from (it
+    used to suggest ${oc.env:...}, which the launcher then refused as inline too); following it renders."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    err = refused(tmp_path, *BASE, "+kubernetes.env.WANDB_API_KEY=0123456789abcdef0123456789abcdef",
+                  f"kubernetes.mount={tmp_path}")
+    assert "drop kubernetes.env.WANDB_API_KEY and set kubernetes.credentials_from=<Secret name>" in err, err
+    assert "oc.env" not in err
+    rc, out, run_dir = _render(tmp_path, *BASE, "kubernetes.credentials_from=wandb-secret")
+    assert rc == 0 and run_dir is not None, out

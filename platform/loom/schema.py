@@ -121,6 +121,15 @@ class KubernetesConfig:
     termination_grace_s: int = 180     # SIGTERM to SIGKILL: the ranks' checkpoint on a stop
 
 
+# How a section takes a secret instead of a value, where it is not `${oc.env:NAME}` (validate's
+# refusal of a literal secret says it): a pod's environment comes from the cluster, not this shell.
+SECRET_ADVICE: dict[str, str] = {
+    "kubernetes.env.": "credentials reach the pods from a Kubernetes Secret only: drop kubernetes.env.{name} and "
+                       "set kubernetes.credentials_from=<Secret name> (kubernetes.credential_keys=[{name}] names "
+                       "the Secret's keys, each becoming that environment variable)",
+}
+
+
 SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "trainer": TrainerConfig,

@@ -20,7 +20,7 @@ from loom.compose import GROUP_PACKAGES, valid_keys
 from loom.errors import ConfigError, require
 from loom.packages import PACKAGES, TRAINING, VALIDATION, Need, check_needs
 from loom.redaction import secret_literals
-from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, typed, unknown_key_message
+from loom.schema import GROUPS, SECRET_ADVICE, SECTIONS, TOP_LEVEL, typed, unknown_key_message
 from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
 
 # Group checks run in this order (the first failure is the one reported).
@@ -223,8 +223,11 @@ def _refuse_secrets(cfg: DictConfig) -> None:
     found = secret_literals(OmegaConf.to_container(cfg, resolve=False))
     if found:
         key = found[0]
+        advice = next((a.format(name=key[len(prefix):]) for prefix, a in SECRET_ADVICE.items()
+                       if key.startswith(prefix)), None)
         raise ConfigError(
             f"Invalid config: {key} looks like a secret and was given as a value; Loom never writes "
-            f"secrets into a run's files. Pass it from the environment instead: "
-            f"{key}='${{oc.env:MY_SECRET_VAR}}' (each process reads its own environment)."
+            "secrets into a run's files. " + (f"{advice[0].upper()}{advice[1:]}." if advice else
+                                              f"Pass it from the environment instead: {key}='${{oc.env:MY_SECRET_VAR}}' "
+                                              "(each process reads its own environment).")
         )

@@ -113,3 +113,23 @@ def copy(recipe: Recipe, dest: Path, force: bool) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(recipe.path, dest)
     return dest
+
+
+def groups_table() -> str:
+    """The README's table of config groups: every option of each group (its conf/ files), the
+    default (conf/train.yaml's defaults list) and the bundled recipes (tests/test_config.py holds
+    the README to it, so an option added or dropped without it fails)."""
+    from omegaconf import OmegaConf
+
+    from loom.compose.paths import conf_dir, group_options
+
+    defaults: dict[str, str] = {}
+    for entry in OmegaConf.to_container(OmegaConf.load(conf_dir() / "train.yaml")).get("defaults", []):
+        if isinstance(entry, dict):
+            defaults.update({str(k).replace("optional ", ""): str(v) for k, v in entry.items()})
+    rows = ["| group | options | default |", "|---|---|---|"]
+    for group in ("hardware", "strategy", "dataset", "model", "optim", "tracking"):
+        rows.append(f"| {group} | {', '.join(group_options(group))} | {defaults.get(group, 'none')} |")
+    recipes = sorted(p.stem for p in builtin_dir().glob("*.yaml"))
+    rows.append(f"| recipe | {', '.join(recipes)} (recipes/) | none |")
+    return "\n".join(rows)
