@@ -142,11 +142,20 @@ def test_moe_tiny_trains_in_process_with_accumulation_and_the_bias(tmp_path):
     assert moe["dropped_tokens"] == 0 and moe["expert_load_max"] >= 1.0 >= moe["expert_load_min"] >= 0.0
     assert sum(moe["tokens_per_expert_last_step"]) == 2 * 8 * 32 * 2  # layers x tokens x micro-batches x top-2
     assert moe["worst_expert_load_max"] >= moe["expert_load_max"]
+    by_layer = torch.tensor(moe["tokens_per_expert_by_layer_last_step"], dtype=torch.float64)  # [layers, experts]
+    assert by_layer.sum(dim=0).tolist() == moe["tokens_per_expert_last_step"]  # the sum over layers ...
+    ratios = by_layer / by_layer.mean(dim=1, keepdim=True)  # ... and max / min the worst layer's: both derivable
+    assert (round(float(ratios.max()), 4), round(float(ratios.min()), 4)) == (moe["expert_load_max"], moe["expert_load_min"])
+    assert set(moe["about"]) == set(moe) - {"about"}  # every figure says what it counts
     rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
     seen = {k for r in rows for k, v in r.items() if v}
     assert {"train/moe_aux_loss", "moe/expert_load_max", "moe/expert_load_min"} <= seen
     loads = [float(r["moe/expert_load_max"]) for r in rows if r.get("moe/expert_load_max")]
     assert all(v >= 1.0 for v in loads)
+    # a step's figures at that step: the load and the aux loss where train/loss is (they lagged by one)
+    at = {k: sorted(int(r["step"]) for r in rows if r.get(k)) for k in ("train/loss", "moe/expert_load_max",
+                                                                      "train/moe_aux_loss")}
+    assert at["moe/expert_load_max"] == at["train/moe_aux_loss"] == at["train/loss"] == [1, 2, 3, 4], at
     from safetensors.torch import load_file
 
     final = load_file(str(run_dir / "final" / "model.safetensors"))

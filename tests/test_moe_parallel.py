@@ -142,7 +142,7 @@ def test_qwen3_30b_a3b_at_ep_8_fits_8_h100s_and_the_plan_says_why(capsys):
     assert accum.memory_per_device_bytes["grads_in_forward"] is True and not accum.fits
 
 
-def test_plan_compare_weighs_the_expert_parallel_degrees():
+def test_plan_compare_weighs_the_expert_parallel_degrees(capsys):
     """`loom plan --compare` offers fsdp at each ep dividing the experts and the shard dim; on 8
     H100s the ep=8 layout moves the least and ranks first (experts off the data-parallel wire)."""
     from loom.plan.compare import compare
@@ -152,3 +152,10 @@ def test_plan_compare_weighs_the_expert_parallel_degrees():
     want = {("strategy=fsdp",), *(("strategy=fsdp", f"strategy.ep={e}") for e in (2, 4, 8))}
     assert {tuple(o) for o in offered} >= want
     assert result.candidates[0].overrides == ["strategy=fsdp", "strategy.ep=8"], [c.overrides for c in result.candidates[:3]]
+    # the layout column shows every mesh dimension, ep too (it omitted ep: ep=2 and ep=8 read alike)
+    assert (result.candidates[0].degrees, result.candidates[0].ep) == ({"dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1}, 8)
+    from loom.plan.compare import render_comparison
+
+    render_comparison(result, "h100x8", "qwen3_moe_30b_a3b")
+    table = capsys.readouterr().out
+    assert "repl x shard x tp x pp x ep" in table and "1 x 8 x 1 x 1 x 8" in table, table

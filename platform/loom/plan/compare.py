@@ -61,6 +61,7 @@ PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step t
 # Every option weighed, in the order that breaks a tie (fewer moving parts first; nd's splits last)
 ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload", "nd")
 PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
+MESH_KEYS = (*DEGREE_KEYS, "ep")  # every mesh dimension: the layout column and what tells layouts apart
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Candidate:
     """One layout of the world, as `loom plan --compare` lists it (to_dict: --json's rows)."""
 
     strategy: str
-    degrees: dict[str, int]
+    degrees: dict[str, int]         # dp_replicate, dp_shard, tp, pp
     overrides: list[str]
     memory_per_device_bytes: float
     capacity_per_device_bytes: float | None
@@ -78,11 +79,12 @@ class Candidate:
     comm_exposed_s: float           # the part of comm_s no compute hides (plan/overlap.py)
     bubble_fraction: float
     predicted_step_s: float | None
-    cfg: DictConfig = field(repr=False)
-    plan: Plan = field(repr=False)
+    ep: int = 1                     # expert parallelism (strategy.ep): the mesh's fifth dimension
+    cfg: DictConfig = field(repr=False, default=None)
+    plan: Plan = field(repr=False, default=None)
 
     def to_dict(self) -> dict[str, Any]:
-        keys = ("strategy", "degrees", "overrides", "memory_per_device_bytes", "capacity_per_device_bytes",
+        keys = ("strategy", "degrees", "ep", "overrides", "memory_per_device_bytes", "capacity_per_device_bytes",
                 "fits", "compute_s", "comm_s", "comm_exposed_s", "bubble_fraction", "predicted_step_s")
         return {k: getattr(self, k) for k in keys}
 
@@ -115,7 +117,7 @@ def compare(composed: DictConfig) -> Comparison:
             refused.append((overrides, str(e)))
             continue
         plan = make_plan(valid)
-        key = tuple(plan.parallel[k] for k in DEGREE_KEYS)
+        key = tuple(plan.parallel[k] for k in MESH_KEYS)
         if STRATEGIES[node.name].degrees and key in seen:
             continue  # the same degrees as a layout listed above (fsdp, fsdp_tp, pp are presets of nd)
         seen.add(key)
@@ -180,6 +182,7 @@ def _candidate(cfg: DictConfig, plan: Plan, overrides: list[str]) -> Candidate:
     compute, wire, exposed, bubble, step = predict(cfg, plan)
     return Candidate(
         strategy=plan.strategy, degrees={k: plan.parallel[k] for k in DEGREE_KEYS}, overrides=overrides,
+        ep=int(plan.parallel.get("ep") or 1),
         memory_per_device_bytes=plan.memory_per_device_bytes["total"],
         capacity_per_device_bytes=plan.capacity_per_device_bytes, fits=plan.fits,
         compute_s=compute, comm_s=wire.total, comm_exposed_s=exposed, bubble_fraction=bubble,
@@ -265,12 +268,12 @@ def render_comparison(result: Comparison, hardware: str, model: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}{_batch(result)}")
-    for col in ("#", "strategy", "repl x shard x tp x pp", "memory / device", "fits", "compute s",
+    for col in ("#", "strategy", "repl x shard x tp x pp x ep", "memory / device", "fits", "compute s",
                 "comm s", "exposed s", "bubble", "step s (predicted)", "overrides"):
         t.add_column(col, justify="right" if col in ("#", "compute s", "comm s", "exposed s", "bubble") else "left")
     for i, c in enumerate(result.candidates, 1):
         cap = f" / {c.capacity_per_device_bytes / GB:,.1f}" if c.capacity_per_device_bytes else ""
-        t.add_row(str(i), c.strategy, " x ".join(str(c.degrees[k]) for k in DEGREE_KEYS),
+        t.add_row(str(i), c.strategy, " x ".join(str(d) for d in (*c.degrees.values(), c.ep)),
                   f"{c.memory_per_device_bytes / GB:,.2f}{cap} GB", "yes" if c.fits else "[red]no[/red]",
                   _secs(c.compute_s), _secs(c.comm_s), _secs(c.comm_exposed_s),
                   f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",

@@ -109,7 +109,9 @@ class MoEModule(DecoderModule):
         worst = self.routing.get("worst_expert_load_max", 0.0)
         self.routing = {"expert_load_max": round(high, 4), "expert_load_min": round(low, 4),
                         "worst_expert_load_max": round(max(worst, high), 4), "dropped_tokens": 0,
-                        "tokens_per_expert_last_step": [int(x) for x in total.sum(dim=0).tolist()]}
+                        "tokens_per_expert_last_step": [int(x) for x in total.sum(dim=0).tolist()],
+                        "tokens_per_expert_by_layer_last_step": [[int(x) for x in row] for row in total.tolist()],
+                        "about": ROUTING_FIGURES}
         if self.model.bias_update_rate:
             self.model.update_correction_bias(list(total))
 
@@ -117,6 +119,19 @@ class MoEModule(DecoderModule):
         """summary.json's `moe`: the last step's expert load over the mean (max, min), the run's
         worst max, tokens per expert over all layers at the last step, and 0 dropped tokens."""
         return {"moe": self.routing} if self.routing else {}
+
+
+# summary.json's `moe.about`: what each figure counts (per layer or summed over the MoE layers).
+ROUTING_FIGURES = {
+    "expert_load_max": "last step: the busiest expert's tokens over its layer's mean, in the layer where that is "
+                       "highest (1.0: perfect balance)",
+    "expert_load_min": "last step: the idlest expert's tokens over its layer's mean, in the layer where that is lowest",
+    "worst_expert_load_max": "the highest expert_load_max of any step so far",
+    "tokens_per_expert_last_step": "last step: tokens routed to each expert (once per choice), summed over the MoE "
+                                   "layers, micro-batches and data-parallel ranks",
+    "tokens_per_expert_by_layer_last_step": "the same per MoE layer: expert_load_max and _min are read from it",
+    "dropped_tokens": "tokens no expert took (dropless routing: 0)",
+}
 
 
 def build(cfg: DictConfig) -> Any:
