@@ -44,7 +44,7 @@ def _stub_trainer(max_steps: int, workers: int | None = 0) -> SimpleNamespace:
     loader = SimpleNamespace(num_workers=workers) if workers is not None else None
     return SimpleNamespace(global_step=0, world_size=1, global_rank=0, max_steps=max_steps, optimizers=[],
                            loggers=[], accumulate_grad_batches=1, sanity_checking=False, callback_metrics={},
-                           train_dataloader=loader)
+                           train_dataloader=loader, log_every_n_steps=0)  # no logger of Lightning's
 
 
 # ----------------------------------------------------------------------------- the percentage
@@ -123,6 +123,14 @@ def test_the_recorder_warns_once_past_5_percent_leaving_out_the_first_window_and
     assert steps.index(warnings[0]) == steps.index(next(s for s in steps if s.startswith("step 6/8"))) + 1
     assert rec.data_watch.summary() == {"max_window_pct": round(100 * 15 / 35, 2), "max_window_step": 8,
                                         "warned_at_step": 6, "cause": IN_PROCESS, "threshold_pct": 5.0}
+    # each step's own seconds after the first (the save left out), for a sweep's noise (loom.report.tie)
+    times = [0.05, 0.02, 0.02, 0.03, 0.03, 0.035, 0.035]
+    assert list(rec.clock.step_times) == pytest.approx(times)
+    diffs = [b - a for a, b in zip(times, times[1:], strict=False)]
+    import statistics
+
+    assert rec.clock.step_stats() == {"timed_steps": 7, "step_s_mean": pytest.approx(sum(times) / 7, abs=1e-6),
+                                      "step_s_noise": pytest.approx(statistics.stdev(diffs) / 2 ** 0.5, abs=1e-6)}
 
 
 def test_workers_that_cannot_keep_up_are_named_and_a_resume_does_not_warn_again(caplog):

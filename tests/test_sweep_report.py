@@ -1,5 +1,6 @@
 """Sweeps that name the winner, and validation shown: one 1-process lr sweep (killed once after
-its first trial and resumed: the sweep's resume checks), one classifier run (resumed once) and a
+its first trial and resumed: the sweep's resume checks; then ranked by throughput and back, training
+nothing), one classifier run (resumed once) and a
 text corpus too small for a validation split serve every check here."""
 
 from __future__ import annotations
@@ -53,13 +54,18 @@ def sweep(tmp_path_factory) -> SimpleNamespace:
     killed = _kill_after_trial_0(root)
     r = run_loom(*SWEEP, root=root, timeout=400)
     assert r.rc == 0, r.out + r.err
-    third = run_loom(*SWEEP, root=root, timeout=600)
     (manifest_path,) = root.glob("gpt/sweeps/*/manifest.json")
     manifest = json.loads(manifest_path.read_text())
+    # the same sweep ranked by another objective: the same sweep dir, nothing trains, the trials re-ranked
+    reranked = run_loom(*SWEEP, "sweep.objective=throughput.tokens_per_sec", "sweep.direction=maximize", root=root,
+                        timeout=600)
+    assert len(list(root.glob("gpt/sweeps/*/manifest.json"))) == 1
+    reranked_manifest = json.loads(manifest_path.read_text())
+    third = run_loom(*SWEEP, root=root, timeout=600)  # and back: the command as it was, nothing trains
     summaries = {float(t["params"]["optim.lr"]): json.loads((Path(t["run_dir"]) / "summary.json").read_text())
                  for t in manifest["trials"]}
     return SimpleNamespace(r=r, root=root, dir=manifest_path.parent, manifest=manifest, summaries=summaries,
-                           killed=killed, third=third)
+                           killed=killed, third=third, reranked=reranked, reranked_manifest=reranked_manifest)
 
 
 def test_sweep_resumes_after_a_kill_and_reruns_nothing(sweep):
@@ -383,3 +389,58 @@ def test_three_strategies_parity_runs_tie_when_ranked_by_final_loss(shared, tmp_
     assert line.startswith("no best trial: all 3 completed trials tie on final_loss (spread "), line
     assert f"ranked by throughput, then peak memory: 1. {fastest} (" in line
     assert "★" not in md and (tmp_path / "trials.png").is_file()
+
+
+def _timed(run: Path, mean_s: float, noise_s: float, steps: int) -> Path:
+    """The trial's last attempt timed `steps` steps of `mean_s` seconds scattering `noise_s` (loom.tracking.clock)."""
+    s = json.loads((run / "summary.json").read_text())
+    s["attempts"] = [{"start_step": 0, "timed_steps": steps, "step_s_mean": mean_s, "step_s_noise": noise_s}]
+    (run / "summary.json").write_text(json.dumps(s))
+    return run
+
+
+def test_a_rate_sweep_of_a_few_steps_stars_a_trial_only_beyond_its_step_noise(tmp_path, capsys, monkeypatch):
+    """A 5-step strategy sweep logs one window per trial, too few for a noise estimate: the 0.1% floor
+    alone starred 1% apart. Each trial's per-step seconds (4 timed steps, 5% scatter) put the mean
+    rate's noise at ~3.5%: a tie, ranked by memory; the same 1% from 400 steps of 0.5% scatter
+    (0.035%) is a real difference: starred."""
+    for name, steps, noise in (("few", 4, 0.005), ("many", 400, 0.0005)):
+        root = tmp_path / name
+        _sweep_of(root, {"strategy=ddp": _timed(_trial(root, "aaa", [4.0], 6000.0, 0.9), 0.1, noise, steps),
+                         "strategy=zero2": _timed(_trial(root, "bbb", [4.0], 6060.0, 0.8), 0.099, noise, steps)},
+                  objective="throughput.tokens_per_sec")
+        m = json.loads((root / "manifest.json").read_text())
+        (root / "manifest.json").write_text(json.dumps({**m, "direction": "maximize"}))
+    out, _ = _report(tmp_path / "few", capsys, monkeypatch)
+    se = 6060.0 * 0.005 / 0.099 / 2 * 2 ** 0.5
+    assert ("no best trial: all 2 completed trials tie on throughput.tokens_per_sec (spread 60, within "
+            f"{2 * se:.2g}: 2 x the trials' noise of a difference of their mean rates (per-step seconds) {se:.2g})") in out
+    assert "ranked by peak memory, then throughput: 1. strategy=zero2" in out, out
+    out, _ = _report(tmp_path / "many", capsys, monkeypatch)
+    assert "best trial: strategy=zero2 (throughput.tokens_per_sec 6,060.0, the highest)" in out, out
+
+
+def test_report_re_ranks_a_sweep_by_another_objective_without_training(sweep, capsys, monkeypatch):
+    """`loom report SWEEP --objective throughput.tokens_per_sec` ranks the finished lr trials by tokens/s
+    (maximized by default); an unknown metric, --direction alone, or --objective on a run dir exit 2. The
+    fixture's third run changed only sweep.objective: the same sweep dir, nothing trained, re-ranked."""
+    from loom.errors import ConfigError
+    from loom.report import report
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert report([str(sweep.dir)], objective="throughput.tokens_per_sec") == 0
+    out = capsys.readouterr().out
+    assert "throughput.tokens_per_sec ↑" in _table_header(out), out
+    assert ("best trial: optim.lr=" in out or "no best trial: all 2 completed trials tie on throughput" in out), out
+    for kwargs, says in (({"objective": "loss"}, "not a summary.json metric"),
+                         ({"direction": "maximize"}, "--direction goes with --objective")):
+        with pytest.raises(ConfigError, match=says):
+            report([str(sweep.dir)], **kwargs)
+    with pytest.raises(ConfigError, match="not a sweep dir"):
+        report([sweep.manifest["trials"][0]["run_dir"]], objective="validation.loss")
+    r = sweep.reranked
+    assert r.rc == 0 and r.out.count("already completed") == 2 and "Starting run" not in r.out, r.out
+    m = sweep.reranked_manifest
+    assert (m["objective"], m["direction"], m["sweep_id"]) == ("throughput.tokens_per_sec", "maximize",
+                                                              sweep.manifest["sweep_id"])  # not a new sweep
+    assert [t["objective"] for t in m["trials"]] == [s["throughput"]["tokens_per_sec"] for s in sweep.summaries.values()]

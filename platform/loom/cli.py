@@ -72,7 +72,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     """Markdown report (+ plots) of a run dir, or a comparison table of a sweep / several runs."""
     from loom.report import report
 
-    return report(args.paths, out=args.out)
+    return report(args.paths, out=args.out, objective=args.objective, direction=args.direction)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -307,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", metavar="DIR",
                     help="where a comparison's report.md and scaling.png go "
                          "(default: the sweep dir; for run dirs given one by one, the current directory)")
+    rp.add_argument("--objective", metavar="METRIC",
+                    help="rank a sweep's finished trials by another summary.json metric, without training "
+                         "(e.g. throughput.tokens_per_sec, validation.loss)")
+    rp.add_argument("--direction", choices=("minimize", "maximize"),
+                    help="with --objective (default: maximize a rate or accuracy, minimize a loss or time)")
     rp.set_defaults(func=cmd_report)
     ex = sub.add_parser("export", help="write a finished or checkpointed run's weights (hf | peft | loom) "
                                        "without training")

@@ -39,6 +39,15 @@ class SweepConfig:
     seed: int = 0
 
 
+# What a sweep (and `loom report SWEEP --objective`) may rank its trials by: summary.json metrics.
+SUMMARY_METRICS = ("final_loss", "validation.loss", "validation.acc", "throughput.tokens_per_sec",
+                   "throughput.samples_per_sec", "throughput.mfu", "throughput.tflops_per_device",
+                   "train_time_s", "wall_time_s")
+# How the report ranks by one when no direction is given: rates and accuracy up, losses and times down.
+MAXIMIZED = ("validation.acc", "throughput.tokens_per_sec", "throughput.samples_per_sec", "throughput.mfu",
+             "throughput.tflops_per_device")
+
+
 @dataclass
 class ProfileConfig:
     # [start, stop): torch.profiler traces of steps start..stop-1 on every rank (<run>/profile/);

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.packages import TRAINING, check_needs
+from loom.schema import SUMMARY_METRICS
 from loom.validate import package_needs
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
@@ -31,9 +32,9 @@ ALIASES = {
     "hydra.sweeper.direction": "sweep.direction",
     "hydra.sweeper.sampler.seed": "sweep.seed",
 }
-SUMMARY_METRICS = ("final_loss", "validation.loss", "validation.acc", "throughput.tokens_per_sec",
-                   "throughput.samples_per_sec", "throughput.mfu", "throughput.tflops_per_device",
-                   "train_time_s", "wall_time_s")
+# How the trials are ranked, not what they train: not part of the sweep's identity, so the same
+# sweep with another objective re-ranks its finished trials instead of training them again.
+RANKING_KEYS = ("sweep.objective", "sweep.direction")
 # Swept keys that change what a run costs, not what it learns: every strategy and hardware profile
 # trains the same losses by design (the parity tests), activation checkpointing and compile are the
 # same math, and a batch-size sweep is a throughput and memory study. A sweep of these alone
@@ -164,7 +165,8 @@ def run_sweep(
     if base.sweep.direction not in ("minimize", "maximize"):
         raise ConfigError(f"Invalid config: sweep.direction={base.sweep.direction!r}: valid choices: minimize, maximize.")
     objective, direction = sweep_objective(base, [s.key_or_group for s in sweeps], overrides)
-    key = json.dumps({"fixed": sorted(fixed), "sweep": sorted(s.input_line for s in sweeps),
+    identity = sorted(o for o in fixed if o.partition("=")[0].lstrip("+~") not in RANKING_KEYS)
+    key = json.dumps({"fixed": identity, "sweep": sorted(s.input_line for s in sweeps),
                       "sampler": sampler, "n": base.sweep.n_trials if sampler == "optuna" else None,
                       "seed": base.sweep.seed})
     sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
@@ -223,6 +225,10 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
             return
     if t.state == "completed":
         print(f"[sweep] trial {t.index} already completed: {t.run_dir}", flush=True)
+        summary = Path(t.run_dir) / "summary.json" if t.run_dir else None
+        if summary is not None and summary.is_file():  # ranked by this command's objective
+            t.objective = objective_of(json.loads(summary.read_text()), objective)
+            manifest.save()
         return
     print(f"[sweep] trial {t.index}: {' '.join(t.overrides)}", flush=True)
     t.state, t.error = "running", None

@@ -17,6 +17,7 @@ from pathlib import Path
 from loom.errors import ConfigError
 from loom.report.compare import best_line, columns, comparison_report, read_sweep, worlds_differ
 from loom.report.runs import Run, collect, load_run, run_report, summary_rows
+from loom.schema import MAXIMIZED, SUMMARY_METRICS
 
 __all__ = ["Run", "collect", "load_run", "report", "run_report", "summary_rows"]
 
@@ -36,12 +37,22 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     console.print(t)
 
 
-def report(paths: list[str | Path], out: str | Path | None = None) -> int:
-    """The `loom report` verb; returns the exit code (errors raise ConfigError: exit 2)."""
+def report(paths: list[str | Path], out: str | Path | None = None, objective: str | None = None,
+           direction: str | None = None) -> int:
+    """The `loom report` verb; returns the exit code (errors raise ConfigError: exit 2). `objective`
+    (and `direction`): rank a sweep's trials by that summary.json metric instead of the sweep's own."""
     from loom.report.compare import comparison_rows
 
     paths = [Path(p) for p in paths]
+    if direction is not None and objective is None:
+        raise ConfigError("loom report: --direction goes with --objective (e.g. --objective validation.loss).")
+    if objective is not None and objective not in SUMMARY_METRICS:
+        raise ConfigError(f"loom report: --objective {objective} is not a summary.json metric; valid choices: "
+                          f"{', '.join(SUMMARY_METRICS)}.")
     runs, sweep_dir, skipped = collect(paths)
+    if objective is not None and read_sweep(sweep_dir) is None:
+        raise ConfigError(f"loom report: --objective ranks a sweep's trials; {', '.join(map(str, paths))} is not a "
+                          "sweep dir (runs/<experiment>/sweeps/<id>/, with its manifest.json).")
     if sweep_dir is None and len(runs) == 1 and out is None:
         run = runs[0]
         path = run_report(run)
@@ -61,6 +72,9 @@ def report(paths: list[str | Path], out: str | Path | None = None) -> int:
         except OSError as e:
             print(f"warning: no report.md for {r.path} ({e.strerror})")
     sweep = read_sweep(sweep_dir)
+    if sweep is not None and objective is not None:
+        sweep.objective = objective
+        sweep.direction = direction or ("maximize" if objective in MAXIMIZED else "minimize")
     path, plots = comparison_report(runs, out_dir, skipped, sweep)
     title = f"{len(runs)} runs" + (" (scaling eff.: tokens/s per device vs the smallest world size)"
                                    if worlds_differ(runs) else "")

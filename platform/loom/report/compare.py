@@ -136,7 +136,7 @@ def best_line(runs: list[Run], sweep: Sweep) -> str:
 
 def tie_line(tie: Tie, sweep: Sweep) -> str:
     """No best trial: the objective's spread, the tolerance it is within and why, then the ranking."""
-    why = (f"{tie.tolerance / tie.noise:g} x the trials' step-to-step noise {tie.noise:.2g}" if tie.by_noise
+    why = (f"{tie.tolerance / tie.noise:g} x the trials' {tie.noise_is} {tie.noise:.2g}" if tie.by_noise
            else f"{REL_TOL:.1%} of the value: float summation order")
     ranked = ", ".join(f"{i}. {title(r, sweep)} ({_rate(r)}, {_mem(r)})" for i, r in enumerate(tie.order, 1))
     return (f"no best trial: all {len(tie.order)} completed trials tie on {tie.objective} (spread {tie.spread:.2g}, "

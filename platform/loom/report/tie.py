@@ -11,7 +11,13 @@ is within
   1 (test_strategies holds them to 1e-4), and Adam's normalized steps let that drift grow with
   the steps; a real difference (another learning rate, other data, another model) moves a loss
   by 1e-2 or more within a few steps.
-- A trial's noise: the step-to-step scatter of the objective's metric over its last NOISE_WINDOW
+- A trial's noise on a throughput objective: the rate is a mean over its steps, so its noise is
+  the standard error of that mean, from the per-step seconds every attempt records (summary.json
+  `attempts[-1]`: `step_s_mean`, `step_s_noise`, `timed_steps`; loom.tracking.clock), times sqrt(2)
+  for a difference of two such means: value x step_s_noise / step_s_mean / sqrt(timed_steps) x
+  sqrt(2). Three timed steps suffice, so a 5-step strategy sweep is judged by its own scatter (a
+  0.1% floor alone starred a trial on noise, and identical sweeps on a busy machine flipped).
+- On another objective: the step-to-step scatter of its metric over the last NOISE_WINDOW
   logged values (metrics.csv), estimated as std(successive differences) / sqrt(2) (von Neumann):
   differencing cancels a smooth trend, such as a loss still falling, that a plain standard
   deviation would count as noise. A final value is one draw of that scatter, so two trials whose
@@ -52,11 +58,30 @@ class Tie:
     noise: float            # the largest trial noise (0.0: none could be estimated)
     by_noise: bool          # the tolerance is NOISE_SIGMAS x noise (else REL_TOL x value)
     order: list[Run] = field(default_factory=list)  # the tied trials, best first by `ranked_by`
+    noise_is: str = "step-to-step noise"  # what `noise` measures, for the report's sentence
 
     @property
     def ranked_by(self) -> str:
         return "peak memory, then throughput" if self.objective.startswith("throughput.") \
             else "throughput, then peak memory"
+
+
+def rate_noise(summary: dict, value: float) -> float | None:
+    """A throughput value's noise from the last timed attempt's per-step seconds (None: fewer than 3)."""
+    timed = next((a for a in reversed(summary.get("attempts") or []) if isinstance(a, dict)
+                  and a.get("step_s_noise") is not None and a.get("step_s_mean")), None)
+    if timed is None:
+        return None
+    return abs(value) * timed["step_s_noise"] / timed["step_s_mean"] / math.sqrt(timed["timed_steps"]) * math.sqrt(2)
+
+
+def trial_noise(r: Run, objective: str, value: float) -> float | None:
+    """The trial's noise on the objective: per-step seconds for a rate, else its logged values."""
+    if objective.startswith("throughput."):  # every rate (tokens, samples, TFLOP/s, MFU) is steps over time
+        found = rate_noise(r.summary, value)
+        if found is not None:
+            return found
+    return noise_of(r.path, objective)
 
 
 def noise_of(run_dir: Path, objective: str) -> float | None:
@@ -97,10 +122,12 @@ def tie_of(scored: list[tuple[float, Run]], objective: str) -> Tie | None:
         return None
     values = [v for v, _ in scored]
     spread = max(values) - min(values)
-    noise = max((n for _, r in scored if (n := noise_of(r.path, objective)) is not None), default=0.0)
+    noise = max((n for v, r in scored if (n := trial_noise(r, objective, v)) is not None), default=0.0)
     rel = REL_TOL * max(abs(v) for v in values)
     tolerance = max(rel, NOISE_SIGMAS * noise)
     if spread > tolerance:
         return None
     order = sorted((r for _, r in scored), key=lambda r: _key(r, objective))
-    return Tie(objective, spread, tolerance, noise, NOISE_SIGMAS * noise > rel, order)
+    timed = objective.startswith("throughput.") and any(rate_noise(r.summary, v) is not None for v, r in scored)
+    return Tie(objective, spread, tolerance, noise, NOISE_SIGMAS * noise > rel, order,
+               "noise of a difference of their mean rates (per-step seconds)" if timed else "step-to-step noise")

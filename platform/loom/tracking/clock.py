@@ -10,14 +10,23 @@ in which no rank compiled: a compile or recompile at any step leaves its window 
 before and after it still count. An average over the whole loop does not leave them out (a
 compiled run's whole-loop tokens/s is a fraction of its step lines').
 
+Each step's own training seconds after the attempt's first are kept too (the last STEP_TIMES, a
+float per step, no I/O) and summarized in the span as their mean and their step-to-step noise
+(von Neumann: std of successive differences / sqrt 2), which tells a sweep's trials apart on
+throughput with a handful of steps (loom.report.tie) where logged windows are too few.
+
 No torch here: `Clock` only reads perf_counter and the numbers it is given.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+STEP_TIMES = 4096  # per-step seconds kept per attempt (the noise estimate's window)
 
 
 @dataclass
@@ -39,9 +48,12 @@ class Clock:
     _checkpoint_base: float = 0.0
     _window_step: int = 0               # where the current log window began: its step ...
     _window_train_s: float = 0.0        # ... and train_s then
+    step_times: deque = field(default_factory=lambda: deque(maxlen=STEP_TIMES))  # seconds of steps 2, 3, ...
+    _step_end: tuple[int, float] | None = None  # (step, train_s) at the last step's end
 
     def start(self, step: int, checkpoint_seconds: float = 0.0) -> None:
-        self.start_step, self.loop_end = step, None
+        self.start_step, self.loop_end, self._step_end = step, None, None
+        self.step_times.clear()
         self.loop_start = time.perf_counter()
         self._checkpoint_base = checkpoint_seconds
         self._window_step, self._window_train_s = step, 0.0
@@ -58,10 +70,28 @@ class Clock:
         self.loop_end = time.perf_counter()
 
     def step_done(self, step: int, checkpoint_seconds: float) -> None:
-        """After every optimizer step (cheap: a subtraction)."""
+        """After every micro batch (cheap: a clock read and an append per optimizer step)."""
         self.checkpoint_s = checkpoint_seconds - self._checkpoint_base
-        if self.first_step_s is None and step > self.start_step:
-            self.first_step_s = self.train_s()
+        if step <= self.start_step or (self._step_end is not None and step <= self._step_end[0]):
+            return
+        now = self.train_s()
+        if self.first_step_s is None:
+            self.first_step_s = now
+        elif self._step_end is not None:
+            self.step_times.append((now - self._step_end[1]) / (step - self._step_end[0]))
+        self._step_end = (step, now)
+
+    def step_stats(self) -> dict[str, Any]:
+        """The steps after the first: how many, their mean seconds and step-to-step noise (None: too few)."""
+        t = list(self.step_times)
+        mean = sum(t) / len(t) if t else None
+        noise = None
+        if len(t) >= 3:
+            diffs = [b - a for a, b in zip(t, t[1:], strict=False)]
+            dm = sum(diffs) / len(diffs)
+            noise = math.sqrt(sum((d - dm) ** 2 for d in diffs) / (len(diffs) - 1) / 2)
+        return {"timed_steps": len(t), "step_s_mean": None if mean is None else round(mean, 6),
+                "step_s_noise": None if noise is None else round(noise, 6)}
 
     def log_step(self, step: int, now: float, compile_s: float = 0.0, compiled: bool = False,
                  recompiles: list[dict[str, Any]] | None = None) -> bool:
@@ -98,4 +128,5 @@ class Clock:
             "validation_s": round(self.validation_s, 4),
             "checkpoint_s": round(self.checkpoint_s, 4),
             "recompiles": list(self.recompiles),
+            **self.step_stats(),
         }
