@@ -73,6 +73,32 @@ def test_sampler_shards_are_disjoint_cover_the_epoch_and_resume_mid_epoch():
     assert list(s) == full       # once: the next pass is whole again
 
 
+def test_validation_evaluates_the_same_windows_at_any_world_size():
+    """trainer.limit_val_batches counts global batches of held-out windows: at 1, 2 and 4 data-parallel
+    ranks (the global batch kept) the ranks together evaluate exactly the set's first 3 x 16 windows
+    (it counted batches per rank: 2 ranks evaluated twice 1 rank's, and another validation loss); a set
+    holding fewer evaluates its whole global batches, the same at any world size too."""
+    from loom.data.module import LoomDataModule
+
+    def seen(cfg, dp: int, windows: int) -> list[int]:
+        out, counts = [], set()
+        for rank in range(dp):
+            dm = LoomDataModule(cfg, rank, dp)
+            dm.val_set = range(windows)  # a map-style set of its own indices
+            batches = list(dm.val_dataloader())
+            counts.add(len(batches))
+            out += [int(i) for b in batches for i in b]
+        assert len(counts) == 1  # every rank the same number of whole batches: the mean over ranks is the mean
+        return sorted(out)
+
+    for dp in (1, 2, 4):
+        cfg = resolve(["dataset=synthetic", "dataset.batch_size=4", "trainer.global_batch_size=16",
+                       "trainer.limit_val_batches=3", "hardware=cpu", f"hardware.devices={dp}", "hardware.dataloader_workers=0",
+                       "strategy=ddp" if dp > 1 else "strategy=single"])
+        assert seen(cfg, dp, 1000) == list(range(48)), dp
+        assert seen(cfg, dp, 40) == list(range(32)), dp  # two whole global batches of the 40
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("corpus")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
@@ -142,10 +142,22 @@ class LoomDataModule(pl.LightningDataModule):
     def _val_sets(self) -> list[Dataset]:
         return self.val_set if isinstance(self.val_set, list) else [] if self.val_set is None else [self.val_set]
 
+    def val_windows(self, available: int) -> int:
+        """How many of a validation set's first windows a validation evaluates: trainer.limit_val_batches
+        global batches (the global batch is the run's at any world size, so these are the same windows
+        at any dp), split evenly over the data-parallel ranks; a set holding fewer, its whole global
+        batches; one holding less than one global batch, what one batch per rank takes of it."""
+        want = int(self.cfg.trainer.limit_val_batches) * self.global_batch
+        if available >= want:
+            return want
+        unit = int(self.cfg.dataset.batch_size) * self.dp_size
+        return available // self.global_batch * self.global_batch or available // unit * unit
+
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Each set's first `val_windows` windows, in order, dealt to the ranks (the Trainer takes them all)."""
+        subsets = [Subset(v, range(self.val_windows(len(v)))) for v in self._val_sets()]
         loaders = [self._loader(v, DistributedSampler(v, num_replicas=self.dp_size, rank=self.dp_rank,
-                                                     shuffle=False, drop_last=True))
-                   for v in self._val_sets()]
+                                                     shuffle=False, drop_last=True)) for v in subsets]
         return loaders if isinstance(self.val_set, list) or not loaders else loaders[0]
 
     def source_report(self) -> dict | None:

@@ -270,7 +270,7 @@ def _trainer(cfg: DictConfig, layout: ParallelLayout, run_dir: Path, callbacks: 
         log_every_n_steps=tr.log_every_n_steps,
         val_check_interval=val_every * tr.accumulate_grad_batches,
         check_val_every_n_epoch=None,
-        limit_val_batches=tr.limit_val_batches,
+        limit_val_batches=1.0 if tr.limit_val_batches else 0,  # the loaders hold the global count (LoomDataModule)
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         enable_progress_bar=False,
