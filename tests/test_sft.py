@@ -104,6 +104,29 @@ def test_full_sft_first_loss_is_the_global_token_mean(sft_runs):
     assert losses[1] == pytest.approx(expected, rel=1e-6), (losses[1], expected, count)  # seen: 1e-8
     s = r.summary()
     assert s["status"] == "completed" and s["world_size"] == 2
+    # trained tokens beside processed ones (padding and prompts are processed, not trained): the run's
+    # count is every trained target of its 4 global batches; tokens/s counts every position
+    assert s["attempts"][-1]["trained_tokens"] == _trained_targets(r.run_dir, STEPS * GLOBAL["full"])
+    assert 0 < s["throughput"]["trained_tokens_per_sec"] < s["throughput"]["overall"]["tokens_per_sec"], s["throughput"]
+    rows = [row for row in r.metrics() if row.get("perf/trained_tokens_per_sec")]
+    assert [int(row["step"]) for row in rows] == list(range(1, STEPS + 1))
+    assert all(0 < float(row["perf/trained_tokens_per_sec"]) < float(row["perf/tokens_per_sec"]) for row in rows)
+
+
+def _trained_targets(run_dir: Path, n_rows: int) -> int:
+    """The trained targets of the first `n_rows` rows of the run's global order (the sampler's, at any dp)."""
+    from omegaconf import OmegaConf
+
+    from loom.data.chat.build import stores
+    from loom.data.chat.samples import ChatSamples
+    from loom.data.sampler import ResumableDistributedSampler
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    ds = cfg.dataset
+    samples = ChatSamples(stores(cfg)["train"], "chat", ds.seq_len, ds.packing, ds.overlong)
+    order = ResumableDistributedSampler(samples, 1, 0, micro_batch=n_rows, global_batch=n_rows, seed=cfg.seed)
+    rows = np.asarray([i for i, _ in list(order)[:n_rows]])
+    return int(samples.trained_tokens(rows).sum())
 
 
 def test_lora_sft_under_fsdp_trains_the_adapters_alone(sft_runs, tmp_path):

@@ -81,6 +81,9 @@ def run_totals(history: list[dict[str, Any]]) -> dict[str, Any]:
         "steady_samples": sum(int(a.get("steady_samples", 0)) for a in spans),
         "steady_tokens": sum(int(a.get("steady_samples", 0)) * int(a.get("items_per_sample", 1)) for a in spans),
         "steady_train_s": sum(float(a.get("steady_train_s") or 0.0) for a in spans),
+        # targets trained (labels not ignored), where the batches say: None when no attempt counted them
+        "trained_tokens": (sum(int(a["trained_tokens"]) for a in spans if a.get("trained_tokens") is not None)
+                           if any(a.get("trained_tokens") is not None for a in spans) else None),
     }
     for part in TIME_PARTS:
         total[part] = round(sum(float(a.get(part) or 0.0) for a in spans), 4)

@@ -34,8 +34,8 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.throughput import Throughput
 
-from loom.hardware.peaks import mfu, mfu_error
-from loom.tracking import compiles
+from loom.hardware.peaks import mfu_error
+from loom.tracking import compiles, trained
 from loom.tracking.clock import Clock
 from loom.tracking.data_wait import DataWaitWatch, loader_workers, window_pct
 from loom.tracking.stragglers import gather_hosts
@@ -45,7 +45,7 @@ log = logging.getLogger("loom")
 
 # Order of the per-rank vector all-gathered at every log step.
 _FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
-           "gpu_power_w", "loss", "step1_loss", "compute_ms", "compile_s")
+           "gpu_power_w", "loss", "step1_loss", "compute_ms", "compile_s", "trained_tokens")
 
 
 class Recorder(pl.Callback):
@@ -61,6 +61,7 @@ class Recorder(pl.Callback):
         token_data: bool = True,        # False: a classifier, whose rate is samples/s (no tokens)
         warmup_steps: int | None = None,  # tracking.warmup_steps (None: the first logged window)
         on_log=None,                    # rank 0, at every log step: on_log(span) (world_history)
+        model_parallel: int = 1,        # ranks that see the same batch (tp x pp): trained tokens count once
     ) -> None:
         self.log_every = log_every
         self.token_data = token_data
@@ -102,6 +103,9 @@ class Recorder(pl.Callback):
         self.final_loss: float | None = None
         self.validation: dict[str, float] | None = None  # the last validation's val/* metrics
         self.history: list[dict[str, float]] = []   # rank 0: the logged rows
+        self.trained = trained.TrainedTokens()      # this rank's trained targets in the window
+        self.model_parallel = model_parallel
+        self.trained_total: float | None = None     # rank 0: the attempt's trained targets (None: no labels)
         self.cpu_samples: list[float] = []
         self.gpu_util_samples: list[float] = []
 
@@ -148,6 +152,7 @@ class Recorder(pl.Callback):
             self.loss_count += 1
             if trainer.global_step == 1 and self.step1_loss is None:  # a fresh run's first loss
                 self.step1_loss = self.loss_sum / self.loss_count
+        self.trained.add(batch)
         step = trainer.global_step
         self.clock.step_done(step, self._ckpt_seconds())
         if step > self.last_log_step and (step % self.log_every == 0 or step >= trainer.max_steps):
@@ -211,6 +216,7 @@ class Recorder(pl.Callback):
                 self.step1_loss.float().item() if self.step1_loss is not None else float("nan"),
                 1000 * self.compute / steps,
                 sum(e.seconds for e in compiled),
+                self.trained.take(),
             ],
             dtype=torch.float64,
         )
@@ -234,6 +240,10 @@ class Recorder(pl.Callback):
         if trainer.global_rank != 0:
             return
         self._keep_peaks(gathered)
+        counts = gathered[:, _FIELDS.index("trained_tokens")]  # each rank's; a model-parallel group's are one
+        trained_window = None if bool(counts.isnan().any()) else float(counts.sum()) / self.model_parallel
+        if trained_window is not None:
+            self.trained_total = (self.trained_total or 0.0) + trained_window
         if self.stragglers is not None:
             col = {name: i for i, name in enumerate(_FIELDS)}
             self.stragglers.update(step, *(gathered[:, col[k]].tolist() for k in ("step_time_ms", "data_wait_ms",
@@ -241,6 +251,8 @@ class Recorder(pl.Callback):
         if self.on_log is not None:
             self.on_log(self.span(step))
         row = self._row(trainer, gathered, rates)
+        if trained_window is not None and window > 0:
+            row["perf/trained_tokens_per_sec"] = trained_window / window
         self._publish(trainer, step, row)
         self.data_watch.window(step - steps, step, row["perf/data_wait_pct"])  # after the step line it is about
 
@@ -269,8 +281,9 @@ class Recorder(pl.Callback):
             self.first_loss = float(step1.mean())
 
     def span(self, step: int) -> dict[str, Any]:
-        """This attempt's span so far (world_history.json)."""
-        return self.clock.span(step, self.samples_per_step, self.seq_len)
+        """This attempt's span so far (world_history.json), with its trained targets where counted."""
+        span = self.clock.span(step, self.samples_per_step, self.seq_len)
+        return {**span, "trained_tokens": None if self.trained_total is None else int(self.trained_total)}
 
     def _row(self, trainer: pl.Trainer, gathered: torch.Tensor, rates: dict[str, float]) -> dict[str, float]:
         """The metrics of one log step (metric names: README "Tracking and reports") from every rank's vector."""
@@ -369,25 +382,12 @@ class Recorder(pl.Callback):
         return {"peak_rss_gb": peak_rss, "peak_gpu_mem_gb": peak_gpu, "peak_gpu_reserved_gb": reserved}
 
     def rates(self, samples: int, seconds: float, peak_flops: float | None) -> dict[str, Any]:
-        """samples/s, tokens/s, TFLOP/s per device and MFU of `samples` trained in `seconds`
-        (an MFU above 1 is an error, not a number: the profile's peak is wrong)."""
-        tokens = samples * self.seq_len
-        ok = seconds > 0 and samples > 0
-        out: dict[str, Any] = {
-            "samples_per_sec": samples / seconds if ok else None,
-            "tokens_per_sec": tokens / seconds if ok and self.token_data else None,
-            "tflops_per_device": None,
-            "mfu": None,
-            "mfu_error": None,
-        }
-        if self.flops_per_token and ok:
-            out["tflops_per_device"] = tokens * self.flops_per_token / self.world_size / seconds / 1e12
-            value = mfu(tokens / seconds, self.flops_per_token, peak_flops, self.world_size)
-            err = mfu_error(value, peak_flops)
-            if err and self.mfu_error is None:
-                log.error(err)
-            out["mfu_error"] = err or self.mfu_error
-            out["mfu"] = None if out["mfu_error"] else value
+        """loom.tracking.trained.rates of this run; an impossible MFU's error logged once."""
+        out = trained.rates(samples, seconds, peak_flops, items_per_sample=self.seq_len, token_data=self.token_data,
+                            flops_per_token=self.flops_per_token, world_size=self.world_size)
+        if out["mfu_error"] and self.mfu_error is None:
+            log.error(out["mfu_error"])
+        out["mfu_error"] = out["mfu_error"] or self.mfu_error
         return out
 
     def attempt(self) -> dict[str, Any]:

@@ -68,6 +68,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             world_size=layout.world,
             token_data=data.is_token_data(cfg.dataset),
             warmup_steps=cfg.tracking.get("warmup_steps"),
+            model_parallel=layout.world // layout.dp,  # ranks sharing a batch (tp x pp)
         )
         recorder.checkpointing = saver  # its save time is not training time
         if rank == 0 and cfg.tracking.get("stragglers", True):  # the rule, on the vector the recorder gathers anyway

@@ -206,7 +206,9 @@ class RunResults:
         peak, rec = self.plan.peak_flops_per_device, self.recorder
         overall = rec.rates(total["samples"], total["train_s"], peak)
         steady = rec.rates(total["steady_samples"], total["steady_train_s"], peak) if total["steady_samples"] else None
+        trained = total.get("trained_tokens")  # padding and masked prompts left out (loom.tracking.trained)
         return {**(steady or overall), "steady": steady is not None, "steady_from_step": rec.clock.steady_step,
+                "trained_tokens_per_sec": trained / total["train_s"] if trained and total["train_s"] else None,
                 "overall": {k: overall[k] for k in ("samples_per_sec", "tokens_per_sec", "tflops_per_device", "mfu")}}
 
     def _sampled_memory(self) -> None:
