@@ -135,7 +135,9 @@ def bench_index(root: Path) -> dict:
     best = lambda runs, k: min(r[k] for r in runs)  # noqa: E731
     return {"tokens": 10**12, "windows": cold[0]["windows"], "cold_s": best(cold, "seconds"),
             "warm_s": best(warm, "seconds"), "rss_gb": max(r["rss_gb"] for r in cold + warm),
-            "legacy_1e10_tokens": legacy}
+            "val_windows": cold[0].get("val_windows"), "val_evaluated": cold[0].get("val_evaluated"),
+            "val_rss_gb": max(r.get("val_rss_gb") or 0.0 for r in cold + warm),
+            "val_peak_rss_gb": max(r.get("val_peak_rss_gb") or 0.0 for r in cold + warm), "legacy_1e10_tokens": legacy}
 
 
 def bench_wait(root: Path, steps: int) -> dict:

@@ -26,6 +26,13 @@ def rss_gb() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
+def peak_gb() -> float:
+    """The process's peak RSS so far (a list built and freed in between counts: it is what a rank needs)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
 def drop_cache(store: Path) -> None:
     for f in store.rglob("*"):
         if f.is_file():
@@ -47,21 +54,35 @@ def legacy(n: int) -> dict:
 
 
 def first_batch(store: Path, seq_len: int) -> dict:
+    """Rank 3 of 8: the first training batch, then the first validation batch as the datamodule
+    deals it (trainer.limit_val_batches global batches of the held-out windows: no per-window list)."""
     import torch  # noqa: F401  (the baseline includes torch, as a rank's does)
     from torch.utils.data import DataLoader
 
+    from loom.data.module import LoomDataModule
     from loom.data.sampler import ResumableDistributedSampler
+    from loom.data.store import read_sidecar
     from loom.data.stores import datasets
     from loom.pipeline import resolve
 
-    base, t0 = rss_gb(), time.perf_counter()
+    vocab = int((read_sidecar(store) or {}).get("vocab_size") or 256)  # a real store's vocabulary, not 256
+    base, peak0, t0 = rss_gb(), peak_gb(), time.perf_counter()
     cfg = resolve(["dataset=tokens", f"dataset.mix=[{store}]", f"dataset.seq_len={seq_len}",
-                   "dataset.batch_size=8", "model=gpt_tiny", f"model.block_size={seq_len}"])
-    train, _ = datasets(cfg)
+                   "dataset.batch_size=8", "model=gpt_tiny", f"model.block_size={seq_len}",
+                   f"model.vocab_size={vocab}", "hardware.dataloader_workers=0", "trainer.global_batch_size=64"])
+    train, val = datasets(cfg)
     sampler = ResumableDistributedSampler(train, 8, 3, micro_batch=8, global_batch=64, seed=0)
     x, y = next(iter(DataLoader(train, batch_size=8, sampler=sampler)))
-    return {"windows": len(train), "seconds": time.perf_counter() - t0, "rss_gb": rss_gb() - base,
-            "batch": list(x.shape)}
+    out = {"windows": len(train), "seconds": time.perf_counter() - t0, "rss_gb": rss_gb() - base,
+           "peak_rss_gb": peak_gb() - peak0, "batch": list(x.shape), "vocab_size": vocab}
+    if val is not None:
+        t1 = time.perf_counter()
+        dm = LoomDataModule(cfg, 3, 8)
+        dm.val_set = val
+        vx, _ = next(iter(dm.val_dataloader()))
+        out.update(val_windows=len(val), val_evaluated=dm.val_windows(len(val)), val_seconds=time.perf_counter() - t1,
+                   val_rss_gb=rss_gb() - base, val_peak_rss_gb=peak_gb() - peak0, val_batch=list(vx.shape))
+    return out
 
 
 def main() -> None:
