@@ -331,3 +331,21 @@ def test_data_verbs_never_import_torch(tmp_path, tok):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "wrote " in r.stdout and "loom store" in r.stdout
+
+
+def test_an_input_that_yields_no_token_is_refused_naming_it(tmp_path, capsys):
+    """A binary file in the glob (every byte not UTF-8: skipped, counted) made a 0-token store that
+    exited 0; now exit 2 naming it, and the --out directory is gone. An empty file beside text passes."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "model.bin").write_bytes(bytes(range(128, 256)) * 64)
+    (d / "empty.txt").write_text("")
+    (d / "notes.txt").write_text("some text")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", str(d / "*"), "--out", str(out), "--workers", "1", "--shard-mb", "0.000001"]) == 2
+    err = capsys.readouterr().err
+    assert f"1 input(s) yield no token ({d / 'model.bin'})" in err and "nothing was written" in err, err
+    assert err.strip().splitlines()[-1].startswith("Invalid input:") and "Traceback" not in err and not out.exists()
+    assert main(["data", "prepare", str(d / "model.bin"), "--out", str(out)]) == 2
+    assert "yield no token" in capsys.readouterr().err and not out.exists()
+    assert main(["data", "prepare", str(d / "notes.txt"), str(d / "empty.txt"), "--out", str(out)]) == 0

@@ -136,6 +136,25 @@ def run_units(tasks: list[tuple], workers: int, one_core: bool, on_done: Callabl
     ex.shutdown(wait=True)
 
 
+def refuse_tokenless(units: list[InputUnit], stats: list[dict[str, Any]], shown: int = 5) -> None:
+    """An input with bytes that yields no token (binary, not UTF-8, or no text in its field) is exit 2
+    naming it: a store of nothing trains nothing. Inputs are files (a file cut into several units
+    adds up its units); a unit of several small files is judged whole. Empty files pass."""
+    by_input: dict[tuple[str, ...], list[int]] = {}
+    for u, st in zip(units, stats, strict=True):
+        got = by_input.setdefault(u.paths if len(u.paths) > 1 else (u.paths[0],), [0, 0])
+        got[0] += int(st["tokens"])
+        got[1] += int(u.bytes)
+    bad = [paths for paths, (tokens, size) in by_input.items() if tokens == 0 and size > 0]
+    if not bad and sum(int(st["tokens"]) for st in stats):
+        return
+    named = "; ".join(" + ".join(paths) for paths in bad[:shown]) + ("; ..." if len(bad) > shown else "")
+    raise ConfigError(
+        f"Invalid input: {len(bad) or len(by_input)} input(s) yield no token ({named or 'every input'}): binary, "
+        "not UTF-8 (counted in not_utf8) or without text in the field read. Remove them, narrow the glob, or "
+        "name the field (--field); nothing was written.")
+
+
 def _summarized(sources: list[dict[str, Any]], most: int = 1000) -> list[dict[str, Any]]:
     """The sidecar's sources: every input up to `most`, then one entry for the rest (a corpus
     of a million files would make a sidecar every launch reads far too big)."""
@@ -183,6 +202,11 @@ def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers
     finally:
         prog.close()
     ordered = [stats[i] for i in range(len(units))]
+    try:
+        refuse_tokenless(units, ordered)
+    except ConfigError:  # its shards hold nothing worth resuming (a unit refused mid-way keeps the others')
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     sidecar = _sidecar(spec, plan, ordered)
     bad = next((s["first_not_utf8"] for s in ordered if s["first_not_utf8"]), None)
     if bad:
