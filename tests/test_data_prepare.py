@@ -349,3 +349,36 @@ def test_an_input_that_yields_no_token_is_refused_naming_it(tmp_path, capsys):
     assert main(["data", "prepare", str(d / "model.bin"), "--out", str(out)]) == 2
     assert "yield no token" in capsys.readouterr().err and not out.exists()
     assert main(["data", "prepare", str(d / "notes.txt"), str(d / "empty.txt"), "--out", str(out)]) == 0
+
+
+def test_ctrl_c_says_in_one_line_what_is_kept_and_how_to_resume(tmp_path, tok):
+    """SIGINT to a 2-worker prepare once a shard is done: exit 130 and one line (kept / total
+    shards, run again to resume), no worker's traceback; the same command then finishes the store
+    from the kept shards. (A real process: Ctrl-C reaches the workers too, as a terminal's would.)"""
+    import signal
+    import time
+
+    d = tmp_path / "in"
+    d.mkdir()
+    for i in range(48):  # 48 shards: the signal arrives long before the last (one takes ~0.1 s)
+        (d / f"f{i:02d}.txt").write_text((f"file {i}: " + " ".join(CORPUS)) * 400)
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "loom.cli", "data", "prepare", str(d / "*.txt"), "--out", str(out), "--tokenizer",
+            tok, "--workers", "2", "--shard-mb", str((d / "f00.txt").stat().st_size / MB)]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 300  # a guard only
+    while not list((out / ".prepare").glob("done/*.json")):
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "no shard finished"
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C: the whole foreground job
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("loom data prepare: stopped (Ctrl-C); ") and "/48 shards kept in" in line, err
+    kept = int(line.split("; ")[1].split("/")[0])
+    assert kept >= 1 and len(list(out.glob("part-*.idx"))) >= kept
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and json.loads((out / SIDECAR).read_text())["shards"] == [
+        f"part-{i:05d}" for i in range(48)], r.stderr

@@ -13,6 +13,7 @@ EXIT_FAILED = 1
 EXIT_INVALID = 2
 EXIT_INFEASIBLE = 3
 EXIT_PREEMPTED = 143
+EXIT_INTERRUPTED = 130  # a command stopped by Ctrl-C that keeps its work (`loom data prepare`)
 
 
 class ConfigError(Exception):

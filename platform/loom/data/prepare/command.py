@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from loom.data.prepare.run import check_out, prepare
+from loom.data.prepare.run import check_out, finished, prepare
 from loom.data.prepare.show import inspect_text
 from loom.data.prepare.units import auto_shard_bytes, units_for_inputs
-from loom.errors import EXIT_OK, ConfigError
+from loom.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -23,7 +24,13 @@ def prepare_command(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     shard_bytes = auto_shard_bytes(args.inputs) if args.shard_mb is None else int(args.shard_mb * (1 << 20))
     units = units_for_inputs(args.inputs, args.field, shard_bytes)
-    sc = prepare(units, out, args.tokenizer, workers=args.workers, strict=args.strict)
+    try:
+        sc = prepare(units, out, args.tokenizer, workers=args.workers, strict=args.strict)
+    except KeyboardInterrupt:
+        kept = sum(finished(out, i) is not None for i in range(len(units)))
+        print(f"loom data prepare: stopped (Ctrl-C); {kept}/{len(units)} shards kept in {out}: run the same "
+              "command again to resume from them", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     dt = time.monotonic() - t0
     mb = sum(u.bytes for u in units) / 1e6
     skipped = f"; skipped {sc['empty_skipped']:,} empty and {sc['not_utf8']:,} non-UTF-8 document(s)" \

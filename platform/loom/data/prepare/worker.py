@@ -25,10 +25,14 @@ _encoders: dict[TokenSpec, DocEncoder] = {}  # one tokenizer per process, loaded
 
 
 def single_threaded() -> None:
-    """One core per worker: the tokenizers library's Rust threads off (read when it first
-    encodes, so this runs before any worker encodes)."""
+    """A pool worker's start: one core (the tokenizers library's Rust threads off, read when it first
+    encodes, so this runs before any worker encodes), and Ctrl-C left to the parent, which stops the
+    pool and says what is kept (a worker's own KeyboardInterrupt traceback was 26-47 lines)."""
+    import signal
+
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def shard_name(i: int) -> str:
