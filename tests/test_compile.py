@@ -112,8 +112,7 @@ def _assert_compiled_at_step_1_only(r, log: str) -> None:
 def _stub_trainer(max_steps: int, world_size: int = 1) -> SimpleNamespace:
     """What the Recorder reads of Lightning's Trainer (the Recorder is what is under test)."""
     return SimpleNamespace(global_step=0, world_size=world_size, global_rank=0, max_steps=max_steps, optimizers=[],
-                           loggers=[], accumulate_grad_batches=1, sanity_checking=False, callback_metrics={},
-                           log_every_n_steps=0)  # no logger of Lightning's: the Recorder publishes its rows
+                           loggers=[], accumulate_grad_batches=1, sanity_checking=False, callback_metrics={})
 
 
 def test_a_recompile_is_found_at_its_step_and_only_its_window_leaves_the_steady_rate(caplog):

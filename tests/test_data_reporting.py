@@ -44,7 +44,7 @@ def _stub_trainer(max_steps: int, workers: int | None = 0) -> SimpleNamespace:
     loader = SimpleNamespace(num_workers=workers) if workers is not None else None
     return SimpleNamespace(global_step=0, world_size=1, global_rank=0, max_steps=max_steps, optimizers=[],
                            loggers=[], accumulate_grad_batches=1, sanity_checking=False, callback_metrics={},
-                           train_dataloader=loader, log_every_n_steps=0)  # no logger of Lightning's
+                           train_dataloader=loader)
 
 
 # ----------------------------------------------------------------------------- the percentage

@@ -27,7 +27,7 @@ NEEDS: tuple[Need, ...] = (
     *(Need(f"dataset={name}", lambda cfg, name=name: cfg.dataset.name == name, module, example=(f"dataset={name}",))
       for name, option in DATASETS.items() for module in option.packages),
     Need("dataset.tokenizer=<name or directory>", lambda cfg: bool(cfg.dataset.get("tokenizer")), "transformers",
-         example=("dataset.tokenizer=gpt2",)),
+         example=("dataset.tokenizer=/models/tokenizer",)),
 )
 
 

@@ -27,7 +27,8 @@ SCHEMAS: dict[str, type] = {name: option.schema for name, option in MODELS.items
 NEEDS: tuple[Need, ...] = (
     *(Need(f"model={' or '.join(f.options)}", lambda cfg, f=f: cfg.model.name in f.options, module,
            example=(f"model={f.options[0]}",)) for f in FAMILIES for module in f.packages),
-    Need("model.lora.r > 0", lambda cfg: lora_checks.lora_on(cfg.model), "peft", example=("model=llama_tiny", "model.lora.r=8")),
+    Need("model.lora.r > 0", lambda cfg: lora_checks.lora_on(cfg.model), "peft",
+         example=(f"model={next(f.options[0] for f in FAMILIES if f.lora_targets)}", "model.lora.r=8")),
 )
 
 

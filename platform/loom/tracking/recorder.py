@@ -157,9 +157,6 @@ class Recorder(pl.Callback):
         self.clock.step_done(step, self._ckpt_seconds())
         if step > self.last_log_step and (step % self.log_every == 0 or step >= trainer.max_steps):
             self._log(trainer, pl_module)
-        if trainer.log_every_n_steps and step % trainer.log_every_n_steps == 0:
-            # a module's self.log in a step (MoE's load) goes out at Lightning's step - 1: at this step
-            pl_module.log("step", float(step), on_step=True, on_epoch=False, logger=True)
         self.batch_end, self.ckpt_at_batch_end = time.perf_counter(), self._ckpt_seconds()
 
     def on_validation_start(self, trainer, pl_module) -> None:
@@ -388,6 +385,7 @@ class Recorder(pl.Callback):
         if out["mfu_error"] and self.mfu_error is None:
             log.error(out["mfu_error"])
         out["mfu_error"] = out["mfu_error"] or self.mfu_error
+        out["mfu"] = None if out["mfu_error"] else out["mfu"]
         return out
 
     def attempt(self) -> dict[str, Any]:

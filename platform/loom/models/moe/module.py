@@ -106,6 +106,9 @@ class MoEModule(DecoderModule):
         high, low = float(ratios.max()), float(ratios.min())
         self.log("moe/expert_load_max", high, on_step=True, on_epoch=False)
         self.log("moe/expert_load_min", low, on_step=True, on_epoch=False)
+        # Lightning sends a step's self.log values out with its count of finished steps (this step - 1):
+        # "step" puts them, and the aux loss logged in the step, at the step they belong to (train/loss's)
+        self.log("step", float(self.trainer.global_step), on_step=True, on_epoch=False)
         worst = self.routing.get("worst_expert_load_max", 0.0)
         self.routing = {"expert_load_max": round(high, 4), "expert_load_min": round(low, 4),
                         "worst_expert_load_max": round(max(worst, high), 4), "dropped_tokens": 0,
