@@ -14,6 +14,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from loom.compose.hydra_options import apply_verbose
 from loom.hardware.machine import usable_cores
@@ -127,7 +128,8 @@ def run(run_dir: Path) -> int:
         return _run(cfg, run_dir, rank)
 
 
-def _run(cfg, run_dir: Path, rank: int) -> int:
+def _run(cfg: Any, run_dir: Path, rank: int) -> int:
+    """`run`'s body, inside the rank's hold of the run (its logging, threads, process group, fit)."""
     setup_logging(run_dir, rank)
     quiet_progress_bars()
     progress = Progress()
