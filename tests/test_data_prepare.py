@@ -139,6 +139,13 @@ def test_every_format_round_trips_to_the_encoders_ids(tmp_path, tok, encoder, ki
     assert not (tmp_path / "out" / ".prepare").exists() and len(sc["shards"]) == len(units)
     if kind in ("jsonl", "csv", "parquet"):
         assert len(units) > len(inputs)  # the uncompressed file was cut
+    if kind in ("jsonl", "csv"):  # and so were the .gz and .zst ones (each was one unit): ranges of their text
+        for path in [p for p in sorted({u.paths[0] for u in units}) if p.endswith((".gz", ".zst"))]:
+            ranges = [(u.start, u.stop, u.bytes) for u in units if u.paths[0] == path]
+            text = gzip.decompress(Path(path).read_bytes()) if path.endswith(".gz") else None
+            assert len(ranges) > 2 and all(b - a == n for a, b, n in ranges), ranges
+            assert [a for a, _, _ in ranges[1:]] == [b for _, b, _ in ranges[:-1]] and ranges[0][0] == 0
+            assert text is None or (ranges[-1][1] == len(text) and all(text[a - 1:a] == b"\n" for a, _, _ in ranges[1:]))
 
 
 def test_byte_level_and_empty_documents(tmp_path):
@@ -155,14 +162,105 @@ def test_byte_level_and_empty_documents(tmp_path):
 def test_csv_cut_only_outside_quoted_newlines(tmp_path):
     docs = [f"line {i}\n" * (i % 4) + '"q"' + "x" * 30 for i in range(60)]
     path = _csv(tmp_path / "a.csv", docs)
-    cuts = line_cuts(path, path.stat().st_size, 100, quoted=True)
-    assert len(cuts) > 5
+    cuts, size = line_cuts(path, 100, quoted=True)
     data = path.read_bytes()
+    assert len(cuts) > 5 and size == len(data)
     for c in cuts:  # each cut starts a record: an even number of quotes before it
         assert data[c - 1:c] == b"\n" and data[:c].count(b'"') % 2 == 0
     units = units_for_inputs([str(path)], "text", 100)
     prepare(units, tmp_path / "out", None, workers=1, progress="none")
     _expect(tmp_path / "out", [d for d in docs if d], Encoder(None))
+
+
+def _legacy_sp_tokenizer(dest: Path) -> str:
+    """A BPE as transformers converts a legacy sentencepiece one (Llama 2's tokenizer.json: a "▁"
+    prepended to each text it encodes, spaces as "▁", no pre-tokenizer), which no cut leaves unchanged."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", eos_token="<eos>").save_pretrained(str(dest))
+    return str(dest)
+
+
+def _long_doc(chars: int) -> str:
+    """Text of CORPUS lines with runs of spaces, newlines and non-ASCII between them."""
+    parts, n, i = [], 0, 0
+    while n < chars:
+        part = CORPUS[i % len(CORPUS)] + ["\n", "  ", "\n\n", " ✓ ", "\t"][i % 5]
+        parts.append(part)
+        n, i = n + len(part), i + 1
+    return "".join(parts)[:chars]
+
+
+def test_a_long_document_is_tokenized_in_pieces_with_one_calls_ids(tmp_path, tok, encoder, capsys):
+    """Tokenizer memory grows faster than a document (one of 12.7 MB took a worker to 3.55 GB): a
+    document over 1 M characters is cut where its tokens do not change, checked, and its ids equal
+    one call's, in pieces of any size; a tokenizer that no cut leaves unchanged (legacy sentencepiece)
+    has its document refused above --max-doc-mb, naming it (exit 2), and tokenized whole below it."""
+    from loom.data.prepare.encoding import DocEncoder, token_spec
+    from loom.data.prepare.pieces import PIECE_CHARS, encode_long
+
+    doc = _long_doc(PIECE_CHARS * 5 // 4)
+    enc = DocEncoder(token_spec(tok))
+    whole = enc.ids(doc)
+    for piece in (3_000, 50_000):
+        assert encode_long(enc.ids, doc[:400_000], 0, piece=piece) == enc.ids(doc[:400_000])
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_bytes(_jsonl(["short one", doc, "after it"]))
+    assert main(["data", "prepare", str(d / "a.jsonl"), "--out", str(tmp_path / "out"), "--tokenizer", tok,
+                 "--workers", "1", "--max-doc-mb", "0.5"]) == 0
+    got = _docs_of(tmp_path / "out")
+    assert [len(a) for a in got] == [len(x) for x in encoder.encode_batch(["short one", doc, "after it"])]
+    assert got[1].tolist() == whole + [encoder.tok.eos_token_id]
+
+    meta = _legacy_sp_tokenizer(tmp_path / "meta")
+    args = ["data", "prepare", str(d / "a.jsonl"), "--out", str(tmp_path / "m"), "--tokenizer", meta, "--workers", "1"]
+    assert main([*args, "--max-doc-mb", "1"]) == 2
+    err = capsys.readouterr().err
+    first = len(_jsonl(["short one"]))
+    assert f"the document {d / 'a.jsonl'} at byte {first} has 1.3 M characters and no place to cut" in err, err
+    assert "--max-doc-mb 2" in err and "kept" in err and "Traceback" not in err
+    assert main([*args, "--max-doc-mb", "2"]) == 0  # resumed: the plan does not hold the limit
+    menc = DocEncoder(token_spec(meta))
+    assert _docs_of(tmp_path / "m")[1].tolist() == menc.ids(doc) + [menc.eos[0]]
+
+
+def test_progress_is_reported_while_a_unit_runs_and_kept_shards_apart(tmp_path, tok, monkeypatch):
+    """Lines came only when a unit finished (5 lines in 11.5 minutes) and counted compressed bytes:
+    a running unit reports the text it has read (a .gz's text, to the unit's size) through the
+    pool's queue, Progress shows it every 10 s, and says apart what an earlier run kept."""
+    import queue
+
+    from loom.data.prepare import run, worker
+
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl(DOCS * 5)))
+    [unit] = units_for_inputs([str(tmp_path / "a.jsonl.gz")], "text", 10 * MB)
+    assert unit.bytes == len(_jsonl(DOCS * 5))  # the text, not the file's 3x smaller size
+    monkeypatch.setattr(worker, "REPORT_S", 0.0)
+    monkeypatch.setattr(worker, "BATCH_DOCS", 7)
+    q: queue.Queue = queue.Queue()
+    monkeypatch.setattr(worker, "_queue", q)
+    spec = run.token_spec(tok)
+    stats = worker.run_unit(0, unit, str(tmp_path / "out"), ".prepare", spec, False)
+    reports: list[tuple] = []
+    run._drain(q, reports.append)
+    read = [r[1] for r in reports]
+    assert len(reports) == 200 and read == sorted(read) and 0 < read[0] < read[-1] <= unit.bytes
+    assert reports[-1][2] == 200 and 0 < reports[-1][3] <= stats["tokens"]
+
+    lines: list[str] = []
+    p = Progress(3, 3_000_000_000, "lines", lines.append, every_s=0)
+    p.add({"unit": 0, "documents": 10, "tokens": 100, "bytes": 1_000_000_000}, kept=True)
+    p.partial((1, 500_000_000, 5, 50))
+    assert lines[-1].startswith("prepare: 1/3 units (1 kept from an earlier run), 15 docs, 0.50 of 2.00 GB of new "
+                                "text, ") and "150 tokens" in lines[-1]
+    p.add({"unit": 1, "documents": 6, "tokens": 60, "bytes": 1_000_000_000})
+    p.partial((1, 900_000_000, 5, 50))  # a late report of a finished unit changes nothing
+    assert "2/3 units (1 kept from an earlier run), 16 docs, 1.00 of 2.00 GB" in p.line()
 
 
 def test_workers_do_not_change_the_bytes(tmp_path, tok):
@@ -312,10 +410,10 @@ def test_front_end_units_match_todays_token_files(tmp_path, tok, encoder):
 def test_progress_lines_are_rate_limited():
     lines: list[str] = []
     p = Progress(3, 3_000_000_000, "lines", lines.append, every_s=3600)
-    p.add({"documents": 1_234_567, "tokens": 2_345_678, "bytes": 1_000_000_000})
+    p.add({"unit": 0, "documents": 1_234_567, "tokens": 2_345_678, "bytes": 1_000_000_000})
     assert lines == []
     p.close()
-    assert lines[0].startswith("prepare: 1/3 units, 1,234,567 docs, 1.00 GB of 3.00 GB, ")
+    assert lines[0].startswith("prepare: 1/3 units, 1,234,567 docs, 1.00 of 3.00 GB of text, ")
     assert "2,345,678 tokens, ETA " in lines[0]
 
 

@@ -235,6 +235,9 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--shard-mb", type=float, metavar="MB",
                     help="input per work unit and shard (default: a 64th of the input, 1 to 256); it fixes "
                          "the output, --workers does not")
+    pp.add_argument("--max-doc-mb", type=float, metavar="MB", default=None,
+                    help="the longest document (M characters) tokenized whole when the tokenizer gives no place "
+                         "to cut it into 1 M-character pieces; a longer one is refused, naming it (default: 8)")
     pp.set_defaults(func=cmd_data)
     ins = dsub.add_parser("inspect", help="documents, tokens, tokenizer, shards and sources of a store")
     ins.add_argument("path", metavar="PATH", help="a store directory or a Megatron prefix")

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from loom.data.prepare.pieces import DEFAULT_MAX_DOC_MB
 from loom.data.prepare.run import check_out, finished, prepare
 from loom.data.prepare.show import inspect_text
 from loom.data.prepare.units import auto_shard_bytes, units_for_inputs
@@ -19,13 +20,16 @@ def prepare_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"Invalid usage: --shard-mb {args.shard_mb}: must be positive (MB of input per shard).")
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"Invalid usage: --workers {args.workers}: must be at least 1.")
+    max_doc_mb = DEFAULT_MAX_DOC_MB if args.max_doc_mb is None else args.max_doc_mb
+    if max_doc_mb <= 0:
+        raise ConfigError(f"Invalid usage: --max-doc-mb {args.max_doc_mb}: must be positive (M characters).")
     out = Path(args.out).expanduser()
     check_out(out)
     t0 = time.monotonic()
     shard_bytes = auto_shard_bytes(args.inputs) if args.shard_mb is None else int(args.shard_mb * (1 << 20))
     units = units_for_inputs(args.inputs, args.field, shard_bytes)
     try:
-        sc = prepare(units, out, args.tokenizer, workers=args.workers, strict=args.strict)
+        sc = prepare(units, out, args.tokenizer, workers=args.workers, strict=args.strict, max_doc_mb=max_doc_mb)
     except KeyboardInterrupt:
         kept = sum(finished(out, i) is not None for i in range(len(units)))
         print(f"loom data prepare: stopped (Ctrl-C); {kept}/{len(units)} shards kept in {out}: run the same "

@@ -126,6 +126,19 @@ class DocEncoder:
             self.batch = getattr(self.tok, "encode_batch_fast", None) or self.tok.encode_batch
         self.eos = [] if spec.eos_id is None else [spec.eos_id]
 
+    def ids(self, text: str) -> list[int]:
+        """One text's ids as the batch encoder gives them (no EOS)."""
+        return self.batch([text], add_special_tokens=False)[0].ids
+
+    def encode_long(self, text: str, max_whole_chars: int) -> np.ndarray:
+        """One long document's array, tokenized in checked pieces (loom.data.prepare.pieces says
+        why); raises pieces.Uncuttable above `max_whole_chars` where it cannot be cut."""
+        if self.tok is None:
+            return self.encode([text])[0]
+        from loom.data.prepare.pieces import encode_long
+
+        return np.array(encode_long(self.ids, text, max_whole_chars) + self.eos, dtype=self.dtype)
+
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         if self.tok is None:
             return [np.frombuffer(t.encode() + b"\n", dtype=np.uint8) for t in texts]

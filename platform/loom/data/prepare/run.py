@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any
 
 from loom.atomic import atomic_write_text
 from loom.data.prepare.encoding import TokenSpec, token_spec
+from loom.data.prepare.pieces import DEFAULT_MAX_DOC_MB
 from loom.data.prepare.progress import Progress
 from loom.data.prepare.units import sources_of
 from loom.data.prepare.worker import done_path, run_unit, shard_name, single_threaded
@@ -116,24 +117,44 @@ def _kill(ex: ProcessPoolExecutor) -> None:
     ex.shutdown(wait=False, cancel_futures=True)
 
 
-def run_units(tasks: list[tuple], workers: int, one_core: bool, on_done: Callable[[dict], None]) -> None:
-    """Run (i, unit, out, prepare_dir, spec, strict) tasks: in this process when one worker does
-    (`one_core`: the tokenizer's threads off, so one worker is one core), else a spawn pool."""
+def _drain(queue: Any, on_report: Callable[[tuple], None]) -> None:
+    """Pass on every progress report the workers have queued."""
+    import queue as queue_module
+
+    while True:
+        try:
+            on_report(queue.get_nowait())
+        except (queue_module.Empty, OSError, EOFError):
+            return
+
+
+def run_units(tasks: list[tuple], workers: int, one_core: bool, on_done: Callable[[dict], None],
+              on_report: Callable[[tuple], None] | None = None) -> None:
+    """Run (i, unit, out, prepare_dir, spec, strict, max_doc_mb) tasks: in this process when one
+    worker does (`one_core`: the tokenizer's threads off, so one worker is one core), else a spawn
+    pool. `on_report` gets running units' progress about every second either way."""
     if workers <= 1:
         with _env(TOKENIZERS_PARALLELISM="false") if one_core else _env():
             for t in tasks:
-                on_done(run_unit(*t))
+                on_done(run_unit(*t, report=on_report))
         return
     ctx = multiprocessing.get_context("spawn")  # never fork a process whose tokenizer holds threads
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=single_threaded)
-    futures = [ex.submit(run_unit, *t) for t in tasks]
+    reports = ctx.Queue()
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=single_threaded, initargs=(reports,))
+    pending = {ex.submit(run_unit, *t) for t in tasks}
     try:
-        for fut in as_completed(futures):
-            on_done(fut.result())
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            _drain(reports, on_report or (lambda _: None))
+            for fut in done:
+                on_done(fut.result())
+            if on_report is not None and not done:
+                on_report(None)
     except BaseException:
         _kill(ex)
         raise
     ex.shutdown(wait=True)
+    reports.close()
 
 
 def refuse_tokenless(units: list[InputUnit], stats: list[dict[str, Any]], shown: int = 5) -> None:
@@ -174,10 +195,13 @@ def _sidecar(spec: TokenSpec, plan: dict[str, Any], stats: list[dict[str, Any]])
 
 
 def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers: int | None = None,
-            strict: bool = False, progress: str = "auto", log: Callable[[str], None] | None = None) -> dict:
+            strict: bool = False, progress: str = "auto", log: Callable[[str], None] | None = None,
+            max_doc_mb: float = DEFAULT_MAX_DOC_MB) -> dict:
     """Tokenize `units` into the store `out` (resuming an interrupted prepare of the same plan);
     returns the sidecar. progress: "auto" (a bar on a TTY, else lines via `log`), "bar",
-    "lines" or "none". ConfigError for bad input; nothing is visible as a store until the end."""
+    "lines" or "none". `max_doc_mb`: the longest document tokenized whole where no checked cut
+    is found (loom.data.prepare.pieces); not in the plan, as it changes no token, only what is
+    refused. ConfigError for bad input; nothing is visible as a store until the end."""
     out = Path(out).expanduser()
     check_out(out)
     spec = token_spec(tokenizer)
@@ -195,10 +219,13 @@ def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers
         stats[s["unit"]] = s
         prog.add(s)
 
-    tasks = [(i, u, str(out), PREPARE_DIR, spec, strict) for i, u in enumerate(units) if i not in stats]
+    def on_report(report: tuple | None) -> None:
+        prog.partial(report) if report is not None else prog.tick()
+
+    tasks = [(i, u, str(out), PREPARE_DIR, spec, strict, max_doc_mb) for i, u in enumerate(units) if i not in stats]
     n = (os.cpu_count() or 1) if workers is None else max(1, workers)
     try:
-        run_units(tasks, min(n, len(tasks)), one_core=n == 1, on_done=on_done)
+        run_units(tasks, min(n, len(tasks)), one_core=n == 1, on_done=on_done, on_report=on_report)
     finally:
         prog.close()
     ordered = [stats[i] for i in range(len(units))]

@@ -1,10 +1,11 @@
 """Work units: the inputs cut into pieces whose boundaries depend only on the inputs and the
 shard size, never on the worker count, so unit i always writes the same shard `part-{i:05d}`.
 
-Text files are grouped in order up to about a shard of input; an uncompressed JSON-lines or CSV
-file is cut at record boundaries into byte ranges; parquet by row groups; a Hugging Face
-dataset by row ranges. A compressed file (.gz, .zst) cannot be entered in the middle: it is
-one unit (a parquet file's row groups still split it when it is not compressed).
+Text files are grouped in order up to about a shard of input; a JSON-lines or CSV file is cut
+at record boundaries into ranges of its text (a .gz/.zst one found in one decompressing pass:
+scan.line_cuts says why that is cheap), so a few big compressed files still use every worker;
+parquet by row groups (a compressed parquet file is one unit); a Hugging Face dataset by row
+ranges. A unit's `bytes` is its text (a parquet unit's share of the file), what progress counts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from loom.data.prepare.scan import (
     line_cuts,
     parquet_row_groups,
     resolve_inputs,
+    text_bytes_estimate,
 )
 from loom.data.prepare.workunit import InputUnit
 
@@ -30,9 +32,10 @@ AUTO_UNITS = 64
 
 
 def auto_shard_bytes(inputs: list[str]) -> int:
-    """The default unit size: a 64th of the input, within [1 MB, 256 MB], so a corpus of a few
-    hundred MB still keeps every core busy. It depends on the inputs only, never on --workers."""
-    total = sum(dir_bytes(p) if p.is_dir() else p.stat().st_size for p in resolve_inputs(inputs))
+    """The default unit size: a 64th of the input's text (a compressed file's estimated), within
+    [1 MB, 256 MB], so a corpus of a few hundred MB still keeps every core busy. It depends on the
+    inputs only, never on --workers."""
+    total = sum(dir_bytes(p) if p.is_dir() else text_bytes_estimate(p) for p in resolve_inputs(inputs))
     return min(MAX_SHARD, max(MIN_SHARD, total // AUTO_UNITS))
 
 
@@ -89,10 +92,13 @@ def _units_of(path: Path, kind: str, fmt: str, field_: str, shard_bytes: int) ->
                 for a, b, n in groups] or [InputUnit("parquet", (p,), field=field_, start=0, stop=0)]
     if kind == "parquet":
         return [InputUnit("parquet", (p,), field=field_, bytes=size)]
-    if path.name.endswith(COMPRESSED) or size <= shard_bytes:
+    if size <= shard_bytes and not path.name.endswith(COMPRESSED):
         return [InputUnit("lines", (p,), fmt=fmt, field=field_, stop=-1, bytes=size)]
+    cuts, text = line_cuts(path, shard_bytes, quoted=fmt == "csv")
+    if not cuts:
+        return [InputUnit("lines", (p,), fmt=fmt, field=field_, stop=-1, bytes=text)]
     return [InputUnit("lines", (p,), fmt=fmt, field=field_, start=a, stop=b, bytes=b - a)
-            for a, b in _ranges(line_cuts(path, size, shard_bytes, quoted=fmt == "csv"), size)]
+            for a, b in _ranges(cuts, text)]
 
 
 def units_for_inputs(inputs: list[str], field: str, shard_bytes: int) -> list[InputUnit]:
