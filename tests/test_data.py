@@ -292,7 +292,7 @@ def test_digits_two_ranks_see_disjoint_samples_covering_the_epoch(digits_referen
 def test_killed_mid_epoch_resumes_with_exactly_the_remaining_samples(tmp_path, digits_reference):
     ref, ref_ids = digits_reference
     env = {**helpers_env(tmp_path), "LOOM_RECORD_SAMPLE_IDS": str(tmp_path / "ids")}
-    run_dir = tmp_path / "gpt" / "digits"
+    run_dir = tmp_path / "custom" / "digits"  # experiment: the model family (custom)
     # steps 3-4 profiled (trainer.profile, volatile like max_restarts): the profiler only observes,
     # so the curve and weights below still equal the unprofiled reference's, bit for bit
     proc = start_loom("train", *DIGITS, "hardware.max_restarts=1", "trainer.profile.steps=[3,5]", root=tmp_path, env=env)

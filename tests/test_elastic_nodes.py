@@ -187,8 +187,8 @@ def runs(tmp_path_factory) -> dict:
     ref = _start_nodes(root, "ref", _free_port(), root / "ids-ref")
     out["ref_outs"] = _outputs(ref, 400)
     out["ref_rc"] = [p.returncode for p in ref]
-    out["ref"] = LoomResult(0, "", "", root / "gpt" / "ref")
-    port, run_dir = _free_port(), root / "gpt" / "lost"
+    out["ref"] = LoomResult(0, "", "", root / "custom" / "ref")
+    port, run_dir = _free_port(), root / "custom" / "lost"
     nodes = _start_nodes(root, "lost", port, root / "ids-lost")
     try:
         out.update(_lose_a_node(run_dir, port, nodes, root / "gate-lost"))

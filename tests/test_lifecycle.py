@@ -197,7 +197,7 @@ def test_a_second_launch_is_refused_and_sigint_checkpoints_exits_143_and_the_sam
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
     message = [line for line in err.splitlines() if not line.startswith("warning:")]
     assert len(message) == 2 and "checkpoint was saved" in message[0] and "same command" in message[1], err
-    run_dir = root / "gpt" / "ctrlc"
+    run_dir = root / "custom" / "ctrlc"
     s = json.loads((run_dir / "summary.json").read_text())
     stopped = s["global_step"]
     assert s["status"] == "preempted" and stopped in (1, 2)  # the signal may beat step 1's boundary

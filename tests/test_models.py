@@ -39,6 +39,18 @@ def test_gpt_sizes_match_the_spec_on_the_meta_device(name):
         assert abs(spec.params - expected) / expected < 0.05
 
 
+def test_the_default_experiment_is_the_models_family(tmp_path):
+    """Every run was under runs/gpt/ (Llama, MoE and Kubernetes ones too): a null `experiment` is
+    the model's family, in the validated config and the run dir; a given name wins."""
+    from loom.freeze import run_dir_of
+
+    cases = {("model=llama_tiny",): "llama", ("model=moe_tiny",): "moe", (): "gpt",
+             ("dataset=digits", "model=mlp"): "mlp", ("model=llama_tiny", "experiment=mine"): "mine"}
+    for overrides, name in cases.items():
+        cfg = resolve([*overrides, f"run.root={tmp_path}", "run.id=x"])
+        assert cfg.experiment == name and run_dir_of(cfg, "x") == (tmp_path / name / "x").resolve(), overrides
+
+
 def test_mlp_spec_matches_the_module_and_fills_sizes_from_the_dataset():
     from loom.models import build_module
 

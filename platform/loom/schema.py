@@ -148,6 +148,7 @@ SECTIONS: dict[str, type] = {
     "kubernetes": KubernetesConfig,
 }
 TOP_LEVEL = {"experiment": str, "seed": int}
+NULLABLE_TOP_LEVEL = {"experiment"}  # null: the model's family (loom.models.experiment_of)
 
 
 def load(ref: str) -> Any:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
+from loom.models import experiment_of
 from loom.packages import TRAINING, check_needs
 from loom.schema import SUMMARY_METRICS
 from loom.validate import package_needs
@@ -170,7 +171,7 @@ def run_sweep(
                       "sampler": sampler, "n": base.sweep.n_trials if sampler == "optuna" else None,
                       "seed": base.sweep.seed})
     sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
-    sweep_dir = (Path(base.run.root) / base.experiment / "sweeps" / sweep_id).resolve()
+    sweep_dir = (Path(base.run.root) / experiment_of(base) / "sweeps" / sweep_id).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides, objective, direction)
     pin = [f"run.sweep_dir={sweep_dir}"]

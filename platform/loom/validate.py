@@ -20,7 +20,15 @@ from loom.compose import GROUP_PACKAGES, valid_keys
 from loom.errors import ConfigError, require
 from loom.packages import PACKAGES, TRAINING, VALIDATION, Need, check_needs
 from loom.redaction import secret_literals
-from loom.schema import GROUPS, SECRET_ADVICE, SECTIONS, TOP_LEVEL, typed, unknown_key_message
+from loom.schema import (
+    GROUPS,
+    NULLABLE_TOP_LEVEL,
+    SECRET_ADVICE,
+    SECTIONS,
+    TOP_LEVEL,
+    typed,
+    unknown_key_message,
+)
 from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
 
 # Group checks run in this order (the first failure is the one reported).
@@ -85,6 +93,9 @@ def typed_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(unknown_key_message(str(key), cfg[key], valid_keys("")))
     for key, typ in TOP_LEVEL.items():
         val = cfg.get(key)
+        if val is None and key in NULLABLE_TOP_LEVEL:
+            out[key] = val
+            continue
         if not isinstance(val, typ) or isinstance(val, bool):
             raise ConfigError(f"Invalid config: {key}={val!r} must be of type {typ.__name__}.")
         out[key] = val

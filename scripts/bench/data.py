@@ -11,8 +11,12 @@
             < 0.3 GB, < 10 s cold, < 1 s warm.
   wait      `loom train` gpt_small, 2 ranks (ddp), dataset=tokens over a 3-source mixture:
             perf/data_wait_pct per log window. Target: < 1% of the step.
+  bigdoc    one 20 MB document (a JSON line): the peak RSS of `loom data prepare --workers 1`
+            (in pieces, loom.data.prepare.pieces) against the tokenizer's one call on the same
+            text, each in its own process, and whether the ids are the same. Target: prepare
+            < 0.5 GB, the README's bound.
 
-    .venv/bin/python scripts/bench/data.py [--only tokenize,index,wait] [--mb 24] [--json PATH]
+    .venv/bin/python scripts/bench/data.py [--only tokenize,index,wait,bigdoc] [--mb 24] [--json PATH]
 
 Nothing asserts a time; the last lines say which targets the figures meet.
 """
@@ -100,6 +104,49 @@ def bench_tokenize(root: Path, mb: float) -> dict:
     return out
 
 
+PEAK = """
+import json, resource, sys
+sys.argv = sys.argv[1:]
+if sys.argv[0] == "one_call":
+    import numpy as np
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(sys.argv[1] + "/tokenizer.json")
+    ids = tok.encode_batch_fast([json.loads(open(sys.argv[2]).read())["text"]], add_special_tokens=False)[0].ids
+    np.save(sys.argv[3], np.array(ids, dtype=np.uint16))
+else:
+    from loom.cli import main
+    assert main(sys.argv[1:]) == 0
+print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
+"""
+
+
+def bench_bigdoc(root: Path, mb: float = 20.0) -> dict:
+    """Peak RSS of prepare (pieces) and of one tokenizer call over one `mb` MB document."""
+    import numpy as np
+
+    from loom.data.store import open_store
+
+    jsonl, _ = corpus(root / "small.jsonl", 4)
+    tok = tokenizer(root / "tok-big", jsonl)
+    text = "\n".join(json.loads(line)["text"] for line in open(jsonl))
+    while len(text) < mb * 1e6:
+        text += "\n" + text
+    doc = root / "bigdoc.jsonl"
+    doc.write_text(json.dumps({"text": text[: int(mb * 1e6)]}) + "\n")
+    run = lambda *args: json.loads(subprocess.run([PY, "-c", PEAK, *args], capture_output=True, text=True,  # noqa: E731
+                                                  env=bench_env(), check=True).stdout.splitlines()[-1])
+    t0 = time.perf_counter()
+    prep = run("data", "prepare", str(doc), "--tokenizer", str(tok), "--out", str(root / "bigdoc"), "--workers", "1")
+    prep_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    one = run("one_call", str(tok), str(doc), str(root / "one.npy"))
+    one_s = time.perf_counter() - t0
+    store = open_store(root / "bigdoc")
+    got = store.read(0, store.n_tokens)
+    same = bool(np.array_equal(got[:-1], np.load(root / "one.npy")))  # the store appends the EOS
+    return {"doc_mb": mb, "prepare_peak_rss_gb": prep["peak_rss_gb"], "prepare_s": prep_s,
+            "one_call_peak_rss_gb": one["peak_rss_gb"], "one_call_s": one_s, "same_ids": same}
+
+
 def big_store(d: Path, docs: int = 10**6, doc_tokens: int = 10**6) -> Path:
     """A Megatron-format store of docs x doc_tokens uint16 tokens: a real index, a sparse .bin."""
     import numpy as np
@@ -163,7 +210,7 @@ def bench_wait(root: Path, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="tokenize,index,wait")
+    ap.add_argument("--only", default="tokenize,index,wait,bigdoc")
     ap.add_argument("--mb", type=float, default=24.0, help="tokenize: MB of text")
     ap.add_argument("--steps", type=int, default=40, help="wait: training steps")
     ap.add_argument("--json", type=Path)
@@ -173,14 +220,14 @@ def main() -> None:
         for part in a.only.split(","):
             t0 = time.perf_counter()
             out[part] = {"tokenize": lambda: bench_tokenize(Path(tmp), a.mb), "index": lambda: bench_index(Path(tmp)),
-                         "wait": lambda: bench_wait(Path(tmp), a.steps)}[part]()
+                         "wait": lambda: bench_wait(Path(tmp), a.steps), "bigdoc": lambda: bench_bigdoc(Path(tmp))}[part]()
             print(f"{part} ({time.perf_counter() - t0:.0f} s): {json.dumps(out[part], default=str)}", flush=True)
     verdicts(out)
     write_json(a.json, out)
 
 
 def verdicts(out: dict) -> None:
-    t, i, w = out.get("tokenize"), out.get("index"), out.get("wait")
+    t, i, w, b = out.get("tokenize"), out.get("index"), out.get("wait"), out.get("bigdoc")
     if t:
         print(f"1 worker vs encode_batch: {t['ratio_1_worker_vs_encode_batch']:.2f}x (target >= 0.9); "
               f"2 vs 1 workers: {t['ratio_2_vs_1_workers']:.2f}x (target >= 1.7); same bytes: "
@@ -191,6 +238,9 @@ def verdicts(out: dict) -> None:
     if w:
         print(f"data wait, gpt_small 2 ranks, 3 sources: {w['data_wait_pct_mean']:.2f}% mean, "
               f"{w['data_wait_pct_max']:.2f}% max of the step (target < 1%)")
+    if b:
+        print(f"one {b['doc_mb']:.0f} MB document: prepare peaks at {b['prepare_peak_rss_gb']:.2f} GB RSS (target < 0.5), "
+              f"one tokenizer call at {b['one_call_peak_rss_gb']:.2f} GB; same ids: {b['same_ids']}")
 
 
 if __name__ == "__main__":

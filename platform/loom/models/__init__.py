@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from loom.errors import fail
 from loom.layout import ParallelLayout
@@ -45,9 +45,21 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
     return dataclasses.replace(spec, flops_per_token=float(flops))
 
 
+def experiment_of(cfg: DictConfig) -> str:
+    """The run's experiment name: `experiment` when given, else its model's family without its
+    wildcard (gpt, llama, moe, hf_causal_lm, mlp, custom), so runs of one family sit side by side
+    under runs/<family>/ (every run was under runs/gpt/, Llama, MoE and Kubernetes runs too)."""
+    given = cfg.get("experiment")
+    if given:
+        return str(given)
+    family = MODELS.get(str(OmegaConf.select(cfg, "model.name", default="")))
+    return family.name.rstrip("*_") if family is not None else "custom"
+
+
 def normalize(cfg: DictConfig) -> None:
     MODELS[cfg.model.name].normalize(cfg)
     init_from.normalize(cfg)
+    cfg.experiment = experiment_of(cfg)
 
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:

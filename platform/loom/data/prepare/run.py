@@ -117,6 +117,25 @@ def _kill(ex: ProcessPoolExecutor) -> None:
     ex.shutdown(wait=False, cancel_futures=True)
 
 
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ctrl-C ignored while the pool starts its workers: a spawned process inherits an ignored
+    signal (and Python keeps it ignored), so a worker still starting when Ctrl-C comes does not
+    print its own traceback (the initializer's SIG_IGN comes only after its imports; under load
+    that took seconds). A Ctrl-C during these few milliseconds is lost."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _drain(queue: Any, on_report: Callable[[tuple], None]) -> None:
     """Pass on every progress report the workers have queued."""
     import queue as queue_module
@@ -140,8 +159,9 @@ def run_units(tasks: list[tuple], workers: int, one_core: bool, on_done: Callabl
         return
     ctx = multiprocessing.get_context("spawn")  # never fork a process whose tokenizer holds threads
     reports = ctx.Queue()
-    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=single_threaded, initargs=(reports,))
-    pending = {ex.submit(run_unit, *t) for t in tasks}
+    with _sigint_ignored():  # the pool starts its workers as tasks are submitted
+        ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=single_threaded, initargs=(reports,))
+        pending = {ex.submit(run_unit, *t) for t in tasks}
     try:
         while pending:
             done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
