@@ -463,8 +463,20 @@ def test_ctrl_c_says_in_one_line_what_is_kept_and_how_to_resume(tmp_path, tok):
     out = tmp_path / "out"
     args = [sys.executable, "-m", "loom.cli", "data", "prepare", str(d / "*.txt"), "--out", str(out), "--tokenizer",
             tok, "--workers", "2", "--shard-mb", str((d / "f00.txt").stat().st_size / MB)]
+    # first while the workers start (their processes exist, their imports run): a worker still
+    # importing printed its own KeyboardInterrupt traceback (under load, the suite's one failure)
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 300  # a guard only
+    children = Path(f"/proc/{p.pid}/task/{p.pid}/children")
+    while len(children.read_text().split()) < 3:  # the resource tracker and the 2 workers
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.002)
+    time.sleep(0.1)  # into the workers' imports (measured: a traceback at 0.1 s before the fix, none at 0.3)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, (p.returncode, err)
+    assert err.strip().splitlines()[-1].startswith("loom data prepare: stopped (Ctrl-C); "), err
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     while not list((out / ".prepare").glob("done/*.json")):
         assert p.poll() is None, p.communicate()
         assert time.monotonic() < deadline, "no shard finished"

@@ -118,22 +118,22 @@ def _kill(ex: ProcessPoolExecutor) -> None:
 
 
 @contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ctrl-C ignored while the pool starts its workers: a spawned process inherits an ignored
-    signal (and Python keeps it ignored), so a worker still starting when Ctrl-C comes does not
-    print its own traceback (the initializer's SIG_IGN comes only after its imports; under load
-    that took seconds). A Ctrl-C during these few milliseconds is lost."""
+def _sigint_held() -> Iterator[None]:
+    """Ctrl-C held (blocked, not lost) while the pool starts its workers: a spawned process
+    inherits the blocked signal, so a worker still importing when Ctrl-C comes does not print its
+    own KeyboardInterrupt traceback (its initializer ignores SIGINT only after its imports, which
+    under load took seconds); this process gets a Ctrl-C held meanwhile as soon as it is released."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _drain(queue: Any, on_report: Callable[[tuple], None]) -> None:
@@ -159,7 +159,7 @@ def run_units(tasks: list[tuple], workers: int, one_core: bool, on_done: Callabl
         return
     ctx = multiprocessing.get_context("spawn")  # never fork a process whose tokenizer holds threads
     reports = ctx.Queue()
-    with _sigint_ignored():  # the pool starts its workers as tasks are submitted
+    with _sigint_held():  # the pool starts its workers as tasks are submitted
         ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=single_threaded, initargs=(reports,))
         pending = {ex.submit(run_unit, *t) for t in tasks}
     try:
