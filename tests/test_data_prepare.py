@@ -240,6 +240,11 @@ def test_progress_is_reported_while_a_unit_runs_and_kept_shards_apart(tmp_path, 
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(_jsonl(DOCS * 5)))
     [unit] = units_for_inputs([str(tmp_path / "a.jsonl.gz")], "text", 10 * MB)
     assert unit.bytes == len(_jsonl(DOCS * 5))  # the text, not the file's 3x smaller size
+    text = _jsonl(DOCS * 2000)  # ~12 MB: the default unit size is a 64th of the text, not of the 40x smaller file
+    _zst(tmp_path / "b.jsonl.zst", text)
+    units = units_for_inputs([str(tmp_path / "b.jsonl.zst")], "text")
+    assert len(units) == len(text) // MB + 1 and sum(u.bytes for u in units) == len(text)  # 11 of ~1 MB and the rest
+    assert all(MB <= u.bytes < MB + 2000 for u in units[:-1]), [u.bytes for u in units]
     monkeypatch.setattr(worker, "REPORT_S", 0.0)
     monkeypatch.setattr(worker, "BATCH_DOCS", 7)
     q: queue.Queue = queue.Queue()

@@ -10,7 +10,7 @@ from pathlib import Path
 from loom.data.prepare.pieces import DEFAULT_MAX_DOC_MB
 from loom.data.prepare.run import check_out, finished, prepare
 from loom.data.prepare.show import inspect_text
-from loom.data.prepare.units import auto_shard_bytes, units_for_inputs
+from loom.data.prepare.units import units_for_inputs
 from loom.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError
 
 
@@ -26,7 +26,7 @@ def prepare_command(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     check_out(out)
     t0 = time.monotonic()
-    shard_bytes = auto_shard_bytes(args.inputs) if args.shard_mb is None else int(args.shard_mb * (1 << 20))
+    shard_bytes = None if args.shard_mb is None else int(args.shard_mb * (1 << 20))
     units = units_for_inputs(args.inputs, args.field, shard_bytes)
     try:
         sc = prepare(units, out, args.tokenizer, workers=args.workers, strict=args.strict, max_doc_mb=max_doc_mb)

@@ -189,22 +189,3 @@ def line_cuts(path: Path, shard_bytes: int, quoted: bool) -> tuple[list[int], in
     and lets a few big .gz/.zst files keep every worker busy (each was one unit)."""
     with open_binary(path) as f:
         return _cuts(f, shard_bytes, quoted)
-
-
-def text_bytes_estimate(path: Path, sample: int = 8 << 20) -> int:
-    """The text size of an input: its size, or for .gz/.zst its size times the ratio of its first
-    `sample` bytes of text to the compressed bytes they took (deterministic: the file decides)."""
-    size = path.stat().st_size
-    if not path.name.endswith((".gz", ".zst")) or size == 0:
-        return size
-    with open(path, "rb") as raw:
-        if path.name.endswith(".gz"):
-            import gzip
-
-            text = gzip.GzipFile(fileobj=raw).read(sample)
-        else:
-            import pyarrow as pa
-
-            text = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd").read(sample)
-        used = raw.tell()
-    return size * len(text) // max(1, min(used, size)) if len(text) == sample else len(text)

@@ -21,7 +21,6 @@ from loom.data.prepare.scan import (
     line_cuts,
     parquet_row_groups,
     resolve_inputs,
-    text_bytes_estimate,
 )
 from loom.data.prepare.workunit import InputUnit
 
@@ -31,12 +30,22 @@ MIN_SHARD = 1 << 20
 AUTO_UNITS = 64
 
 
-def auto_shard_bytes(inputs: list[str]) -> int:
-    """The default unit size: a 64th of the input's text (a compressed file's estimated), within
-    [1 MB, 256 MB], so a corpus of a few hundred MB still keeps every core busy. It depends on the
-    inputs only, never on --workers."""
-    total = sum(dir_bytes(p) if p.is_dir() else text_bytes_estimate(p) for p in resolve_inputs(inputs))
-    return min(MAX_SHARD, max(MIN_SHARD, total // AUTO_UNITS))
+def auto_shard_bytes(total_text: int) -> int:
+    """The default unit size: a 64th of the input's text, within [1 MB, 256 MB], so a corpus of a
+    few hundred MB still keeps every core busy. It depends on the inputs only, never on --workers."""
+    return min(MAX_SHARD, max(MIN_SHARD, total_text // AUTO_UNITS))
+
+
+def _pick(candidates: list[int], shard_bytes: int) -> list[int]:
+    """Cuts about every `shard_bytes` out of candidate cuts found about every MIN_SHARD: the
+    first candidate at or past each target (as line_cuts takes the first line start)."""
+    cuts: list[int] = []
+    target = shard_bytes
+    for c in candidates:
+        if c >= target:
+            cuts.append(c)
+            target = c + shard_bytes
+    return cuts
 
 
 def _group_files(files: list[tuple[str, int]], shard_bytes: int) -> list[InputUnit]:
@@ -73,8 +82,9 @@ def _ranges(stops: list[int], size: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _units_of(path: Path, kind: str, fmt: str, field_: str, shard_bytes: int) -> list[InputUnit]:
-    """The units of one non-text input."""
+def _units_of(path: Path, kind: str, fmt: str, field_: str, shard_bytes: int,
+              scanned: tuple[list[int], int] | None) -> list[InputUnit]:
+    """The units of one non-text input (`scanned`: a compressed file's candidate cuts and text size)."""
     p = str(path)
     if kind == "hf_dir":
         split, n_rows = hf_dir_rows(path, field_)
@@ -94,27 +104,44 @@ def _units_of(path: Path, kind: str, fmt: str, field_: str, shard_bytes: int) ->
         return [InputUnit("parquet", (p,), field=field_, bytes=size)]
     if size <= shard_bytes and not path.name.endswith(COMPRESSED):
         return [InputUnit("lines", (p,), fmt=fmt, field=field_, stop=-1, bytes=size)]
-    cuts, text = line_cuts(path, shard_bytes, quoted=fmt == "csv")
+    if scanned is not None:
+        cuts, text = _pick(scanned[0], shard_bytes), scanned[1]
+    else:
+        cuts, text = line_cuts(path, shard_bytes, quoted=fmt == "csv")
     if not cuts:
         return [InputUnit("lines", (p,), fmt=fmt, field=field_, stop=-1, bytes=text)]
     return [InputUnit("lines", (p,), fmt=fmt, field=field_, start=a, stop=b, bytes=b - a)
             for a, b in _ranges(cuts, text)]
 
 
-def units_for_inputs(inputs: list[str], field: str, shard_bytes: int) -> list[InputUnit]:
+def _is_compressed_lines(path: Path, kind: str) -> bool:
+    return kind == "lines" and path.name.endswith(COMPRESSED)
+
+
+def units_for_inputs(inputs: list[str], field: str, shard_bytes: int | None = None) -> list[InputUnit]:
     """The CLI's inputs (files, globs, save_to_disk directories), sorted, checked (each has
-    `field` where it has fields; ConfigError otherwise) and cut into units."""
+    `field` where it has fields; ConfigError otherwise) and cut into units of `shard_bytes` of
+    text (None: auto_shard_bytes of the whole text; a compressed file's text is then measured in
+    the one decompressing pass that also finds its candidate cuts)."""
+    paths = [(p, *input_kind(p)) for p in resolve_inputs(inputs)]
+    for path, kind, fmt in paths:
+        if kind != "text":
+            check_field(path, kind, fmt, field)
+    scans: dict[Path, tuple[list[int], int]] = {}
+    if shard_bytes is None:
+        scans = {path: line_cuts(path, MIN_SHARD, quoted=fmt == "csv")
+                 for path, kind, fmt in paths if _is_compressed_lines(path, kind)}
+        shard_bytes = auto_shard_bytes(sum(scans[p][1] if p in scans else dir_bytes(p) if p.is_dir() else
+                                           p.stat().st_size for p, _, _ in paths))
     units: list[InputUnit] = []
     pending: list[tuple[str, int]] = []
-    for path in resolve_inputs(inputs):
-        kind, fmt = input_kind(path)
+    for path, kind, fmt in paths:
         if kind == "text":
             pending.append((str(path), path.stat().st_size))
             continue
         units += _group_files(pending, shard_bytes)
         pending = []
-        check_field(path, kind, fmt, field)
-        units += _units_of(path, kind, fmt, field, shard_bytes)
+        units += _units_of(path, kind, fmt, field, shard_bytes, scans.get(path))
     return units + _group_files(pending, shard_bytes)
 
 
