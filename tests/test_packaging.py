@@ -88,7 +88,7 @@ def test_wheel_ships_the_bundled_files_and_runs_from_another_directory(source: P
     job = _run(loom, "train", "--cfg", "job", cwd=elsewhere)
     assert job.returncode == 0, job.stderr
     cfg = yaml.safe_load(job.stdout)
-    assert (cfg["experiment"], cfg["model"]["name"], cfg["strategy"]["name"]) == (None, "gpt_tiny", "ddp")  # experiment null: the family, once validated
+    assert (cfg["experiment"], cfg["model"]["name"], cfg["strategy"]["name"]) == ("gpt", "gpt_tiny", "ddp")  # experiment: the family
     plan = _run(loom, "plan", cwd=elsewhere)
     assert plan.returncode == 0 and "fits" in plan.stdout, plan.stdout + plan.stderr
     # the README's `strategy.deepspeed_config=conf/deepspeed/zero2.json`: no conf/ here, the shipped copy
