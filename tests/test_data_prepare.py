@@ -472,7 +472,14 @@ def _interrupt(args: list[str], ready: Callable[[subprocess.Popen], bool], after
     import signal
     import time
 
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    def foreground_job() -> None:
+        """Ctrl-C's default action, as a terminal's foreground job has it: a suite started in the
+        background (`.ci/run &`, nohup) passes SIGINT ignored to its children, and Python keeps an
+        inherited SIG_IGN, so the prepare would never see the signal (the loaded CI runs' failure)."""
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=foreground_job)
     deadline = time.monotonic() + 300  # a guard only
     while not ready(p):
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()
@@ -486,24 +493,20 @@ def _interrupt(args: list[str], ready: Callable[[subprocess.Popen], bool], after
 def test_ctrl_c_says_in_one_line_what_is_kept_and_how_to_resume(tmp_path, tok):
     """Ctrl-C of a 2-worker prepare: exit 130 and one line (kept / total shards, run again to
     resume), no worker's traceback, whether it comes while the workers start (a worker still
-    importing printed its own KeyboardInterrupt traceback: the loaded suite's one failure) or once
-    a shard is done; the same command then finishes the store from the kept shards."""
+    importing printed its own KeyboardInterrupt traceback) or once a shard is done; the same
+    command then finishes the store from the kept shards."""
     args, out = _prepare_args(tmp_path, tok, 48)
     workers_started = lambda p: len(Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()) >= 3  # noqa: E731
     # 0.1 s into the workers' imports (measured: a traceback at 0.1 s before the fix, none at 0.3 s)
     rc, err = _interrupt(args, workers_started, after_s=0.1)  # the resource tracker and 2 workers exist
     assert rc == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, (rc, err)
     assert err.strip().splitlines()[-1].startswith("loom data prepare: stopped (Ctrl-C); "), err
-    for files in (48, 192):  # a loaded machine once let all 48 shards finish before the signal landed
-        args, out = _prepare_args(tmp_path, tok, files) if files != 48 else (args, out)
-        rc, err = _interrupt(args, lambda p: bool(list((out / ".prepare").glob("done/*.json"))))  # noqa: B023
-        if rc != 0:
-            break
+    rc, err = _interrupt(args, lambda p: bool(list((out / ".prepare").glob("done/*.json"))))  # once a shard is done
     assert rc == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, (rc, err)
     line = err.strip().splitlines()[-1]
-    assert line.startswith("loom data prepare: stopped (Ctrl-C); ") and f"/{files} shards kept in" in line, err
+    assert line.startswith("loom data prepare: stopped (Ctrl-C); ") and "/48 shards kept in" in line, err
     kept = int(line.split("; ")[1].split("/")[0])
     assert kept >= 1 and len(list(out.glob("part-*.idx"))) >= kept
     r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and json.loads((out / SIDECAR).read_text())["shards"] == [
-        f"part-{i:05d}" for i in range(files)], r.stderr
+        f"part-{i:05d}" for i in range(48)], r.stderr
