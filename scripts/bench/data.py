@@ -115,7 +115,7 @@ if sys.argv[0] == "one_call":
     np.save(sys.argv[3], np.array(ids, dtype=np.uint16))
 else:
     from loom.cli import main
-    assert main(sys.argv[1:]) == 0
+    assert main(sys.argv) == 0
 print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
 """
 

@@ -135,9 +135,10 @@ class DocEncoder:
         why); raises pieces.Uncuttable above `max_whole_chars` where it cannot be cut."""
         if self.tok is None:
             return self.encode([text])[0]
-        from loom.data.prepare.pieces import encode_long
+        from loom.data.prepare.pieces import encode_pieces
 
-        return np.array(encode_long(self.ids, text, max_whole_chars) + self.eos, dtype=self.dtype)
+        parts = [np.array(ids, dtype=self.dtype) for ids in encode_pieces(self.ids, text, max_whole_chars)]
+        return np.concatenate([*parts, np.array(self.eos, dtype=self.dtype)])
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         if self.tok is None:

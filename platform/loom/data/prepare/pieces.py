@@ -17,7 +17,7 @@ stride for input, only for output windows).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PIECE_CHARS = 1 << 20  # ~50 MB of tokenizer memory per call (the figure above)
 WINDOW = 4096
@@ -58,18 +58,23 @@ def find_cut(encode: Encode, text: str, start: int, piece: int = PIECE_CHARS) ->
     return next((c for c in _candidates(text, lo, hi) if cut_is_safe(encode, text, c)), None)
 
 
-def encode_long(encode: Encode, text: str, max_whole_chars: int, piece: int = PIECE_CHARS) -> list[int]:
-    """`encode(text)`'s ids, through pieces of at most `piece` characters where checked cuts are
-    found; a rest of more than `max_whole_chars` with no cut raises Uncuttable."""
-    ids: list[int] = []
+def encode_pieces(encode: Encode, text: str, max_whole_chars: int, piece: int = PIECE_CHARS) -> Iterator[list[int]]:
+    """`encode(text)`'s ids, piece after piece (concatenated, they are the one call's), cut where
+    checked cuts are found; a rest of more than `max_whole_chars` with no cut raises Uncuttable.
+    A generator, so a caller keeps each piece compactly (a list of Python ints is ~36 bytes a token)."""
     start = 0
     while len(text) - start > piece:
         cut = find_cut(encode, text, start, piece)
         if cut is None:
             break
-        ids += encode(text[start:cut])
+        yield encode(text[start:cut])
         start = cut
     if len(text) - start > max(piece, max_whole_chars):
         raise Uncuttable(f"no place to cut it into pieces of {piece / 1e6:.1f} M characters that keeps its "
                          f"tokens was found near character {start:,}")
-    return ids + encode(text[start:])
+    yield encode(text[start:])
+
+
+def encode_long(encode: Encode, text: str, max_whole_chars: int, piece: int = PIECE_CHARS) -> list[int]:
+    """encode_pieces joined into one list (tests compare it with one call)."""
+    return [i for ids in encode_pieces(encode, text, max_whole_chars, piece) for i in ids]
