@@ -13,8 +13,9 @@ SMALL_CORPUS = "dataset.max_bytes=2000000"  # a 2 MB slice of tinycode: smaller,
 SWEEP = ["-m", "optim.lr=1e-3,2e-3", *FAST, "trainer.max_steps=3"]
 
 
-def _manifest(root: Path) -> dict:
-    (path,) = root.glob("gpt/sweeps/*/manifest.json")
+def _manifest(root: Path, experiment: str = "gpt") -> dict:
+    """The sweep's manifest under <root>/<experiment>/ (the experiment is the model's family)."""
+    (path,) = root.glob(f"{experiment}/sweeps/*/manifest.json")
     return json.loads(path.read_text())
 
 
@@ -32,7 +33,7 @@ def test_optuna_sweep_maximizing_validation_loss(loom, tmp_path):
              "model.module._target_=tests_helpers.FailsOnce", "security.allow_targets=[tests_helpers.]",
              "strategy=single", *FAST, "trainer.max_steps=3", timeout=400, env=helpers_env(tmp_path))
     assert r.rc == 1, r.out + r.err  # not every trial completed
-    m = _manifest(tmp_path)
+    m = _manifest(tmp_path, "custom")
     assert m["objective"] == "validation.loss" and m["direction"] == "maximize"
     assert [t["state"] for t in m["trials"]] == ["failed", "completed", "completed"], m["trials"]
     failed, m["trials"] = m["trials"][0], m["trials"][1:]
