@@ -26,8 +26,8 @@ class Progress:
         self.mode, self.every_s = mode, every_s
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.n_units, self.total = n_units, total_bytes
-        self.units = self.docs = self.tokens = self.run_bytes = self.run_docs = 0
-        self.kept_units = self.kept_bytes = 0
+        self.units = self.tokens = self.run_bytes = self.run_docs = 0
+        self.kept_units = self.kept_bytes = self.kept_docs = 0
         self.running: dict[int, tuple[int, int, int]] = {}  # unit -> (bytes, documents, tokens) so far
         self.finished: set[int] = set()  # a late report of a finished unit is dropped
         self.t0 = self.last = time.monotonic()
@@ -50,11 +50,11 @@ class Progress:
         self.running.pop(stats["unit"], None)
         self.finished.add(stats["unit"])
         self.units += 1
-        self.docs += stats["documents"]
         self.tokens += stats["tokens"]
         if kept:
             self.kept_units += 1
             self.kept_bytes += stats["bytes"]
+            self.kept_docs += stats["documents"]
         else:
             self.run_bytes += stats["bytes"]
             self.run_docs += stats["documents"]
@@ -78,7 +78,7 @@ class Progress:
             self.log(self.line(now))
 
     def _new(self) -> tuple[int, int, int]:
-        """(bytes, documents, tokens) of this run's work: finished units and running ones."""
+        """(bytes and documents of this run's work, tokens of all): finished units and running ones."""
         run = [sum(c[k] for c in self.running.values()) for k in range(3)]
         return self.run_bytes + run[0], self.run_docs + run[1], self.tokens + run[2]
 
@@ -89,8 +89,9 @@ class Progress:
 
     def _info(self, now: float) -> str:
         docs_s, bytes_s = self._rates(now)
-        return (f"{self.units}/{self.n_units} units, {self.docs + self._new()[1] - self.run_docs:,} docs "
-                f"({docs_s:,.0f}/s), {bytes_s / 1e6:.1f} MB/s, {self._new()[2]:,} tokens")
+        _, new_docs, tokens = self._new()
+        return (f"{self.units}/{self.n_units} units, {self.kept_docs + new_docs:,} docs "
+                f"({docs_s:,.0f}/s), {bytes_s / 1e6:.1f} MB/s, {tokens:,} tokens")
 
     def line(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
@@ -104,7 +105,7 @@ class Progress:
         else:
             per_unit = (now - self.t0) / max(1, self.units - self.kept_units)
             left, done = per_unit * (self.n_units - self.units), ""
-        return (f"prepare: {self.units}/{self.n_units} units{kept}, {self.docs + new_docs - self.run_docs:,} docs, "
+        return (f"prepare: {self.units}/{self.n_units} units{kept}, {self.kept_docs + new_docs:,} docs, "
                 f"{done}{bytes_s / 1e6:.1f} MB/s, {tokens:,} tokens, ETA {_eta(left)}")
 
     def close(self) -> None:
