@@ -16,7 +16,7 @@ from loom.compose import group_options
 from loom.hardware.peaks import mfu, peak_flops
 from loom.models import model_spec
 from loom.pipeline import resolve
-from loom.plan import CHEAPEST_FIRST, Plan, make_plan
+from loom.plan import Plan, make_plan
 from loom.plan.memory import (
     RUNTIME_HOST_BYTES,
     activation_bytes,
@@ -28,6 +28,7 @@ from loom.plan.memory import (
 )
 from loom.plan.render import infeasible_message
 from loom.strategies import layout_of
+from loom.strategies.registry import cheapest_first
 
 GB = 1e9
 STRATEGIES = group_options("strategy")
@@ -191,7 +192,7 @@ def test_suggestion_is_the_cheapest_existing_strategy_that_fits():
     cfg = _cfg("hardware=h100x8", "model=gpt_7b", "strategy=ddp")
     plan = make_plan(cfg)
     assert not plan.fits
-    ordered = [s for s in CHEAPEST_FIRST if s in STRATEGIES and s != "ddp"]
+    ordered = [s for s in cheapest_first() if s != "ddp"]
     fitting = [s for s in ordered if make_plan(_cfg("hardware=h100x8", "model=gpt_7b", f"strategy={s}")).fits]
     assert fitting and plan.suggestion == fitting[0]
     assert fitting[0] == "zero1"  # 6.5B x (2 + 2 + 12/8) bytes = 36 GB per device: fits in 72 GB

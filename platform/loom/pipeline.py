@@ -40,7 +40,7 @@ def resolve(overrides: list[str]) -> DictConfig:
     """The validated config of one run: compose, then validate (strategy=auto: the best
     layout that fits, validated, in place of auto)."""
     composed = compose(overrides)
-    if composed.strategy.get("name") == "auto":
+    if composed.strategy.get("name") == strategies.AUTO:
         return choose(composed)
     return validate(composed)
 

@@ -165,7 +165,7 @@ def _check_sections(cfg: DictConfig) -> None:
             "must be >= 2 so the previous checkpoint survives while the next is written")
     _check_profile(cfg)
     _check_callbacks(cfg)
-    strategies.checks.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
+    strategies.check_checkpoint(cfg)  # checkpoint.export_dtype; checkpoint.async where it can run
     strategies.checks.check_compile(cfg)  # trainer.compile where the strategy can run it
     if cfg.run.id is not None:
         rid = str(cfg.run.id)

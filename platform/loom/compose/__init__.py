@@ -21,6 +21,7 @@ from loom.errors import ConfigError
 from loom.hardware.derive import rederive_for_cpu
 from loom.hardware.machine import auto_overrides, user_set
 from loom.schema import unknown_key_message
+from loom.strategies.registry import STRATEGIES
 
 __all__ = ["GROUP_PACKAGES", "compose", "conf_dir", "group_options", "valid_keys"]
 
@@ -89,28 +90,37 @@ def _refuse_allow_list_from_files(cfg: DictConfig, overrides: list[str], recipe_
 
 
 def _concrete(overrides: list[str]) -> list[str]:
-    """`hardware=auto` -> this machine's profile; `strategy=single` -> one device by default."""
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hardware=")]
-    if not chosen or chosen[-1] == "auto":
-        overrides = [*auto_overrides(overrides), "++hardware.resolved_from=auto"]
+    """`hardware=auto` -> this machine's profile; `strategy=single` (an option with the registry's
+    `one_device`) -> one device by default."""
     strategy = [o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")]
-    if strategy and strategy[-1] == "single" and not user_set(overrides, "hardware.devices"):
+    option = STRATEGIES.get(strategy[-1]) if strategy else None
+    one_device = bool(option and option.one_device)
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("hardware=")]
+    if not chosen or chosen[-1] == "auto":  # hardware=auto
+        overrides = [*auto_overrides(overrides, one_device), "++hardware.resolved_from=auto"]
+    if one_device and not user_set(overrides, "hardware.devices"):
         overrides = [*overrides, "hardware.devices=1"]
     return overrides
 
 
 def _schema_keys_settable(overrides: list[str]) -> list[str]:
-    """`hardware.<key>=v` for every key of the hardware schema, also where the chosen profile's
-    YAML leaves the key to the schema's default (hardware=cpu has no min_nodes or timeout_train_s):
-    Hydra refuses to set a key its YAML lacks without `+`, and Loom's message then named the key
-    among the valid ones. `++` sets it whether the YAML has it or not; unknown keys stay refused."""
+    """`hardware.<key>=v` (`tracking.<key>=v`) for every key of the hardware (tracking) schema, also
+    where the chosen option's YAML leaves the key to the schema's default (hardware=cpu has no
+    min_nodes or timeout_train_s; no tracking YAML restates the straggler rule's numbers): Hydra
+    refuses to set a key its YAML lacks without `+`, and Loom's message then named the key among
+    the valid ones. `++` sets it whether the YAML has it or not; unknown keys stay refused."""
     from loom.hardware.schema import HardwareConfig
     from loom.schema import field_names
+    from loom.tracking.schema import TrackingConfig
 
-    fields = set(field_names(HardwareConfig))
-    overrides = [f"++{o}" if o.partition("=")[0].removeprefix("hardware.") in fields and o.startswith("hardware.")
-                 and "=" in o else o for o in overrides]
-    return [_into_open_dict(o) for o in overrides]
+    fields = {group: set(field_names(schema)) for group, schema in (("hardware", HardwareConfig),
+                                                                    ("tracking", TrackingConfig))}
+
+    def settable(o: str) -> bool:
+        group, _, key = o.partition("=")[0].partition(".")
+        return "=" in o and key in fields.get(group, ())
+
+    return [_into_open_dict(f"++{o}" if settable(o) else o) for o in overrides]
 
 
 def _into_open_dict(override: str) -> str:

@@ -131,9 +131,9 @@ def visible_gpus() -> int:
     return gpu_info().count
 
 
-def auto_overrides(overrides: list[str]) -> list[str]:
+def auto_overrides(overrides: list[str], one_device: bool = False) -> list[str]:
     """Overrides that turn `hardware=auto` into a concrete profile for this machine (NVML)."""
-    return overrides_for(gpu_info(), overrides, host_info())
+    return overrides_for(gpu_info(), overrides, host_info(), one_device)
 
 
 def host_overrides(host: HostInfo | None, gpus: int) -> list[str]:
@@ -148,17 +148,18 @@ def host_overrides(host: HostInfo | None, gpus: int) -> list[str]:
     return out
 
 
-def overrides_for(info: GpuInfo, overrides: list[str], host: HostInfo | None = None) -> list[str]:
+def overrides_for(info: GpuInfo, overrides: list[str], host: HostInfo | None = None,
+                  one_device: bool = False) -> list[str]:
     """`hardware=auto` for the GPUs `info` describes (a pure function of it).
 
     Every visible GPU: the shipped profile of a known device, else `gpu` with NVML's name and
     memory and the datasheet peaks of `GPU_PEAKS` (none found: MFU null). Never bf16 on a device
-    without it (compute capability < 8.0, or unknown): fp16 mixed precision there. `strategy=single`
-    gets one device. No GPU: `cpu`. `host` (measured) replaces the profile's host memory and
+    without it (compute capability < 8.0, or unknown): fp16 mixed precision there. `one_device` (the
+    chosen strategy's, e.g. `strategy=single`) gets one device. No GPU: `cpu`. `host` (measured) replaces the profile's host memory and
     cores. The concrete profile comes first so the user's own `hardware.*` overrides still win.
     """
     rest = [o for o in overrides if not o.startswith("hardware=")]
-    devices = 1 if _single(overrides) and not user_set(overrides, "hardware.devices") else info.count
+    devices = 1 if one_device and not user_set(overrides, "hardware.devices") else info.count
     host_facts = host_overrides(host, info.count)
     if not info.count:
         return ["hardware=cpu", *host_facts, *rest]
@@ -174,11 +175,6 @@ def overrides_for(info: GpuInfo, overrides: list[str], host: HostInfo | None = N
     if not bf16_capable(info.cc or (row.cc if row else None)):  # unknown: no bf16 either
         found += ["hardware.bf16_supported=false", "hardware.precision=16-mixed"]
     return ["hardware=gpu", f"hardware.devices={devices}", *found, *rest]
-
-
-def _single(overrides: list[str]) -> bool:
-    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")]
-    return bool(chosen) and chosen[-1] == "single"
 
 
 def user_set(overrides: list[str], key: str) -> bool:

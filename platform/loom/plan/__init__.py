@@ -40,9 +40,8 @@ from loom.plan.memory import (
 from loom.plan.messages import comm_messages
 from loom.plan.pipeline import p2p_bytes, pipeline_summary
 from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
+from loom.strategies.registry import cheapest_first
 
-# Order in which `loom plan` suggests a strategy that fits: least communication first.
-CHEAPEST_FIRST = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3_offload")
 # trainer.activation_checkpointing, least recompute first.
 AC_MODES = ("none", "selective", "full")
 
@@ -275,12 +274,12 @@ def _own_with_checkpointing(cfg: DictConfig, params: float, layout: ParallelLayo
 
 
 def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> Fix | None:
-    """The first strategy of CHEAPEST_FIRST (with a yaml) whose estimate fits with the run's
+    """The first strategy of the registry's `cheapest_first` (with a yaml) whose estimate fits with the run's
     own activation checkpointing; failing that, with selective, then full (recomputing costs
     a third more compute at most, so a cheaper strategy is tried without it first)."""
     have, own_ac = set(group_options("strategy")), cfg.trainer.activation_checkpointing
     for ac in (own_ac, *_stronger_checkpointing(cfg)):
-        for name in CHEAPEST_FIRST:
+        for name in cheapest_first():
             if name == cfg.strategy.name or name not in have:
                 continue
             offload = offloads_optimizer(name)

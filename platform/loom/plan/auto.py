@@ -16,10 +16,8 @@ from omegaconf import DictConfig
 from loom.layout import world_of
 from loom.plan.compare import Candidate, compare, rank_key
 from loom.plan.memory import GB
-from loom.strategies.degrees import DEGREE_KEYS
+from loom.strategies.registry import STRATEGIES
 
-# The degrees a preset's name leaves open (the others follow from the world).
-OPEN_DEGREES = {"fsdp_tp": ("tp",), "pp": ("pp",), "nd": DEGREE_KEYS}
 _CHOICES: dict[int, tuple[DictConfig, dict[str, Any]]] = {}  # id(cfg) -> (cfg, plan.json's auto_choice)
 
 
@@ -56,7 +54,7 @@ def choose(composed: DictConfig) -> DictConfig:
 def label(c: Candidate) -> str:
     """A layout in a few words: the preset's name, with the degrees the name leaves open
     ("fsdp_tp tp=2", "nd dp_replicate=2 dp_shard=4"; degrees of 1 left out)."""
-    keys = OPEN_DEGREES.get(c.strategy, ())
+    keys = STRATEGIES[c.strategy].open_degrees  # the others follow from the world
     degrees = " ".join(f"{k}={c.degrees[k]}" for k in keys if c.degrees.get(k, 1) != 1)
     return f"{c.strategy} {degrees}".strip()
 

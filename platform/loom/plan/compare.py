@@ -47,7 +47,7 @@ from loom.plan.links import bandwidth
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
 from loom.strategies.degrees import DEGREE_KEYS
-from loom.strategies.registry import STRATEGIES
+from loom.strategies.registry import STRATEGIES, ranked
 from loom.strategies.variants import Machine
 from loom.validate import validate, with_strategy
 
@@ -57,9 +57,6 @@ FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak 
 # node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
-# Presets in the order a tie is broken (least communication and fewest moving parts first).
-# Every option weighed, in the order that breaks a tie (fewer moving parts first; nd's splits last)
-ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "fsdp_tp", "zero3", "pp", "zero3_offload", "nd")
 PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
 MESH_KEYS = (*DEGREE_KEYS, "ep")  # every mesh dimension: the layout column and what tells layouts apart
 
@@ -124,7 +121,7 @@ def compare(composed: DictConfig) -> Comparison:
         listed.append(_candidate(valid, plan, overrides))
     if not listed and refused:
         raise ConfigError(refused[0][1])
-    order = {id(c): i for i, c in enumerate(listed)}  # ties: ORDER, nd's splits last
+    order = {id(c): i for i, c in enumerate(listed)}  # ties: the registry's `rank`, nd's splits last
     listed.sort(key=lambda c: (*rank_key(c), order[id(c)]))
     return Comparison(listed, refused, _rate(composed.hardware, None)[1], bandwidth(composed.hardware)[1])
 
@@ -150,14 +147,14 @@ def rank_key(c: Candidate) -> tuple[bool, float]:
 
 
 def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]]]:
-    """Each candidate's strategy node and the overrides that select it: every option in ORDER
-    offers its own (its registry entry's `candidates`, strategies/variants.py)."""
+    """Each candidate's strategy node and the overrides that select it: every option with a yaml,
+    in the registry's `rank` order, offers its own (its entry's `candidates`, strategies/variants.py)."""
     have = set(group_options("strategy"))
     pipe = {k: composed.strategy[k] for k in PIPELINE_KEYS if k in composed.strategy}
     machine = Machine(world, int(composed.hardware.devices), composed.hardware.accelerator == "gpu", pipe,
                       expert_count(composed))
     out: list[tuple[DictConfig, list[str]]] = []
-    for name in (n for n in ORDER if n in have):
+    for name in (n for n in ranked() if n in have):
         for fields in STRATEGIES[name].candidates(machine):
             over = [f"strategy.{k}={_value(v)}" for k, v in fields.items() if v is not None]
             out.append((_merge(_yaml(name), **fields), [f"strategy={name}", *over]))
@@ -223,7 +220,7 @@ def _wire(plan: Plan, bytes_per_s: float, latency: float) -> Wire:
     dp_lat = calls.get("data_parallel", 0.0) * latency
     gather_lat = dp_lat * gather_b / (gather_b + reduce_b) if gather_b + reduce_b > 0 else 0.0
     host = 0.0
-    if plan.strategy == "zero3_offload" and plan.params:  # grads down, updated params up, every step
+    if plan.strategy_config.get("offload_optimizer") and plan.params:  # grads down, updated params up, every step
         host = plan.params / plan.world_size * (plan.bytes_per_param["grads"] + plan.bytes_per_param["params"]) \
             / (PCIE_GBPS * GB)
     return Wire(gather=gather_b / bytes_per_s + gather_lat, reduce=reduce_b / bytes_per_s + dp_lat - gather_lat,

@@ -14,15 +14,33 @@ Every strategy class also answers Loom's two questions about its states (`base.L
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout, world_of
 from loom.schema import load
-from loom.strategies.registry import STRATEGIES, StrategyOption
+from loom.strategies import checks
+from loom.strategies.registry import AUTO as AUTO  # strategy=auto (loom.pipeline)
+from loom.strategies.registry import STRATEGIES, StrategyOption, async_checkpoint_options
 
-SCHEMAS: dict[str, type] = {name: option.schema for name, option in STRATEGIES.items()}
+
+class _Schemas(Mapping[str, type]):
+    """Each option's schema, read from the registry when asked (one owner: an option the registry
+    gains, also at runtime, is typed by `loom.validate` with no second list to edit)."""
+
+    def __getitem__(self, name: str) -> type:
+        return STRATEGIES[name].schema
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STRATEGIES)
+
+    def __len__(self) -> int:
+        return len(STRATEGIES)
+
+
+SCHEMAS: Mapping[str, type] = _Schemas()
 
 
 def option(name: str) -> StrategyOption:
@@ -59,6 +77,11 @@ def normalize(cfg: DictConfig) -> None:
 
 def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     STRATEGIES[cfg.strategy.name].check(cfg, layout)
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    """checkpoint.*: export settings Loom writes, and checkpoint.async where the strategy can run it."""
+    checks.check_checkpoint(cfg, async_checkpoint_options())
 
 
 def lightning_precision(cfg: DictConfig) -> str:

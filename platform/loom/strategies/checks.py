@@ -14,9 +14,8 @@ from loom.strategies.schema import COMM_HOOKS
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
 
 
-# checkpoint.async: strategies whose checkpoints can be written in the background, and why the
-# others cannot (the sentence the refusal gives).
-ASYNC_CHECKPOINT_STRATEGIES = ("fsdp", "fsdp_tp")
+# checkpoint.async: why the strategies without async checkpoints (the registry's `async_checkpoint`)
+# cannot write them in the background (the sentence the refusal gives).
 EXPORT_FORMATS = ("loom", "hf")  # checkpoint.export_format
 _NO_ASYNC_WHY = {
     "replicated": "Lightning's AsyncCheckpointIO would clone the whole state on the training thread "
@@ -28,9 +27,9 @@ _NO_ASYNC_WHY = {
 }
 
 
-def check_checkpoint(cfg: DictConfig) -> None:
+def check_checkpoint(cfg: DictConfig, async_ok: list[str]) -> None:
     """checkpoint.export_dtype and export_format are ones Loom writes; checkpoint.async only where
-    it can run."""
+    it can run (`async_ok`: the registry's options with `async_checkpoint`)."""
     from loom.rundir.safetensors_stream import EXPORT_DTYPES
 
     c, name = cfg.checkpoint, cfg.strategy.name
@@ -42,11 +41,11 @@ def check_checkpoint(cfg: DictConfig) -> None:
             "directory transformers' from_pretrained loads)")
     require(float(c.get("export_shard_gb", 5.0)) > 0, "checkpoint.export_shard_gb", c.get("export_shard_gb"),
             "must be > 0 (the largest weight file of checkpoint.export_format=hf, in GB)")
-    if c["async"] and name not in ASYNC_CHECKPOINT_STRATEGIES:
+    if c["async"] and name not in async_ok:
         why = _NO_ASYNC_WHY["zero" if name.startswith("zero") else "replicated"]
         require(False, "checkpoint.async", c["async"],
                 f"strategy={name} cannot write checkpoints in the background: {why}. Strategies with "
-                f"async checkpoints: {', '.join(ASYNC_CHECKPOINT_STRATEGIES)}; or set checkpoint.async=false")
+                f"async checkpoints: {', '.join(async_ok)}; or set checkpoint.async=false")
 
 
 # trainer.compile: strategies that cannot run a compiled model, and why (the refusal's sentence).

@@ -79,7 +79,7 @@ def check(cfg: DictConfig, layout: object) -> None:
     credentials (they would be frozen into config.yaml and logged; MLflow reads them from its
     environment variables)."""
     tr = cfg.tracking
-    threshold, window = tr.get("straggler_threshold", 0.2), tr.get("straggler_window", 5)
+    threshold, window = tr.straggler_threshold, tr.straggler_window  # typed: the schema's defaults filled in
     require(threshold > 0, "tracking.straggler_threshold", threshold,
             "must be > 0 (a fraction of the median step time, e.g. 0.2)")
     require(window >= 1, "tracking.straggler_window", window, "must be a number of log steps >= 1")

@@ -28,8 +28,9 @@ class TrackingConfig:
     entity: str | None = None
     tensorboard: bool = False         # event files under <run>/tensorboard/
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    # a rank whose own time (data wait + forward) exceeds the median rank's by this fraction of a
-    # step, at `straggler_window` consecutive log steps, is named a straggler (loom.tracking.stragglers)
+    # The straggler rule (loom.tracking.stragglers), owned here: no conf/tracking YAML restates it.
+    # A rank whose own time (data wait + forward) exceeds the median rank's by `straggler_threshold`
+    # of a step, at `straggler_window` consecutive log steps, is named a straggler.
     stragglers: bool = True           # false: no straggler rule and no <run>/ranks.jsonl
     straggler_threshold: float = 0.2
     straggler_window: int = 5

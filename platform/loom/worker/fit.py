@@ -20,7 +20,7 @@ from loom.layout import ParallelLayout, world_of
 from loom.models.lora_checks import lora_on
 from loom.plan import Plan
 from loom.rundir import checkpoints
-from loom.worker import results
+from loom.worker import monitors, results
 from loom.worker.failure import Progress
 
 log = logging.getLogger("loom")
@@ -32,10 +32,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     import pytorch_lightning as pl
 
     quiet_library_consoles()
-    from loom.data.position import DataPosition
     from loom.tracking.recorder import Recorder
     from loom.worker.checkpoint_saver import Checkpointing
-    from loom.worker.gc_control import GarbageCollection, TrainTimeout
 
     progress = progress or Progress()
     frozen_plan = json.loads((run_dir / "plan.json").read_text())
@@ -71,19 +69,11 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             model_parallel=layout.world // layout.dp,  # ranks sharing a batch (tp x pp)
         )
         recorder.checkpointing = saver  # its save time is not training time
-        if rank == 0 and cfg.tracking.get("stragglers", True):  # the rule, on the vector the recorder gathers anyway
-            from loom.tracking.stragglers import StragglerWatch
-
-            recorder.stragglers = StragglerWatch(run_dir, float(cfg.tracking.get("straggler_threshold", 0.2)),
-                                                 int(cfg.tracking.get("straggler_window", 5)))
-        housekeeping = [GarbageCollection(cfg.trainer.get("gc_every_n_steps", 50)),
-                        TrainTimeout(cfg.hardware.get("timeout_train_s") or 300), _phase_callback(progress),
-                        *_profiling(cfg, run_dir, rank), *_watchdog(cfg, run_dir, rank, progress, saver)]
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
         recorder.on_log = run.record_span
         progress.phase = "building the trainer"
-        trainer = _trainer(cfg, layout, run_dir, [DataPosition(), recorder, saver, *housekeeping,
-                                                  *_user_callbacks(cfg), _results_callback(run, saver, progress)])
+        wiring = monitors.Wiring(cfg, run_dir, rank, progress, saver, recorder, run)
+        trainer = _trainer(cfg, layout, run_dir, monitors.callbacks(wiring))  # the table's, in its order
         progress.trainer, progress.phase = trainer, "setting up training (model, strategy, checkpoint)"
         run.summary["resumed_from_step"] = checkpoints.step_of(resume)
         run.summary["init_from"] = cfg.model.get("init_from")
@@ -149,82 +139,6 @@ def stop_signals(saver) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _user_callbacks(cfg: DictConfig) -> list:
-    """trainer.callbacks: the user's own, after Loom's (so a callback's hook sees Loom's done)."""
-    from loom.models.custom import instantiate
-
-    return [instantiate(node) for node in cfg.trainer.callbacks]
-
-
-def _profiling(cfg: DictConfig, run_dir: Path, rank: int) -> list:
-    """trainer.profile: the profiler callback when a window is set."""
-    from loom.worker.profiling import Profiling, profile_window
-
-    window = profile_window(cfg)
-    return [Profiling(cfg, run_dir, rank, window)] if window else []
-
-
-def _watchdog(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress, saver) -> list:
-    """hardware.hang_timeout_s (null: 80% of the collective timeout; 0: off): the hang watchdog."""
-    from loom.worker.hang import HangWatchdog
-
-    hw = cfg.hardware
-    timeout = hw.get("hang_timeout_s")
-    timeout = 0.8 * float(hw.get("timeout_train_s") or 300) if timeout is None else float(timeout)
-    return [HangWatchdog(run_dir, rank, timeout, progress, busy=lambda: saver.writing)] if timeout > 0 else []
-
-
-def _phase_callback(progress: Progress):
-    """A callback marking the start of the training loop in `progress`."""
-    import pytorch_lightning as pl
-
-    class TrainingStarted(pl.Callback):
-        def on_train_start(self, trainer, pl_module) -> None:
-            progress.phase = "training"
-            if log.isEnabledFor(logging.DEBUG):  # hydra.verbose
-                log_placement(trainer, pl_module)
-
-    return TrainingStarted()
-
-
-def _results_callback(run: results.RunResults, saver, progress: Progress):
-    """Final weights and memory figures at `on_train_end`, the last hook before Lightning's
-    teardown moves the module and its optimizer state to the CPU: gathered after it, DeepSpeed's
-    all-reduce of a ZeRO-2/3 bf16 parameter ran on a CPU tensor over NCCL and failed, and the
-    GPU peaks were dropped as "not on CUDA" (the first H100 run). Not on a preempted stop."""
-    import pytorch_lightning as pl
-
-    class FinalResults(pl.Callback):
-        def on_train_end(self, trainer, pl_module) -> None:
-            if not saver.preempted:
-                progress.phase = "writing the results"
-                run.collect(trainer, pl_module)
-
-    return FinalResults()
-
-
-def log_placement(trainer, module) -> None:
-    """DEBUG lines: the device mesh, and each module's parameters as the strategy placed them
-    (a DTensor's placements on its mesh, else whole on its device; ZeRO-3's flat partitions)."""
-    mesh = getattr(trainer.strategy, "device_mesh", None)
-    log.debug(f"strategy {type(trainer.strategy).__name__}, mesh: {mesh if mesh is not None else 'none'}")
-    for name, sub in module.named_modules():
-        params = list(sub.named_parameters(recurse=False))
-        if not params:
-            continue
-        parts = []
-        for pname, p in params:
-            placements = getattr(p, "placements", None)
-            if placements is not None:
-                where = f"{tuple(p.shape)} as {tuple(map(str, placements))} on mesh {tuple(p.device_mesh.mesh_dim_names or ())}"
-            elif hasattr(p, "ds_shape"):
-                where = f"{tuple(p.ds_shape)} as ZeRO-3 partition {tuple(p.shape)}"
-            else:
-                where = f"{tuple(p.shape)} whole on {p.device}"
-            parts.append(f"{pname} {where}")
-        log.debug(f"module {name or '(root)'}: {'; '.join(parts)}")
 
 
 def quiet_library_consoles() -> None:
