@@ -36,10 +36,10 @@ def check_checkpoint(cfg: DictConfig, async_ok: list[str]) -> None:
     require(c.export_dtype in EXPORT_DTYPES, "checkpoint.export_dtype", c.export_dtype,
             f"valid choices: {', '.join(EXPORT_DTYPES)} (the dtype of every floating-point tensor "
             "in final/model.safetensors)")
-    require(c.get("export_format", "loom") in EXPORT_FORMATS, "checkpoint.export_format", c.get("export_format"),
+    require(c.export_format in EXPORT_FORMATS, "checkpoint.export_format", c.export_format,
             f"valid choices: {', '.join(EXPORT_FORMATS)} (loom: final/model.safetensors; hf: final/ is a "
             "directory transformers' from_pretrained loads)")
-    require(float(c.get("export_shard_gb", 5.0)) > 0, "checkpoint.export_shard_gb", c.get("export_shard_gb"),
+    require(float(c.export_shard_gb) > 0, "checkpoint.export_shard_gb", c.export_shard_gb,
             "must be > 0 (the largest weight file of checkpoint.export_format=hf, in GB)")
     if c["async"] and name not in async_ok:
         why = _NO_ASYNC_WHY["zero" if name.startswith("zero") else "replicated"]
@@ -60,7 +60,7 @@ def check_compile(cfg: DictConfig) -> None:
     """trainer.compile only where the strategy runs the compiled model (single, ddp, fsdp,
     fsdp_tp, zero1, zero2: checked by tests/test_compile.py)."""
     name = cfg.strategy.name
-    if cfg.trainer.get("compile", False) and name.startswith("zero3"):
+    if cfg.trainer.compile and name.startswith("zero3"):
         require(False, "trainer.compile", True,
                 f"strategy={name} cannot compile: {_NO_COMPILE_WHY['zero3']}. Use strategy=fsdp "
                 "(per-block compile before FSDP2) or zero2, or set trainer.compile=false")

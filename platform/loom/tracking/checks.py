@@ -51,7 +51,7 @@ def tracking_checks(cfg: DictConfig) -> None:
             f"Invalid config: tracking.warmup_steps={warmup!r}; valid choices: null (the steady-state "
             "throughput starts after the first logged window) or a number of steps >= 0."
         )
-    mode = tr.get("mode", "offline")
+    mode = tr.mode
     if mode not in MODES:
         raise ConfigError(
             f"Invalid config: tracking.mode={mode!r} is not a wandb mode; valid choices: {', '.join(MODES)}."

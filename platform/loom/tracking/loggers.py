@@ -151,7 +151,7 @@ def wandb_settings() -> Any:
 def wandb_mode(cfg: DictConfig) -> str:
     """tracking.mode, except that WANDB_MODE=offline|disabled in the environment (a CI's kill
     switch) keeps an online config from going online."""
-    mode = str(cfg.tracking.get("mode", "offline"))
+    mode = str(cfg.tracking.mode)
     env = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode == "online" and env in ("offline", "dryrun", "disabled"):
         log.info(f"tracking.mode=online but WANDB_MODE={env}: wandb stays {env}")

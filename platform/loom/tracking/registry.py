@@ -33,7 +33,7 @@ class Tracker:
 TRACKERS: dict[str, Tracker] = {
     "csv": Tracker(lambda tr: bool(tr.csv), None, "loom.tracking.loggers:build_csv", "tracking.csv",
                    ("offline", "csv", "wandb", "tensorboard", "mlflow")),
-    "wandb": Tracker(lambda tr: bool(tr.wandb) and tr.get("mode", "offline") != "disabled", "wandb",
+    "wandb": Tracker(lambda tr: bool(tr.wandb) and tr.mode != "disabled", "wandb",
                      "loom.tracking.loggers:build_wandb", "tracking.wandb", ("offline", "wandb")),
     "tensorboard": Tracker(lambda tr: bool(tr.get("tensorboard")), "tensorboard",
                            "loom.tracking.loggers:build_tensorboard", "tracking.tensorboard", ("tensorboard",)),

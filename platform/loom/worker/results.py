@@ -79,7 +79,7 @@ class RunResults:
         specs = [(k, strategy.full_shape(t), dtype_name(dtype if t.is_floating_point() else t.dtype))
                  for k, t in entries]
         tensors = ((k, strategy.gather_full_tensor(trainer, t)) for k, t in entries)
-        hf = ckpt.get("export_format", "loom") == "hf"
+        hf = ckpt.export_format == "hf"
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
