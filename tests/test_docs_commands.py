@@ -312,7 +312,7 @@ def test_a_doc_command_composes_and_validates(resolver, monkeypatch, where, verb
         import datasets
 
         monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", resolver.path("hf-cache"))
-    expected = 2 if comment.startswith("refused") else int(m.group(1)) if (m := re.match(r"exit (\d)", comment)) else 0
+    expected = 2 if comment.startswith("refused") else int(m.group(1)) if (m := re.match(r"exit (\d+)", comment)) else 0
     root = resolver.root
     if verb == "plan":
         args = [a for a in args if a != "--rehearse"]
