@@ -300,6 +300,11 @@ COMMANDS = [c for i, c in enumerate(ALL_COMMANDS)  # a command repeated on anoth
             if (c[1], c[2], c[3]) not in [(d[1], d[2], d[3]) for d in ALL_COMMANDS[:i]]]
 
 
+def test_the_readme_stays_a_front_door():
+    """README.md is the front door (issue 51): at most 200 lines, the rest in docs/ pages."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
 def test_the_docs_hold_commands_of_both_verbs():
     verbs = {verb for _, verb, _, _ in ALL_COMMANDS}
     assert verbs == {"train", "plan"} and len(COMMANDS) > 40, ALL_COMMANDS
