@@ -101,7 +101,7 @@ online_install() {
   if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
     DS_BUILD_OPS=0 pip install -q --no-build-isolation "${DEEPSPEED_SPEC:-deepspeed}"
   fi
-  pip install -q -e ".[dev]"
+  pip install -q -e ".[dev,docs]"   # docs: mkdocs for .ci/run (the offline path installs only the wheelhouse's extras)
   # The tests' reference writer/reader of Megatron's indexed format (tests/test_data_store.py); --no-deps
   # because its dependency list pulls a CUDA stack: only the CPU-importable indexed_dataset module is used.
   pip install -q --no-deps "megatron-core"

@@ -122,3 +122,68 @@ def test_no_if_name_chain_dispatches_on_a_config_option():
             if len(literals) >= 2:
                 chains.append(f"{path.relative_to(PACKAGE)}:{fn.name} {sorted(literals)}")
     assert chains == [], chains
+
+
+ARCHITECTURE = PACKAGE.parents[1] / "docs" / "architecture.md"
+
+
+def test_every_module_the_architecture_page_names_exists():
+    """docs/architecture.md names modules by path (`strategies/expert_parallel.py`, or a bare
+    `fit.py` in its folder's row): each is a file of the package, so a module moved or renamed
+    without the page fails here."""
+    import re
+
+    files = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")]
+    named = {t for t in re.findall(r"`([\w/]+\.py)`", ARCHITECTURE.read_text())}
+    missing = sorted(t for t in named if not any(f == t or f.endswith("/" + t) for f in files)
+                     and not (PACKAGE.parents[1] / t).is_file())  # tests/..., scripts/...
+    assert len(named) > 50 and missing == [], missing
+
+
+def test_the_functions_the_architecture_page_names_exist():
+    """`module.name` on the page (`layout.world_of`, `construct._left_for_loom`, `optim.OPTIMIZERS`,
+    `hardware.hang_timeout_s`) is defined, imported or declared as a schema field in that module, or
+    in a file of that package; a name moved elsewhere or gone fails here."""
+    import re
+
+    scopes: dict[str, list[Path]] = {}
+    for p in PACKAGE.rglob("*.py"):  # a module: its file; a package: every file in its folder
+        scopes.setdefault(p.stem, []).append(p)
+    for d in [PACKAGE, *(p for p in PACKAGE.rglob("*") if (p / "__init__.py").is_file())]:
+        scopes.setdefault(d.name, []).extend(d.rglob("*.py"))
+    refs = {(m, n) for m, n in re.findall(r"`([a-z_]+)\.([A-Za-z_]\w*)`", ARCHITECTURE.read_text())
+            if m in scopes and n not in ("py", "json", "build_peak_rss_gb_per_rank")}  # a summary.json key
+    defined = r"^\s*(?:def|class)\s+{0}\b|^\s*{0}\s*[:=]|^\s*(?:from\s+\S+\s+)?import\s.*\b{0}\b"
+    missing = sorted(f"{m}.{n}" for m, n in refs
+                     if not (m == "loom" and ((PACKAGE / n).is_dir() or (PACKAGE / f"{n}.py").is_file()))
+                     and not any(re.search(defined.format(n), p.read_text(), re.M) for p in scopes[m]))
+    assert len(refs) > 20 and missing == [], missing
+
+
+def test_the_architecture_page_states_the_layers_lint_imports_holds():
+    """The page's layer line (`cli > generate > ... > errors | atomic | ...`) is pyproject.toml's
+    import-linter layers contract, in order, with the same modules in each layer."""
+    import re
+
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())
+    layers = next(c["layers"] for c in project["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
+    contract = [sorted(re.split(r"\s*[|:]\s*", layer.replace("loom.", ""))) for layer in layers]
+    text = " ".join(ARCHITECTURE.read_text().split())
+    line = re.search(r"`(cli > [^`]+)`", text).group(1)
+    page = [sorted(["hardware", "strategies", "data", "models", "optim", "tracking"]) if part == "config groups"
+            else sorted(re.split(r"\s*\|\s*", part)) for part in (p.strip() for p in line.split(">"))]
+    assert page == contract
+
+
+def test_the_folder_map_has_every_top_level_module():
+    """Each module and package directly under platform/loom/ has a row in the page's folder map."""
+    import re
+
+    text = ARCHITECTURE.read_text()
+    table = text.split("## Folder map")[1].split("\n\n")[1]
+    named = set(re.findall(r"`([\w]+)(?:\.py|/)`", table))
+    top = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+           if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert sorted(top - named) == []

@@ -93,9 +93,9 @@ def test_every_option_has_a_family_folder_or_is_a_plain_option_and_a_yaml():
         assert family.summary, family.name
 
 
-def test_the_readme_model_table_is_the_registrys():
+def test_the_docs_model_table_is_the_registrys():
     from loom.models import family_table
 
-    readme = (ROOT.parents[1] / "README.md").read_text()
+    readme = (ROOT.parents[1] / "docs" / "models.md").read_text()
     table = readme.split("<!-- model-families:begin -->\n")[1].split("\n<!-- model-families:end -->")[0]
     assert table == family_table(), "regenerate it: python -c 'import loom.models as m; print(m.family_table())'"

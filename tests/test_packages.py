@@ -1,6 +1,6 @@
 """Optional packages (loom.packages, issue 50): one table says which option needs which package,
 every row is refused with exit 2 before anything starts when its package is missing (named with
-Loom's extra), the README's table is the registry's, and each package is in the extra it names.
+Loom's extra), docs/install.md's table is the registry's, and each package is in the extra it names.
 
 In-process, no launch: the CLI's own `main` with this interpreter made blind to the row's package
 (a meta-path finder that raises ModuleNotFoundError for it, as an install without it would)."""
@@ -93,8 +93,8 @@ def test_lora_without_peft_is_refused_naming_it(tmp_path, monkeypatch):
     assert "pip install 'loom[hf]'" in err
 
 
-def test_the_readme_table_is_the_registrys():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_table_is_the_registrys():
+    readme = (ROOT / "docs" / "install.md").read_text()
     table = readme.split("<!-- optional-packages:begin -->\n")[1].split("\n<!-- optional-packages:end -->")[0]
     assert table == needs_table(), "regenerate it: python -c 'import loom.validate as v; print(v.needs_table())'"
 

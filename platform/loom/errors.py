@@ -1,6 +1,6 @@
 """Errors and exit codes: the one definition every stage and config group shares.
 
-Exit codes are the CLI contract (README "Overriding things"): 0 ok, 1 training failed, 2 invalid config or
+Exit codes are the CLI contract (docs/reference.md, "Exit codes"): 0 ok, 1 training failed, 2 invalid config or
 usage, 3 plan infeasible, 143 preempted (a checkpoint was saved; run again to resume).
 """
 

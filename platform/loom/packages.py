@@ -9,7 +9,7 @@ not when the Trainer is built. `importlib.util.find_spec` finds a package withou
 
 One table says which option needs what: each config group hands its rows (`Need`: the option as a
 user writes it, when it applies, the import name) as `NEEDS`, `loom.validate.package_needs` joins
-them, the README's table is generated from it, and validation checks every row that applies
+them, docs/install.md's table is generated from it, and validation checks every row that applies
 before any group normalizes or checks (a missing transformers must not surface as a bad tokenizer
 path). Where each package comes from (its pip name and Loom's extra) is `PACKAGES`, pyproject.toml's
 extras in one place (tests/test_packages.py holds the two together).

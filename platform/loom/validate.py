@@ -43,12 +43,12 @@ NEEDS: tuple[Need, ...] = (
 
 
 def package_needs() -> tuple[Need, ...]:
-    """The whole table: which option needs which optional package (README "Installing")."""
+    """The whole table: which option needs which optional package (docs/install.md)."""
     return (*NEEDS, *(need for group in GROUP_PACKAGES.values() for need in getattr(group, "NEEDS", ())))
 
 
 def needs_table() -> str:
-    """The README's table of optional packages (tests/test_packages.py holds the README to it)."""
+    """docs/install.md's table of optional packages (tests/test_packages.py holds the page to it)."""
     rows = ["| option | needs | from | refused by |", "|---|---|---|---|"]
     for need in package_needs():
         pip_name, extra = PACKAGES[need.module]

@@ -116,9 +116,9 @@ def copy(recipe: Recipe, dest: Path, force: bool) -> Path:
 
 
 def groups_table() -> str:
-    """The README's table of config groups: every option of each group (its conf/ files), the
+    """docs/reference.md's table of config groups: every option of each group (its conf/ files), the
     default (conf/train.yaml's defaults list) and the bundled recipes (tests/test_config.py holds
-    the README to it, so an option added or dropped without it fails)."""
+    that page to it, so an option added or dropped without it fails)."""
     from omegaconf import OmegaConf
 
     from loom.compose.paths import conf_dir, group_options

@@ -7,7 +7,7 @@ polled, and once it is Complete or Failed the exit code comes from summary.json 
 143 preempted, 1 otherwise). Ctrl-C (SIGINT) suspends the TrainJob: its pods get SIGTERM and the
 ranks checkpoint within terminationGracePeriodSeconds; the same `loom train` command resubmits and
 resumes. `<run>/kubernetes.json` names the job; a second `loom train` of the run while it is
-active exits 2 (`active_job`). Not tried against a real cluster yet (README, Scaling out).
+active exits 2 (`active_job`). Not tried against a real cluster yet (docs/scaling-out.md).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def layer_count(cfg: DictConfig) -> int:
 
 
 def family_table() -> str:
-    """The README's table of model families (tests/test_model_families.py holds the README to it)."""
+    """docs/models.md's table of model families (tests/test_model_families.py holds the page to it)."""
     rows = ["| family | options | what it is | split beyond data parallelism | LoRA | export to transformers |",
             "|---|---|---|---|---|---|"]
     for f in FAMILIES:

@@ -27,7 +27,7 @@ Targets = dict[str, tuple[int, int]]  # a LoRA-able Linear's name -> (in_feature
 
 @dataclass(frozen=True)
 class ModelFamily:
-    name: str          # in refusals and the README's model table: "gpt_*", "llama*", "hf_causal_lm"
+    name: str          # in refusals and docs/models.md's table: "gpt_*", "llama*", "hf_causal_lm"
     options: tuple[str, ...]  # its `model=` options (conf/model/<option>.yaml)
     schema: type
     check: Callable[[DictConfig, ParallelLayout], None]
@@ -35,7 +35,7 @@ class ModelFamily:
     build: str        # "loom.models.<family>.module:build" (cfg) -> LightningModule; imports torch
     # its state dict's names and shapes (model.init_from is checked against them before launch)
     shapes: Callable[[DictConfig], Shapes]
-    summary: str = ""  # one line for the README's model table
+    summary: str = ""  # one line for docs/models.md's table
     splits_note: str = ""  # the table's word on its tensor/pipeline splits where it is not plain "tensor and pipeline"
     normalize: Callable[[DictConfig], None] = nothing_to_fill
     # Why the configured model cannot be split `how` ("tensor_parallel" | "pipeline"), None when it

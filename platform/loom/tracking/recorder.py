@@ -283,7 +283,7 @@ class Recorder(pl.Callback):
         return {**span, "trained_tokens": None if self.trained_total is None else int(self.trained_total)}
 
     def _row(self, trainer: pl.Trainer, gathered: torch.Tensor, rates: dict[str, float]) -> dict[str, float]:
-        """The metrics of one log step (metric names: README "Tracking and reports") from every rank's vector."""
+        """The metrics of one log step (metric names: docs/tracking.md) from every rank's vector."""
         mean = gathered.mean(0)
         col = {name: i for i, name in enumerate(_FIELDS)}
         row: dict[str, float] = {
