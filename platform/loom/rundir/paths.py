@@ -168,10 +168,14 @@ class SweepDir:
     """`runs/<experiment>/sweeps/<sweep_id>/`: one run dir per trial and the manifest."""
 
     path: Path
+    FOLDER = "sweeps"   # runs/<experiment>/sweeps/: beside the experiment's run dirs
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
 
     @classmethod
     def of(cls, root: str | Path, experiment: str, sweep_id: str) -> SweepDir:
-        return cls(Path(root) / experiment / "sweeps" / sweep_id)
+        return cls(Path(root) / experiment / cls.FOLDER / sweep_id)
 
     manifest = Part("manifest.json", "the sweep's command, objective and every trial's state (a rerun resumes it)")
 
@@ -189,6 +193,6 @@ def run_dir_table() -> str:
     width = max(len(name) for name, _ in run + sweep) + 2
     lines = ["```", "runs/<experiment>/<run_id>/"]
     lines += [f"  {name:<{width}} {what}" for name, what in run]
-    lines += ["runs/<experiment>/sweeps/<sweep_id>/"]
+    lines += [f"runs/<experiment>/{SweepDir.FOLDER}/<sweep_id>/"]
     lines += [f"  {name:<{width}} {what}" for name, what in sweep]
     return "\n".join([*lines, "```"])
