@@ -4,7 +4,7 @@ Stages, reports and renderers ask a `RunDir` for a path instead of joining names
 file is renamed in one line and the README's "What a run writes" (`run_dir_table()`) cannot
 drift from what is written: each path carries the one line that describes it
 (tests/test_rundir_names.py greps the rest of Loom for the names and checks the README).
-Import-light on purpose (pathlib only): the CLI's first second and the launcher read it.
+Import-light on purpose (the standard library only): the CLI's first second and the launcher read it.
 """
 
 from __future__ import annotations
