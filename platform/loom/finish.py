@@ -19,6 +19,7 @@ from loom.launch import multi_node
 from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
 from loom.rundir.failures import failure_paragraph, read_failures, root_failure, summary_error
+from loom.rundir.paths import RunDir
 from loom.rundir.summary import empty_summary, read_summary, summary_mark, write_summary
 from loom.rundir.world_history import TIME_PARTS, read_history, run_totals
 
@@ -112,7 +113,8 @@ def _failure_message(run_dir: Path, rc: int, summary: dict | None) -> str:
     from loom.launch.console import agent_log
 
     return (f"Training failed (exit {rc}) without a rank recording an error (killed, or out of memory?); "
-            f"see {run_dir / 'logs'} (rank-N.log, and {agent_log(run_dir).name}: the torchrun agent's output).")
+            f"see {RunDir(run_dir).logs} ({RunDir(run_dir).log('N').name}, and {agent_log(run_dir).name}: the torchrun "
+            "agent's output).")
 
 
 def _fmt(v: Any, spec: str = ",.1f", unit: str = "") -> str:
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(launch_mark(Path(args.run_dir)))
         return EXIT_OK
     run_dir = Path(args.run_dir).resolve()
-    cfg = load_frozen(run_dir / "config.yaml")
+    cfg = load_frozen(RunDir(run_dir).config)
     return finish(cfg, run_dir, args.rc, None if args.mark == "-" else args.mark, in_job=True)
 
 

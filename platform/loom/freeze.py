@@ -19,6 +19,7 @@ from loom.layout import world_of
 from loom.plan import Plan
 from loom.rundir.config_file import frozen_container, frozen_yaml
 from loom.rundir.extension import extend, is_completed, max_steps_only
+from loom.rundir.paths import RunDir
 from loom.strategies.world import check_elastic_range, derive_accumulation, world_change_only
 
 # Keys that do not change what a run computes: changing them resumes the same run.
@@ -53,7 +54,7 @@ def adopt_run_batch(cfg: DictConfig, old: DictConfig, run_dir: Path) -> None:
     re-derived for this command's world (in place; ConfigError naming usable worlds if none)."""
     gbs = old.trainer.get("global_batch_size")
     if gbs is None:
-        gbs = _read_json(run_dir / "plan.json").get("global_batch")
+        gbs = _read_json(RunDir(run_dir).plan).get("global_batch")
         if gbs is None:
             return
         old.trainer.global_batch_size = int(gbs)  # compared as if frozen with it
@@ -104,7 +105,7 @@ def inputs_diff(run_dir: Path, inputs: dict[str, str]) -> list[str]:
     """`key: file content changed (frozen -> now)` for each named file whose content differs from
     what plan.json recorded at freeze (run dirs frozen before this record: nothing to compare)."""
     try:
-        old = json.loads((run_dir / "plan.json").read_text()).get("inputs")
+        old = json.loads(RunDir(run_dir).plan.read_text()).get("inputs")
     except (OSError, ValueError):
         old = None
     if not isinstance(old, dict):
@@ -147,7 +148,7 @@ def run_dir_of(cfg: DictConfig, rid: str) -> Path:
         return Path(cfg.run.dir).expanduser().resolve()
     if cfg.run.get("sweep_dir"):
         return (Path(cfg.run.sweep_dir) / rid).resolve()
-    return (Path(cfg.run.root) / cfg.experiment / rid).resolve()
+    return RunDir.of(cfg.run.root, cfg.experiment, rid).path.resolve()
 
 
 def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
@@ -159,7 +160,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
     cfg = copy.deepcopy(cfg)
     cfg.run.id = rid
     run_dir = run_dir_of(cfg, rid)
-    frozen_path = run_dir / "config.yaml"
+    frozen_path = RunDir(run_dir).config
     if frozen_path.exists():
         old = OmegaConf.load(frozen_path)
         adopt_run_batch(cfg, old, run_dir)
@@ -195,7 +196,7 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         # writes its own temporary files and renames them (same content; the last rename wins).
         # config.yaml goes last: once it exists, the run dir is complete.
         record = {**plan.to_dict(), "inputs": inputs}  # what the named files held (inputs_diff)
-        atomic_write_text(run_dir / "plan.json", json.dumps(record, indent=2) + "\n")
+        atomic_write_text(RunDir(run_dir).plan, json.dumps(record, indent=2) + "\n")
         atomic_write_text(frozen_path, frozen_yaml(cfg))
     except OSError as e:
         raise ConfigError(
@@ -227,15 +228,14 @@ def _has_progress(run_dir: Path) -> bool:
     the second node of a fresh multi-node run finds only the first node's config.yaml."""
     from loom.rundir.checkpoints import complete_checkpoints
 
-    return bool(complete_checkpoints(run_dir)) or (run_dir / "summary.json").exists()
+    return bool(complete_checkpoints(run_dir)) or RunDir(run_dir).summary.exists()
 
 
 def continuable_sibling(run_dir: Path, cfg: DictConfig, limit: int = 200) -> str | None:
     """An automatic run id covers trainer.max_steps, so a raised max_steps without run.id is a
     new run: a note naming a run beside it that this command could continue instead."""
-    for path in sorted(run_dir.parent.glob("*/config.yaml"))[:limit]:
-        if path.parent == run_dir:
-            continue
+    for sibling in RunDir(run_dir).siblings()[:limit]:
+        path = sibling.config
         try:
             old, mine = OmegaConf.load(path), copy.deepcopy(cfg)
             mine.trainer.global_batch_size = None
@@ -261,15 +261,16 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     step = step_of(ckpts[0]) if ckpts else 0
     before = world_of(old.hardware)
     after = world_of(cfg.hardware)
-    old_plan = _read_json(run_dir / "plan.json")
+    rd = RunDir(run_dir)
+    old_plan = _read_json(rd.plan)
     changes = list(old_plan.get("world_changes") or [])
     entry = {"at_step": step, "from_world": before, "to_world": after}
     if not changes or changes[-1] != entry:  # not twice (every node of a multi-node run freezes)
         changes.append(entry)
     keep = {k: old_plan[k] for k in ("extended_from_steps", "extended_at_steps") if k in old_plan}
     record = {**make_plan(cfg).to_dict(), "inputs": inputs, **keep, "world_changes": changes}
-    atomic_write_text(run_dir / "plan.json", json.dumps(record, indent=2) + "\n")
-    atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
+    atomic_write_text(rd.plan, json.dumps(record, indent=2) + "\n")
+    atomic_write_text(rd.config, frozen_yaml(cfg))
     tr = cfg.trainer
     what = f"World change: {before} -> {after} rank(s)" if before != after else "Layout change"
     line = (f"{what} from step {step}; trainer.accumulate_grad_batches "

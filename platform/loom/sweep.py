@@ -22,6 +22,7 @@ from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.models import experiment_of
 from loom.packages import TRAINING, check_needs
+from loom.rundir.paths import RunDir, SweepDir
 from loom.schema import SUMMARY_METRICS
 from loom.validate import package_needs
 
@@ -171,9 +172,9 @@ def run_sweep(
                       "sampler": sampler, "n": base.sweep.n_trials if sampler == "optuna" else None,
                       "seed": base.sweep.seed})
     sweep_id = hashlib.sha1(key.encode()).hexdigest()[:8]
-    sweep_dir = (Path(base.run.root) / experiment_of(base) / "sweeps" / sweep_id).resolve()
+    sweep_dir = SweepDir.of(base.run.root, experiment_of(base), sweep_id).path.resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(sweep_dir / "manifest.json", sweep_id, overrides, objective, direction)
+    manifest = Manifest(SweepDir(sweep_dir).manifest, sweep_id, overrides, objective, direction)
     pin = [f"run.sweep_dir={sweep_dir}"]
 
     def own_id(i: int) -> list[str]:
@@ -226,7 +227,7 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
             return
     if t.state == "completed":
         print(f"[sweep] trial {t.index} already completed: {t.run_dir}", flush=True)
-        summary = Path(t.run_dir) / "summary.json" if t.run_dir else None
+        summary = RunDir(t.run_dir).summary if t.run_dir else None
         if summary is not None and summary.is_file():  # ranked by this command's objective
             t.objective = objective_of(json.loads(summary.read_text()), objective)
             manifest.save()
@@ -239,19 +240,19 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
     t.run_dir = str(run_dir) if run_dir else None
     t.run_id = run_dir.name if run_dir else None
     t.state = "completed" if rc == 0 else "failed"
-    job_file = run_dir / "slurm" / "job_id" if run_dir else None
+    job_file = RunDir(run_dir).slurm_job if run_dir else None
     if rc == 0 and run_dir and not _completed(run_dir):
         if job_file.exists():
             t.state, t.job_id = "submitted", job_file.read_text().strip()  # a batch job runs it later
         else:  # --dry-run: the job script was written, nothing ran or was submitted
             t.state = "pending"
-    if run_dir and (run_dir / "summary.json").exists():
-        t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
+    if run_dir and RunDir(run_dir).summary.exists():
+        t.objective = objective_of(json.loads(RunDir(run_dir).summary.read_text()), objective)
     manifest.save()
 
 
 def _completed(run_dir: Path) -> bool:
-    path = run_dir / "summary.json"
+    path = RunDir(run_dir).summary
     return path.exists() and json.loads(path.read_text()).get("status") == "completed"
 
 
@@ -263,7 +264,7 @@ def _settle_submitted(t: Trial, objective: str) -> None:
     run_dir = Path(t.run_dir)
     if _completed(run_dir):
         t.state = "completed"
-        t.objective = objective_of(json.loads((run_dir / "summary.json").read_text()), objective)
+        t.objective = objective_of(json.loads(RunDir(run_dir).summary.read_text()), objective)
     elif active_job(run_dir) is None:
         t.state = "pending"
 

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from loom.errors import ConfigError
 from loom.export.select import ADAPTER_CONFIG, Request, merge_base
 from loom.export.sources import WeightsSource, open_source, unwrapped
+from loom.rundir.paths import RunDir
 
 ADAPTER_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -65,7 +66,7 @@ def _source_path(path: Path) -> Path:
 def adapter_config(req: Request, keys: list[str]) -> dict:
     """The run's own adapter_config.json (final/'s), else peft's LoraConfig of model.lora, its
     target modules the ones the adapter holds tensors for."""
-    own = req.run_dir / "final" / ADAPTER_CONFIG
+    own = RunDir(req.run_dir).final / ADAPTER_CONFIG
     if own.is_file():
         return json.loads(own.read_text())
     from peft import LoraConfig

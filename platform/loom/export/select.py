@@ -20,6 +20,7 @@ from loom.errors import ConfigError
 from loom.models.registry import FAMILIES, MODELS
 from loom.rundir import checkpoints
 from loom.rundir.config_file import load_frozen
+from loom.rundir.paths import RunDir
 from loom.rundir.safetensors_stream import EXPORT_DTYPES
 from loom.rundir.summary import read_summary
 
@@ -84,8 +85,8 @@ def _choice(flag: str, value: str | None, choices: dict[str, str] | tuple[str, .
 def run_dir_of(run: str) -> Path:
     """The run dir `run` names (a directory holding the frozen config.yaml)."""
     path = Path(run).expanduser().resolve()
-    if not (path / "config.yaml").is_file():
-        why = "does not exist" if not path.exists() else "has no config.yaml"
+    if not RunDir(path).config.is_file():
+        why = "does not exist" if not path.exists() else f"has no {RunDir.config.rel}"
         raise _usage(f"{run}: not a run dir ({path} {why}); name the directory `loom train` printed after "
                      "'run dir:', e.g. runs/<experiment>/<run id>")
     return path
@@ -196,13 +197,13 @@ def output_dir(run_dir: Path, out: str | None, fmt: str, step: int, dtype: str, 
     """--out, or <run>/export/<format>-step-<N>[-<dtype>]: never final/ or checkpoints/ (the
     run's own record, which summary.json and a resume read)."""
     if out is None:
-        return run_dir / "export" / f"{fmt}-step-{step}{'' if dtype == run_dtype else '-' + dtype}"
+        return RunDir(run_dir).export(fmt, step, "" if dtype == run_dtype else dtype)
     path = Path(out).expanduser().resolve()
-    for kept in (run_dir / "final", checkpoints.checkpoint_dir(run_dir)):
+    for kept in (RunDir(run_dir).final, checkpoints.checkpoint_dir(run_dir)):
         if path == kept or kept in path.parents:
             raise _usage(f"{run_dir} --out {out}: {kept.name}/ is the run's own record (summary.json and a resume "
                          "read it); choose a directory outside it, or leave --out out for "
-                         f"{run_dir / 'export'}/<format>-step-<N>")
+                         f"{RunDir(run_dir).exports}/<format>-step-<N>")
     if path.exists() and not path.is_dir():
         raise _usage(f"{run_dir} --out {out}: {path} is a file; name a directory")
     return path
@@ -213,7 +214,7 @@ def request(run: str, fmt: str | None, out: str | None = None, step: int | None 
     """Everything `loom export` was asked, checked against the run dir (ConfigError: exit 2)."""
     fmt = _choice("--format", fmt, FORMATS)
     run_dir = run_dir_of(run)
-    cfg = load_frozen(run_dir / "config.yaml")
+    cfg = load_frozen(RunDir(run_dir).config)
     if fmt == "hf":
         _check_hf(cfg, run_dir)
     _check_lora(cfg, run_dir, fmt)

@@ -16,6 +16,7 @@ from loom.export import request as export_request
 from loom.export.select import run_dir_of
 from loom.models.registry import FAMILIES, MODELS
 from loom.rundir.config_file import load_frozen
+from loom.rundir.paths import RunDir
 
 # where a tokenizer directory keeps its chat template (transformers' save_pretrained writes the first)
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -115,7 +116,7 @@ def request(run: str, prompt: str | None, chat: bool, step: int | None, settings
         run_dir = run_dir_of(run)
     except ConfigError as e:
         raise _as_generate(e) from None
-    cfg = load_frozen(run_dir / "config.yaml")
+    cfg = load_frozen(RunDir(run_dir).config)
     _check_model(cfg, run_dir)
     tokenizer = cfg.dataset.get("tokenizer") or None
     template = cfg.dataset.get("chat_template") or None

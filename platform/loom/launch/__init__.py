@@ -32,6 +32,7 @@ from loom.hardware.checks import elastic
 from loom.hardware.machine import usable_cores
 from loom.launch.console import StderrFilter, agent_log
 from loom.layout import ParallelLayout
+from loom.rundir.paths import RunDir
 
 
 def nnodes(cfg: DictConfig) -> str:
@@ -94,7 +95,7 @@ def gpu_env(cfg: DictConfig, run_dir: Path | str | None) -> dict[str, str]:
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     }
     if run_dir is not None:
-        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(run_dir) / "logs" / "nccl_trace_rank_")
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(RunDir(run_dir).nccl_trace)
     return env
 
 

@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from loom.rundir.paths import RunDir
+
 # torch's own log lines: "W1121 18:17:47.660000 32237 torch/distributed/elastic/...] message"
 _AGENT_LINE = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/")
 _TRACEBACK = re.compile(rb"^(\[rank\d+\]:)?\s*Traceback \(most recent call last\):")
@@ -36,7 +38,7 @@ _RESTART = re.compile(rb"Worker group FAILED\. (\d+)/(\d+) attempts left; will r
 
 def agent_log(run_dir: Path) -> Path:
     """Per host: the nodes of a multi-node run share the run dir (appends over NFS interleave)."""
-    return Path(run_dir) / "logs" / f"torchrun-{socket.gethostname()}.log"
+    return RunDir(run_dir).agent_log(socket.gethostname())
 
 
 class StderrFilter:
@@ -77,7 +79,7 @@ class StderrFilter:
                 f"({left.decode()} of {most.decode()} restarts left); they resume from {self._resume_point()}")
 
     def _resume_point(self) -> str:
-        last = self.run_dir / "checkpoints" / "last.ckpt" if self.run_dir else None
+        last = RunDir(self.run_dir).last_checkpoint if self.run_dir else None
         if last is None or not (last.is_symlink() or last.exists()):
             return "step 0 (no checkpoint yet)"
         return str(last.resolve() if last.is_symlink() else last)

@@ -22,10 +22,10 @@ from omegaconf import DictConfig
 
 from loom.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, ConfigError
 from loom.launch.kubernetes import GROUP, PLURAL, VERSION, job_name, kube_context, submits, write_manifest
+from loom.rundir.paths import RunDir
 from loom.rundir.summary import read_summary
 
 POLL_S = 5.0
-RECORD = "kubernetes.json"
 DONE = ("Complete", "Failed")
 
 
@@ -64,7 +64,7 @@ def _conditions(job: dict[str, Any]) -> dict[str, str]:
 
 def active_job(cfg: DictConfig, run_dir: Path) -> str | None:
     """The TrainJob this run dir was submitted as, while it exists and has not finished."""
-    record = run_dir / RECORD
+    record = RunDir(run_dir).kubernetes
     if not record.exists() or kube_context() is None:
         return None
     from kubernetes.client.exceptions import ApiException
@@ -102,7 +102,7 @@ def create_and_follow(cfg: DictConfig, run_dir: Path, manifest: Path) -> int:
               f"{type(e).__name__}: {e}\nThe manifest is {manifest}: `kubectl apply -f {manifest}` once the "
               "cluster is reachable, or the same `loom train` command again.", flush=True)
         return EXIT_FAILED
-    (run_dir / RECORD).write_text(json.dumps({"name": name, "namespace": ns}))
+    RunDir(run_dir).kubernetes.write_text(json.dumps({"name": name, "namespace": ns}))
     print(f"loom: TrainJob {name} submitted to namespace {ns} ({manifest}); Ctrl-C stops it (the ranks "
           f"checkpoint)", flush=True)
     return _follow(api, name, ns, run_dir)
@@ -111,7 +111,7 @@ def create_and_follow(cfg: DictConfig, run_dir: Path, manifest: Path) -> int:
 def _follow(api, name: str, ns: str, run_dir: Path) -> int:
     stop: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.append(signum))
-    log, offset, seen = run_dir / "logs" / "rank-0.log", 0, {}
+    log, offset, seen = RunDir(run_dir).log(0), 0, {}
     try:
         while True:
             if stop and stop[0] > 0:

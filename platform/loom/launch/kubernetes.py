@@ -27,11 +27,12 @@ from omegaconf import DictConfig
 
 from loom.errors import ConfigError
 from loom.redaction import is_secret_key
+from loom.rundir.paths import RunDir
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 NODE = "node"        # the torch-distributed runtime's replicated job and container
 VOLUME = "loom-runs"
-MANIFEST = "trainjob.yaml"
+MANIFEST = RunDir.trainjob.rel
 # What the runtime injects for torchrun (and torchrun's own variables): a pod env may not set them.
 PET_KEYS = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
 RESERVED = (*PET_KEYS, "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -193,6 +194,6 @@ def write_manifest(cfg: DictConfig, run_dir: Path) -> Path:
 
     text = render(trainjob(cfg, run_dir))
     read_back(text)
-    path = run_dir / MANIFEST
+    path = RunDir(run_dir).trainjob
     atomic_write_text(path, text)
     return path

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from loom.errors import EXIT_INVALID
 from loom.launch import nnodes, torchrun_command, worker_env
 from loom.launch.kubernetes import PET_KEYS
+from loom.rundir.paths import RunDir
 
 # How the SLURM job script calls the same helpers (loom.finish's `mark` and `finish`).
 FINISH = ["-m", "loom.finish"]
@@ -67,7 +68,7 @@ def run_pod(run_dir: Path, env: dict[str, str] | None = None) -> int:
 
     env = dict(os.environ if env is None else env)
     pet = rendezvous(env)
-    cfg = load_frozen(run_dir / "config.yaml")
+    cfg = load_frozen(RunDir(run_dir).config)
     check_against_run(cfg, pet)
     print(f"loom: pod {socket.gethostname()}: node rank {pet['PET_NODE_RANK']} of {pet['PET_NNODES']} x "
           f"{cfg.hardware.devices} process(es); rendezvous at {pet['PET_MASTER_ADDR']}:{pet['PET_MASTER_PORT']} "

@@ -43,6 +43,7 @@ from loom.atomic import atomic_write_text
 from loom.compose.paths import bundled
 from loom.errors import EXIT_OK, ConfigError
 from loom.launch import gpu_env, multi_node, torchrun_command
+from loom.rundir.paths import RunDir
 
 # squeue states in which a job still holds (or will hold) the run dir.
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
@@ -79,7 +80,7 @@ def sbatch_options(cfg: DictConfig, run_dir: Path) -> list[str]:
         if sl[key]:
             opts.append(f"{flag}={sl[key]}")
     opts += [f"--signal=B:USR1@{sl.signal_before_s}", "--requeue", "--open-mode=append",
-             f"--output={run_dir / 'slurm' / 'slurm-%j.out'}"]
+             f"--output={RunDir(run_dir).slurm_out('%j')}"]
     return opts + [str(a).strip() for a in sl.extra_args or []]
 
 
@@ -87,7 +88,7 @@ def render(cfg: DictConfig, run_dir: Path, python: str = sys.executable) -> str:
     """The job script of a frozen run (run dir and python as absolute paths the nodes see)."""
     hw, sl = cfg.hardware, cfg.hardware.slurm
     run_dir = Path(run_dir).resolve()
-    script = run_dir / "slurm" / "job.sbatch"
+    script = RunDir(run_dir).sbatch
     marks = {"python": "@@PYTHON@@", "endpoint": "@@RDZV@@", "run_dir": "@@RUNDIR@@"}
     cmd = torchrun_command(cfg, marks["run_dir"], endpoint=marks["endpoint"], python=marks["python"])
     torchrun = " \\\n    ".join(shlex.join(cmd[i:i + 2]) if cmd[i] == "-m" else shlex.quote(cmd[i])
@@ -149,14 +150,14 @@ def _groups(cmd: list[str]) -> list[int]:
 
 
 def write_script(cfg: DictConfig, run_dir: Path) -> Path:
-    path = Path(run_dir) / "slurm" / "job.sbatch"
+    path = RunDir(run_dir).sbatch
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, render(cfg, run_dir), mode=0o755)
 
 
 def active_job(run_dir: Path) -> tuple[str, str] | None:
     """The last job submitted for this run, if squeue says it is still queued or running."""
-    last = Path(run_dir) / "slurm" / "job_id"
+    last = RunDir(run_dir).slurm_job
     if not last.exists() or not shutil.which("squeue"):
         return None
     job = last.read_text().strip()
@@ -184,11 +185,11 @@ def submit(cfg: DictConfig, run_dir: Path, dry_run: bool = False) -> int:
         raise ConfigError(f"Invalid config: sbatch refused {script} (exit {p.returncode}): "
                           f"{(p.stderr or p.stdout).strip()}")
     job = p.stdout.strip().splitlines()[-1].split(";")[0] if p.stdout.strip() else "?"
-    (run_dir / "slurm" / "job_id").write_text(job + "\n")
-    with open(run_dir / "slurm" / "jobs.log", "a") as f:
+    RunDir(run_dir).slurm_job.write_text(job + "\n")
+    with open(RunDir(run_dir).slurm_jobs, "a") as f:
         f.write(f"{job}\t{time.strftime('%Y-%m-%dT%H:%M:%S')}\t{script}\n")
     print(f"Submitted run {cfg.run.id} as SLURM job {job} ({cfg.hardware.num_nodes} node(s) x "
           f"{cfg.hardware.devices}); script {script}\n"
-          f"job log: {run_dir / 'slurm' / f'slurm-{job}.out'}; summary.json appears when it ends\n"
+          f"job log: {RunDir(run_dir).slurm_out(job)}; summary.json appears when it ends\n"
           f"run dir: {run_dir}")
     return EXIT_OK

@@ -29,8 +29,8 @@ from omegaconf import DictConfig
 from loom.errors import ConfigError
 from loom.errors import fail as _fail
 from loom.models.family import ModelFamily, Shapes
+from loom.rundir.paths import RunDir
 
-FINAL = Path("final") / "model.safetensors"
 HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"  # a Hugging Face dir's weights
 MAX_LISTED = 8  # tensors named per kind of mismatch in the refusal
 
@@ -54,14 +54,15 @@ def source_file(value: str) -> Path:
     a Hugging Face directory (itself: its config.json and weight files are read from it)."""
     p = Path(value).expanduser().resolve()
     if p.is_dir():
-        if (p / FINAL.parent / "config.json").is_file():  # a run exported with checkpoint.export_format=hf
-            return p / FINAL.parent
-        if (p / FINAL).is_file():
-            return p / FINAL
+        run = RunDir(p)
+        if (run.final / "config.json").is_file():  # a run exported with checkpoint.export_format=hf
+            return run.final
+        if run.final_weights.is_file():
+            return run.final_weights
         if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
             return p
         _fail("model.init_from", value,
-              f"is a directory without {FINAL} (a run dir has it once the run completed) nor "
+              f"is a directory without {RunDir.final_weights.rel} (a run dir has it once the run completed) nor "
               f"{HF_SINGLE} / {HF_INDEX} (a Hugging Face dir); name a completed run dir, a "
               "Hugging Face dir or a .safetensors file")
     if not p.is_file():

@@ -70,7 +70,7 @@ def rehearse(cfg: DictConfig, plan: dict[str, Any], ranks: list[int] | None = No
 def run_ranks(cfg: DictConfig, ranks: list[int]) -> list[dict[str, Any]]:
     """Each rank in its own `python -m loom.rehearse.rank` process, side by side."""
     with tempfile.TemporaryDirectory(prefix="loom-rehearse-") as tmp:
-        config = Path(tmp) / "config.yaml"
+        config = Path(tmp) / "frozen.yaml"  # a temp file, not a run dir
         config.write_text(frozen_yaml(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [(r, Path(tmp) / f"rank-{r}.json", subprocess.Popen(

@@ -28,6 +28,7 @@ from typing import Any
 from loom.report.runs import Run, _md_table, _num, _pct, _write, error_text
 from loom.report.sweep_plots import TrialBar, scaling_plot, trials_plot
 from loom.report.tie import REL_TOL, Tie, tie_of
+from loom.rundir.paths import SweepDir
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Sweep:
 
 def read_sweep(sweep_dir: Path | None) -> Sweep | None:
     """The sweep's manifest (None: not a sweep dir, or a manifest that cannot be read)."""
-    path = sweep_dir / "manifest.json" if sweep_dir else None
+    path = SweepDir(sweep_dir).manifest if sweep_dir else None
     if path is None or not path.is_file():
         return None
     try:

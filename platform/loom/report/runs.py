@@ -14,6 +14,7 @@ from typing import Any
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.report.sources import data_wait_text, sources_section
+from loom.rundir.paths import RunDir
 from loom.rundir.summary import validation_text
 
 
@@ -63,7 +64,7 @@ class Run:
         try:
             import yaml
 
-            return yaml.safe_load((self.path / "config.yaml").read_text()) or {}
+            return yaml.safe_load(RunDir(self.path).config.read_text()) or {}
         except (OSError, ValueError, ImportError):
             return {}
 
@@ -71,7 +72,7 @@ class Run:
     def params(self) -> int | None:
         """The model's parameter count, from plan.json."""
         try:
-            return int(json.loads((self.path / "plan.json").read_text())["params"])
+            return int(json.loads(RunDir(self.path).plan.read_text())["params"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -93,7 +94,7 @@ class Run:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "summary.json").is_file()
+    return RunDir(path).summary.is_file()
 
 
 def load_run(path: Path) -> Run:
@@ -101,16 +102,16 @@ def load_run(path: Path) -> Run:
     if not path.is_dir():
         raise ConfigError(f"loom report: {path} is not a directory (expected a run dir or a sweep dir).")
     try:
-        summary = json.loads((path / "summary.json").read_text())
+        summary = json.loads(RunDir(path).summary.read_text())
     except FileNotFoundError:
         raise ConfigError(
             f"loom report: {path} is not a run dir: it has no summary.json (a run dir is "
             "runs/<experiment>/<run id>/, written by `loom train`; a sweep dir holds run dirs)."
         ) from None
     except (json.JSONDecodeError, OSError) as e:
-        raise ConfigError(f"loom report: {path / 'summary.json'} cannot be read ({e}).") from None
+        raise ConfigError(f"loom report: {RunDir(path).summary} cannot be read ({e}).") from None
     if not isinstance(summary, dict):
-        raise ConfigError(f"loom report: {path / 'summary.json'} is not a summary (not a JSON object).")
+        raise ConfigError(f"loom report: {RunDir(path).summary} is not a summary (not a JSON object).")
     return Run(path.resolve(), summary)
 
 
@@ -131,7 +132,7 @@ def collect(paths: list[Path]) -> tuple[list[Run], Path | None, list[Path]]:
                 f"loom report: {sweep} is not a run dir (no summary.json) and holds no run dirs. "
                 "Give a run dir (runs/<experiment>/<run id>/) or a sweep dir (runs/<experiment>/sweeps/<id>/)."
             )
-        skipped = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "config.yaml").is_file()
+        skipped = sorted(p for p in sweep.iterdir() if p.is_dir() and RunDir(p).config.is_file()
                          and not is_run_dir(p))
         return [load_run(p) for p in found], sweep.resolve(), skipped
     return [load_run(p) for p in paths], None, []
@@ -276,8 +277,8 @@ def _write(path: Path, text: str) -> Path:
 def run_report(run: Run) -> Path:
     from loom.tracking.plots import PLOTS, write_plots
 
-    plots_dir = run.path / "plots"
-    if (run.path / "metrics.csv").is_file():
+    plots_dir = RunDir(run.path).plots
+    if RunDir(run.path).metrics.is_file():
         try:
             write_plots(run.path)
         except Exception as e:  # a report without pictures is still a report

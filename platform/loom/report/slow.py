@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from loom.rundir.paths import RunDir
+
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     def esc(x: Any) -> str:
@@ -28,7 +30,7 @@ def _mb(v: int) -> str:
 def profile_section(run_dir: Path) -> list[str]:
     """Markdown lines: where rank 0's profiled steps spent their time, its top operators by self
     time, the allocator's peak per phase; [] when the run was not profiled."""
-    path = run_dir / "profile" / "summary.json"
+    path = RunDir(run_dir).profile_summary
     if not path.is_file():
         return []
     p = json.loads(path.read_text())

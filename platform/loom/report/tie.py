@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom.report.runs import Run
+from loom.rundir.paths import RunDir
 
 REL_TOL = 1e-3
 NOISE_SIGMAS = 2.0
@@ -87,7 +88,7 @@ def trial_noise(r: Run, objective: str, value: float) -> float | None:
 def noise_of(run_dir: Path, objective: str) -> float | None:
     """The trial's step-to-step noise of the objective's metric (None: no column, or too few values)."""
     column = METRIC_COLUMNS.get(objective)
-    path = run_dir / "metrics.csv"
+    path = RunDir(run_dir).metrics
     if column is None or not path.is_file():
         return None
     by_step: dict[int, float] = {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import pickletools
-import re
 import shutil
 import zipfile
 from collections.abc import Iterable
@@ -19,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from loom.atomic import atomic_path
+from loom.rundir.paths import STEP_RE, RunDir
 from loom.rundir.safetensors_stream import SafetensorsStream, Spec
 
 log = logging.getLogger("loom")
 
-STEP_RE = re.compile(r"^step-(\d+)\.ckpt$")
 # Module prefixes a checkpoint's pickles may name. Anything else (os.system, builtins.eval,
 # subprocess, ...) would run code on load, so the checkpoint is refused.
 SAFE_GLOBAL_PREFIXES = (
@@ -40,11 +39,11 @@ class UnsafeCheckpoint(Exception):
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def step_path(run_dir: Path, step: int) -> Path:
-    return checkpoint_dir(run_dir) / f"step-{step:07d}.ckpt"
+    return RunDir(run_dir).checkpoint(step)
 
 
 def step_of(path: Path | None) -> int | None:
@@ -162,7 +161,7 @@ def write_final_weights(run_dir: Path, specs: list[Spec], tensors: Iterable[tupl
     when whole: loadable with plain `safetensors.torch.load_file`, no Loom needed.
 
     `specs` announces every (key, shape, dtype) up front; `tensors` yields them in that order."""
-    return write_weights_file(run_dir / "final", specs, tensors, metadata)
+    return write_weights_file(RunDir(run_dir).final, specs, tensors, metadata)
 
 
 def write_weights_file(out: Path, specs: list[Spec], tensors: Iterable[tuple[str, Any]],

@@ -21,6 +21,7 @@ from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.rundir.checkpoints import complete_checkpoints, step_of
 from loom.rundir.config_file import frozen_yaml
+from loom.rundir.paths import RunDir
 from loom.rundir.summary import read_summary
 
 KEY = "trainer.max_steps"
@@ -62,14 +63,15 @@ def extend(old: DictConfig, cfg: DictConfig, plan: dict[str, Any], run_dir: Path
             f"one at the last step). Start a new run from its weights instead: model.init_from={run_dir} "
             "run.id=<new id>."
         )
-    old_plan = _read_json(run_dir / "plan.json")
+    rd = RunDir(run_dir)
+    old_plan = _read_json(rd.plan)
     totals, ats = old_plan.get("extended_from_steps", []), old_plan.get("extended_at_steps", [])
     if not (totals and totals[-1] == before and ats and ats[-1] == (step or 0)):  # not twice (multi-node)
         totals, ats = [*totals, before], [*ats, step or 0]
     changes = {"world_changes": old_plan["world_changes"]} if old_plan.get("world_changes") else {}
     plan = {**plan, "extended_from_steps": totals, "extended_at_steps": ats, **changes}
-    atomic_write_text(run_dir / "plan.json", json.dumps(plan, indent=2) + "\n")
-    atomic_write_text(run_dir / "config.yaml", frozen_yaml(cfg))
+    atomic_write_text(rd.plan, json.dumps(plan, indent=2) + "\n")
+    atomic_write_text(rd.config, frozen_yaml(cfg))
     what = "Continuing completed run" if completed else "Resuming run"
     return (f"{what} {rid} from step {step or 0} to {after} in {run_dir} ({KEY} raised from {before}; "
             f"the learning-rate schedule is recomputed for {after} steps from step {step or 0} on)")

@@ -17,6 +17,7 @@ from typing import Any
 
 from loom.atomic import atomic_write_text
 from loom.rundir.hangs import merge_hangs
+from loom.rundir.paths import RunDir
 
 CLOCK_SKEW_S = 2.0
 # The contract's fields of summary.json `error` (plus `where`: file:line of the raising frame).
@@ -24,7 +25,7 @@ ERROR_FIELDS = ("type", "message", "rank", "step", "log", "where")
 
 
 def failure_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / "logs" / f"error-rank-{rank}.json"
+    return RunDir(run_dir).failure(rank)
 
 
 def write_failure(run_dir: Path, record: dict[str, Any]) -> Path:
@@ -35,7 +36,7 @@ def read_failures(run_dir: Path, since: float | None) -> list[dict[str, Any]]:
     """Every rank's failure record written since `since` (all of them when None); the ranks'
     `hang` records (loom.worker.hang) as one, whose message says where every rank stood."""
     out = []
-    for path in sorted((Path(run_dir) / "logs").glob("error-rank-*.json")):
+    for path in RunDir(run_dir).failures():
         try:
             rec = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

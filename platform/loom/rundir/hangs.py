@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from loom.rundir.paths import RunDir
+
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
                "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
@@ -81,7 +83,7 @@ def hang_paragraph(hangs: list[dict[str, Any]]) -> str:
         verb = label if len(ranks) == 1 else label.replace("is in", "are in").replace("waits", "wait")
         parts.append(f"{_ranks_text(ranks)} {verb} at step {step} ({where}){tail}")
     first = min(hangs, key=lambda h: h.get("time", 0))
-    logs = str(Path(first["log"]).parent / "hang-rank-N.txt")
+    logs = str(RunDir(Path(first["log"]).parent.parent).hang("N"))  # the log is <run>/logs/rank-N.log
     text = "; ".join(parts)
     return (f"Training hung: no step progress for {first.get('timeout_s', 0):g} s "
             f"(hardware.hang_timeout_s). {text[0].upper()}{text[1:]}. Every thread's stack of each rank: {logs}.")

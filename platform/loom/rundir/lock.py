@@ -44,9 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from loom.errors import ConfigError
+from loom.rundir.paths import RunDir
 
-LOCK_NAME = ".lock"
-RANKS_LOCK = ".ranks.lock"  # held (shared) by every live rank process of the run
 RANKS_WAIT_S = 60.0         # how long a launcher waits for an earlier launch's ranks to exit
 # The file system cannot lock (e.g. Lustre mounted without -o flock): run unguarded, with a warning.
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
@@ -95,8 +94,8 @@ def refusal(run_dir: Path, run_id: str, holders: list[dict[str, Any]]) -> str:
     who = ("launcher " + "; ".join(describe(r) for r in live)) if live else "another launcher"
     pids = " ".join(str(r["pid"]) for r in live if r.get("host") == socket.gethostname())
     stop = f" stop it with `kill -TERM {pids}` (it saves a checkpoint)," if pids else ""
-    return (f"Run {run_id} is already running in {run_dir}: {who} holds {run_dir / LOCK_NAME}. "
-            f"Follow its logs with `tail -f {run_dir / 'logs' / 'rank-0.log'}`; wait for it to finish,{stop} "
+    return (f"Run {run_id} is already running in {run_dir}: {who} holds {RunDir(run_dir).lock}. "
+            f"Follow its logs with `tail -f {RunDir(run_dir).log(0)}`; wait for it to finish,{stop} "
             "or set run.id=<new id> to train a separate run.")
 
 
@@ -142,7 +141,7 @@ def _release(fd: int, shared: bool) -> None:
 def run_lock(run_dir: Path, run_id: str, shared: bool = False) -> Iterator[None]:
     """Hold `<run_dir>/.lock` for the body (exclusive; `shared` for a node of a multi-node
     launch). A held lock raises ConfigError (exit 2) naming the holder and its log file."""
-    path = Path(run_dir) / LOCK_NAME
+    path = RunDir(run_dir).lock
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         got = _try(fd, exclusive=not shared)
@@ -178,7 +177,7 @@ def run_lock(run_dir: Path, run_id: str, shared: bool = False) -> Iterator[None]
 def rank_lock(run_dir: Path, rank: int) -> Iterator[None]:
     """This rank process's shared hold of `<run>/.ranks.lock` for the body (its life: the kernel
     drops it when the process dies, however it dies), with a record naming it."""
-    fd = os.open(Path(run_dir) / RANKS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(RunDir(run_dir).ranks_lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH)  # blocks only while a launcher's momentary check holds it exclusively
     except OSError as e:
@@ -200,7 +199,7 @@ def wait_for_ranks(run_dir: Path, run_id: str, timeout: float = RANKS_WAIT_S) ->
     killed with -9 takes its ranks down within a second, through their parent-death signals; this
     is the guarantee), saying so while it waits; ConfigError (exit 2) naming them if they outlive
     `timeout`. Clears the dead ranks' records."""
-    path = Path(run_dir) / RANKS_LOCK
+    path = RunDir(run_dir).ranks_lock
     if not path.is_file():
         return
     fd = os.open(path, os.O_RDWR)

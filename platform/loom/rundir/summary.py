@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from loom.atomic import atomic_write_text
 from loom.layout import ParallelLayout
+from loom.rundir.paths import RunDir
 
 STATUSES = ("completed", "failed", "preempted")
 
@@ -86,11 +87,11 @@ def validation_text(v: dict[str, Any] | None) -> str:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Atomic write: a reader never sees half a summary."""
     assert summary["status"] in STATUSES, summary["status"]
-    return atomic_write_text(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, sort_keys=False) + "\n")
+    return atomic_write_text(RunDir(run_dir).summary, json.dumps(summary, indent=2, sort_keys=False) + "\n")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    path = Path(run_dir) / "summary.json"
+    path = RunDir(run_dir).summary
     if not path.exists():
         return None
     try:
@@ -104,6 +105,6 @@ def summary_mark(run_dir: Path) -> str | None:
     it says whether global rank 0 wrote a summary during this launch; unlike a modification time
     it does not depend on the clocks of the nodes and the shared file server agreeing."""
     try:
-        return hashlib.sha1((Path(run_dir) / "summary.json").read_bytes()).hexdigest()
+        return hashlib.sha1(RunDir(run_dir).summary.read_bytes()).hexdigest()
     except OSError:
         return None

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from loom.atomic import atomic_write_text
+from loom.rundir.paths import RunDir
 
-FILE = "world_history.json"
 REASONS = ("start", "restart", "world change")
 
 
 def read_history(run_dir: Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads((Path(run_dir) / FILE).read_text())
+        data = json.loads(RunDir(run_dir).world_history.read_text())
     except (OSError, ValueError):
         return []
     return data if isinstance(data, list) else []
@@ -45,7 +45,7 @@ def record_attempt(run_dir: Path, start_step: int, world_size: int, num_nodes: i
         reason = "restart"
     history.append({"start_step": int(start_step), "world_size": int(world_size), "num_nodes": int(num_nodes),
                     "reason": reason})
-    atomic_write_text(Path(run_dir) / FILE, json.dumps(history, indent=1) + "\n")
+    atomic_write_text(RunDir(run_dir).world_history, json.dumps(history, indent=1) + "\n")
     return history
 
 
@@ -62,7 +62,7 @@ def update_attempt(run_dir: Path, span: dict[str, Any]) -> None:
     if not history:
         return
     history[-1].update(span, updated_at=round(time.time(), 3))
-    atomic_write_text(Path(run_dir) / FILE, json.dumps(history, indent=1) + "\n")
+    atomic_write_text(RunDir(run_dir).world_history, json.dumps(history, indent=1) + "\n")
 
 
 TIME_PARTS = ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "train_s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loom.rundir.paths import RunDir
 from loom.tracking.plots import _save
 from loom.tracking.stragglers import read_ranks
 
@@ -31,6 +32,6 @@ def rank_heatmap(run_dir: Path) -> Path | None:
     ax.set_yticks(range(world))
     ax.set_title(f"{Path(run_dir).name}: each rank's own time (data wait + forward), ms")
     fig.colorbar(image, ax=ax, label="ms")
-    out = Path(run_dir) / "plots"
+    out = RunDir(run_dir).plots
     out.mkdir(parents=True, exist_ok=True)
     return _save(fig, out / "ranks.png")

@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from loom.atomic import atomic_path
 from loom.rundir.config_file import frozen_container
+from loom.rundir.paths import RunDir
 from loom.schema import load
 
 log = logging.getLogger("loom")
@@ -25,6 +26,8 @@ log = logging.getLogger("loom")
 class _AppendingWriter(ExperimentWriter):
     """Lightning's CSV writer deletes an existing metrics.csv on start; a resumed run must
     keep its history, so this one keeps the file (and its header) instead."""
+
+    NAME_METRICS_FILE = RunDir.metrics.rel  # Lightning's own name too; the run dir's says so
 
     def _check_log_dir_exists(self) -> None:
         if os.path.isfile(self.metrics_file_path):
@@ -55,7 +58,7 @@ class RunCSVLogger(CSVLogger):
 
 def truncate_metrics(run_dir: Path, after_step: int) -> None:
     """Drop metric rows past the checkpoint a run resumes from: those steps are redone."""
-    path = run_dir / "metrics.csv"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return
     with open(path, newline="") as f:
@@ -192,7 +195,8 @@ def build_tensorboard(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeTensor
     """Rank 0 only (the others would log nothing): no event writer, no import cost elsewhere."""
     if rank_zero_only.rank != 0:
         return None
-    logger = SafeTensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+    board = RunDir(run_dir).tensorboard
+    logger = SafeTensorBoardLogger(save_dir=str(board.parent), name=board.name, version="", default_hp_metric=False)
     logger.log_hyperparams(frozen_container(cfg))  # the hparams tab; secrets redacted
     return logger
 

@@ -18,10 +18,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from loom.atomic import atomic_write_text
 from loom.redaction import redact
 from loom.rundir.config_file import frozen_container
+from loom.rundir.paths import RunDir
 from loom.tracking.loggers import Guarded
 
 log = logging.getLogger("loom")
-RUN_FILE = "mlflow.json"
 
 
 class SafeMLFlowLogger(Guarded, MLFlowLogger):
@@ -35,7 +35,7 @@ class SafeMLFlowLogger(Guarded, MLFlowLogger):
         def record() -> None:
             client, run_id = self.experiment, self.run_id
             safe = redact(summary)
-            client.log_dict(run_id, safe, "summary.json")
+            client.log_dict(run_id, safe, RunDir.summary.rel)
             step = int(summary.get("global_step") or 0)
             for key, value in _numbers(safe).items():
                 client.log_metric(run_id, f"summary/{key}", value, step=step)
@@ -58,7 +58,7 @@ def _numbers(d: Mapping, prefix: str = "") -> dict[str, float]:
 
 def _stored_run(run_dir: Path, uri: str) -> str | None:
     """The MLflow run id an earlier attempt of this run created in the same store, if any."""
-    path = run_dir / RUN_FILE
+    path = RunDir(run_dir).mlflow
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
@@ -90,6 +90,6 @@ def build_mlflow(cfg: DictConfig, run_dir: Path, run_id: str) -> SafeMLFlowLogge
         log.info(f"mlflow: continuing run {stored} in {uri}")
     else:
         record = {"run_id": logger.run_id, "experiment_id": logger.experiment_id, "tracking_uri": uri}
-        atomic_write_text(run_dir / RUN_FILE, json.dumps(record, indent=2) + "\n")
+        atomic_write_text(RunDir(run_dir).mlflow, json.dumps(record, indent=2) + "\n")
         log.info(f"mlflow: run {logger.run_id} in {uri}")
     return logger

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from loom.atomic import atomic_path
+from loom.rundir.paths import RunDir
 
 PLOTS = ("loss.png", "throughput.png", "utilization.png")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     """metrics.csv as rows of floats (empty cells dropped), sorted by step."""
-    path = Path(run_dir) / "metrics.csv"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         return []
     rows: list[dict[str, float]] = []
@@ -180,7 +181,7 @@ def write_plots(run_dir: Path) -> list[Path]:
     rows = read_metrics(run_dir)
     if not rows:
         return []
-    out = run_dir / "plots"
+    out = RunDir(run_dir).plots
     out.mkdir(parents=True, exist_ok=True)
     title = run_dir.name
     return [

@@ -19,13 +19,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from loom.rundir.paths import RunDir
+
 log = logging.getLogger("loom")
-RANKS_FILE = "ranks.jsonl"
 
 
 class StragglerWatch:
     def __init__(self, run_dir: Path | None, threshold: float, window: int, hosts: list[str] | None = None) -> None:
-        self.path = run_dir / RANKS_FILE if run_dir is not None else None
+        self.path = RunDir(run_dir).ranks if run_dir is not None else None
         self.threshold, self.window = threshold, window
         self.hosts = hosts or []
         self.streak: dict[int, list[int]] = {}   # rank -> the log steps of its current streak
@@ -77,7 +78,7 @@ def _r(values: list[float]) -> list[float]:
 def read_ranks(run_dir: Path) -> list[dict[str, Any]]:
     """The per-rank rows of `<run>/ranks.jsonl`, one per log step (a step logged again after a
     resume keeps its last record), in step order."""
-    path = Path(run_dir) / RANKS_FILE
+    path = RunDir(run_dir).ranks
     if not path.is_file():
         return []
     rows: dict[int, dict[str, Any]] = {}

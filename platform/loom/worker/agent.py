@@ -31,9 +31,10 @@ def name_agent(run_dir: str) -> None:
 
     from loom import process
     from loom.rundir.config_file import load_frozen
+    from loom.rundir.paths import RunDir
 
     try:
-        run_id = str(load_frozen(Path(run_dir) / "config.yaml").run.id)
+        run_id = str(load_frozen(RunDir(run_dir).config).run.id)
     except Exception:  # a title must not stop a run: torchrun reports a missing run dir itself
         run_id = Path(run_dir).name
     os.environ[process.RUN_ID_ENV] = run_id

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from loom.atomic import atomic_symlink
 from loom.rundir import checkpoints
+from loom.rundir.paths import RunDir
 
 log = logging.getLogger("loom")
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before the time limit
@@ -205,8 +206,9 @@ class Checkpointing(pl.Callback):
             if final.exists():
                 checkpoints.remove(final)
             os.replace(partial, final)
-            atomic_symlink(final.name, final.parent / "last.ckpt")
-            log.debug(f"checkpoint complete: {final} (last.ckpt -> {final.name})")
+            last = RunDir(self.run_dir).last_checkpoint
+            atomic_symlink(final.name, last)
+            log.debug(f"checkpoint complete: {final} ({last.name} -> {final.name})")
             for old in checkpoints.complete_checkpoints(self.run_dir)[self.keep_last:]:
                 checkpoints.remove(old)
             if trainer.strategy.async_checkpoints:

@@ -31,6 +31,7 @@ from typing import Any
 
 from loom.errors import EXIT_FAILED, EXIT_OK, ConfigError
 from loom.rundir.failures import read_failures, write_failure
+from loom.rundir.paths import RunDir
 
 CONFIG_LIKE = (TypeError, ValueError, LookupError, ImportError, AttributeError, NotImplementedError, ConfigError)
 # torch's RuntimeError messages for tensors that do not fit together (shapes, sizes, dtypes).
@@ -112,7 +113,7 @@ def _peer_failed_deterministically(run_dir: Path, progress: Progress) -> bool:
 
 def record_failure(run_dir: Path, rank: int, exc: BaseException, progress: Progress) -> int:
     """Log and record this rank's exception; the process's exit code (see the module docstring)."""
-    log_path = run_dir / "logs" / f"rank-{rank}.log"
+    log_path = RunDir(run_dir).log(rank)
     _log_traceback(log_path, rank, exc)
     cause = root_cause(exc)
     deterministic = is_code_error(cause)

@@ -20,6 +20,7 @@ from loom.layout import ParallelLayout, world_of
 from loom.models.lora_checks import lora_on
 from loom.plan import Plan
 from loom.rundir import checkpoints
+from loom.rundir.paths import RunDir
 from loom.worker import monitors, results
 from loom.worker.failure import Progress
 
@@ -36,7 +37,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     from loom.worker.checkpoint_saver import Checkpointing
 
     progress = progress or Progress()
-    frozen_plan = json.loads((run_dir / "plan.json").read_text())
+    frozen_plan = json.loads(RunDir(run_dir).plan.read_text())
     plan = Plan.from_dict(frozen_plan)
     layout = formed_layout(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -155,7 +156,7 @@ def _resume_point(run_dir: Path, rank: int) -> Path | None:
 
     resume = checkpoints.newest_checkpoint(run_dir)
     step = checkpoints.step_of(resume)
-    log.debug(f"resume point: {resume or 'none (step 0)'}; checkpoints dir {run_dir / 'checkpoints'}")
+    log.debug(f"resume point: {resume or 'none (step 0)'}; checkpoints dir {RunDir(run_dir).checkpoints}")
     if rank == 0 and step is not None:
         truncate_metrics(run_dir, step)
         log.info(f"resuming from {resume.relative_to(run_dir)} (step {step})")

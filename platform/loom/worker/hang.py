@@ -30,6 +30,7 @@ import pytorch_lightning as pl
 from loom.errors import EXIT_FAILED
 from loom.rundir.failures import write_failure
 from loom.rundir.hangs import frame_label
+from loom.rundir.paths import RunDir
 from loom.worker.failure import Progress
 
 log = logging.getLogger("loom")
@@ -81,7 +82,7 @@ class HangWatchdog(pl.Callback):
 
     def _report(self, idle: float, record: bool = True) -> None:
         """hang-rank-N.txt (every thread's stack) and this rank's `hang` failure record."""
-        path = self.run_dir / "logs" / f"hang-rank-{self.rank}.txt"
+        path = RunDir(self.run_dir).hang(self.rank)
         step = self.progress.step() + 1  # the step in progress
         frame = sys._current_frames().get(threading.main_thread().ident)
         label, where = frame_label(frame)
@@ -91,7 +92,7 @@ class HangWatchdog(pl.Callback):
                     f"{label} at {where}\n\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        _dump_flight_recorder(self.run_dir / "logs" / f"hang-rank-{self.rank}.nccl.pkl")
+        _dump_flight_recorder(RunDir(self.run_dir).hang_nccl(self.rank))
         log.error(f"no step progress for {idle:.0f} s at step {step}: {label} at {where}; stacks in {path}")
         if not record:
             return

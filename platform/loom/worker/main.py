@@ -20,6 +20,7 @@ from loom.compose.hydra_options import apply_verbose
 from loom.hardware.machine import usable_cores
 from loom.rundir.config_file import load_frozen
 from loom.rundir.lock import rank_lock
+from loom.rundir.paths import RunDir
 from loom.worker.failure import Progress, record_failure
 from loom.worker.host_memory import keep_heap
 
@@ -41,9 +42,8 @@ _QUIET = (
 
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Every rank logs to logs/rank-N.log; only rank 0 also talks to the console."""
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    path = logs / f"rank-{rank}.log"
+    path = RunDir(run_dir).log(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if rank != 0:
         # Quiet on other ranks: their stdout/stderr (C-level too) go to their log file.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -120,7 +120,7 @@ def run(run_dir: Path) -> int:
     exception is logged in full to logs/rank-N.log and recorded (loom.worker.failure), not
     printed: the launcher prints one paragraph from the record."""
     run_dir = Path(run_dir).resolve()
-    cfg = load_frozen(run_dir / "config.yaml")
+    cfg = load_frozen(RunDir(run_dir).config)
     die_with_parent()
     name_rank(str(cfg.run.id))
     rank = int(os.environ.get("RANK", 0))

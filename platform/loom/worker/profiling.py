@@ -22,6 +22,8 @@ import torch
 from omegaconf import DictConfig
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
+from loom.rundir.paths import RunDir
+
 log = logging.getLogger("loom")
 MEMORY_ONLY_STEPS = 3  # memory=true without steps: the first three steps (the optimizer state appears in step 1)
 
@@ -44,7 +46,8 @@ class Profiling(pl.Callback):
 
     def __init__(self, cfg: DictConfig, run_dir: Path, rank: int, window: tuple[int, int]) -> None:
         self.cfg, self.rank, self.window = cfg.trainer.profile, rank, window
-        self.dir = run_dir / "profile"
+        self.paths = RunDir(run_dir)
+        self.dir = self.paths.profile
         self.prof: profile | None = None
         self.cuda_memory = False
         self._history = False  # CUDA memory history being recorded
@@ -129,15 +132,15 @@ class Profiling(pl.Callback):
 
     def _export(self, prof: profile) -> None:
         """The window's end: this rank's trace (and CUDA memory snapshot); rank 0's summary."""
-        trace = self.dir / f"rank-{self.rank}.pt.trace.json.gz"
+        trace = self.paths.profile_trace(self.rank)
         prof.export_chrome_trace(str(trace))
         snapshot = None
         if self._history:
-            snapshot = self.dir / f"memory-rank-{self.rank}.pickle"
+            snapshot = self.paths.profile_memory(self.rank)
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
         log.info(f"profile written: {trace}" + (f", {snapshot}" if snapshot else ""))
         if self.rank == 0:
             from loom.worker.profile_summary import write_summary
 
-            write_summary(trace, self.dir / "summary.json", self.window, snapshot)
+            write_summary(trace, self.paths.profile_summary, self.window, snapshot)

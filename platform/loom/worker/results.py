@@ -15,6 +15,7 @@ from loom.models.lora_checks import lora_on
 from loom.models.spec import ModelSpec
 from loom.plan import Plan
 from loom.rundir import checkpoints
+from loom.rundir.paths import RunDir
 from loom.rundir.safetensors_stream import EXPORT_DTYPES, dtype_name
 from loom.rundir.summary import empty_summary, read_summary, write_summary
 from loom.tracking import compiles
@@ -72,7 +73,7 @@ class RunResults:
         if lora_on(self.cfg.model):  # final/ is a peft adapter directory (loom.models.lora)
             from loom.models.lora import export_adapter
 
-            return export_adapter(self.run_dir / "final", self.cfg, trainer, module, self.rank)
+            return export_adapter(RunDir(self.run_dir).final, self.cfg, trainer, module, self.rank)
         strategy, ckpt = trainer.strategy, self.cfg.checkpoint
         dtype = getattr(torch, EXPORT_DTYPES[ckpt.export_dtype])
         entries = strategy.model_state_entries(trainer, module)
@@ -83,20 +84,20 @@ class RunResults:
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
-            return "final/" if hf else "final/model.safetensors"
+            return f"{RunDir.final.rel}/" if hf else RunDir.final_weights.rel
         meta = {"run_id": str(self.cfg.run.id), "model": self.cfg.model.name,
                 "step": str(trainer.global_step), "dtype": str(ckpt.export_dtype)}
         cast = ((k, t.to(dtype) if t.is_floating_point() else t) for k, t in tensors)
         if not hf:
             checkpoints.write_final_weights(self.run_dir, specs, cast, meta)
-            return "final/model.safetensors"
+            return RunDir.final_weights.rel
         from loom.models import hf_export_config
         from loom.rundir.hf_export import write_hf_dir
 
         config = {**hf_export_config(self.cfg), "torch_dtype": dtype_name(dtype)}
-        write_hf_dir(self.run_dir / "final", config, specs, cast, meta, float(ckpt.export_shard_gb) * 1e9,
+        write_hf_dir(RunDir(self.run_dir).final, config, specs, cast, meta, float(ckpt.export_shard_gb) * 1e9,
                      self.cfg.dataset.get("tokenizer"))
-        return "final/"
+        return f"{RunDir.final.rel}/"
 
     def _earlier(self, key: str):
         """A resumed run's value from the attempts before this one (None for a fresh run)."""
