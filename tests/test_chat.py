@@ -10,8 +10,8 @@ import pytest
 from chat_helpers import CHATML, CONVERSATIONS, LLAMA3, MISTRAL, REWRITING, make_chat_tokenizer, write_chats
 from conftest import refused
 
-from loom.data.chat.render import RowError, conversation, render
-from loom.data.chat.template import load_template
+from loom.data.options.chat.render import RowError, conversation, render
+from loom.data.options.chat.template import load_template
 
 TWO_TURNS = CONVERSATIONS[2]["messages"]
 
@@ -121,8 +121,8 @@ def _chat_sets(tmp_path, n: int = 8, seq_len: int = 256):
     """(padded, documents-packed) training samples of `n` conversations, rendered by the front end."""
     from omegaconf import OmegaConf
 
-    from loom.data.chat.build import stores
-    from loom.data.chat.samples import ChatSamples
+    from loom.data.options.chat.build import stores
+    from loom.data.options.chat.samples import ChatSamples
 
     tok = make_chat_tokenizer(tmp_path / "tok", CHATML, eos="<|im_end|>")
     ds = OmegaConf.merge(OmegaConf.load("conf/dataset/chat.yaml"), {
@@ -242,8 +242,8 @@ def test_template_from_tokenizer_config_and_tool_turns_kept(tmp_path):
 
 def test_overlong_conversations_truncated_or_dropped_and_counted(tmp_path):
     """seq_len 80: of 8 conversations of 94, 65 or 98 tokens, 5 do not fit seq_len+1."""
-    from loom.data.chat.build import CONVERSATIONS
-    from loom.data.chat.samples import ChatSamples
+    from loom.data.options.chat.build import CONVERSATIONS
+    from loom.data.options.chat.samples import ChatSamples
 
     padded, _ = _chat_sets(tmp_path, seq_len=80)
     d = Path(padded.store.path).parent
@@ -315,8 +315,8 @@ def test_empty_assistant_replies_are_dropped_and_counted_or_refused(tmp_path):
     =refuse names it. A reply of whitespace is empty; an assistant turn that calls a tool is not."""
     from omegaconf import OmegaConf
 
-    from loom.data.chat.build import stores
-    from loom.data.chat.samples import ChatSamples
+    from loom.data.options.chat.build import stores
+    from loom.data.options.chat.samples import ChatSamples
 
     empty = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}
     rows = [CONVERSATIONS[1], empty, CONVERSATIONS[2]]

@@ -157,7 +157,7 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
     round(1/val_fraction)-th window of the corpus is validation: deterministic, disjoint, and
     counted before launch (the size check) as the ranks build it."""
     from loom.data import val_size
-    from loom.data.text_files import datasets as token_sets
+    from loom.data.options.text_files.corpus import datasets as token_sets
 
     for i in range(2):
         (tmp_path / f"book{i}.txt").write_text(CORPUS[i % len(CORPUS)] * 200)
@@ -181,7 +181,7 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
 def test_token_cache_is_reused_and_tokenizer_sized(tmp_path, corpus):
     from tests_helpers import make_tokenizer
 
-    from loom.data.text_files import datasets as _token_sets
+    from loom.data.options.text_files.corpus import datasets as _token_sets
 
     tok = make_tokenizer(tmp_path / "tok")
     cfg = resolve(["dataset=text_files", f"dataset.paths=[{corpus}/*.txt]", f"dataset.cache_dir={tmp_path / 'c'}",

@@ -400,7 +400,7 @@ def test_front_end_units_match_todays_token_files(tmp_path, tok, encoder):
     _expect(tmp_path / "files", DOCS[:5], encoder)
     import datasets
 
-    from loom.data.hf import docs as hf_docs
+    from loom.data.prepare.hf_source import docs as hf_docs
 
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"content": [*DOCS[:9], None, *DOCS[9:20]]}).save_to_disk(str(saved))

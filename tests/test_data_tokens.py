@@ -49,7 +49,7 @@ def _mix(a: Path, b: Path, wa: float = 0.7, wb: float = 0.3) -> str:
 
 
 def test_windows_are_the_stores_tokens_and_the_mixture_keeps_its_weights(two_stores):
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     web, code, web_docs, code_docs = two_stores
     train, val = datasets(_cfg(_mix(web, code), "dataset.val_fraction=0.1"))
@@ -75,7 +75,7 @@ def test_windows_are_the_stores_tokens_and_the_mixture_keeps_its_weights(two_sto
 
 
 def test_an_epoch_of_a_source_is_a_fresh_permutation_of_its_windows(two_stores):
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     web, code, *_ = two_stores
     train, _ = datasets(_cfg(_mix(web, code, 1, 1), "dataset.val_fraction=0"))
@@ -91,7 +91,7 @@ def test_an_epoch_of_a_source_is_a_fresh_permutation_of_its_windows(two_stores):
 
 
 def test_documents_packing_restarts_positions_and_masks_crossing_targets(two_stores):
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     web, code, web_docs, _ = two_stores
     train, _ = datasets(_cfg(f"dataset.mix=[{web}]", "dataset.packing=documents", "dataset.val_fraction=0"))
@@ -109,7 +109,7 @@ def test_documents_packing_restarts_positions_and_masks_crossing_targets(two_sto
 
 
 def test_a_token_beyond_the_models_vocabulary_stops_naming_the_store_and_document(tmp_path):
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     docs = _docs(3, 20)
     docs[7][3] = 300
@@ -122,7 +122,7 @@ def test_a_token_beyond_the_models_vocabulary_stops_naming_the_store_and_documen
 
 def test_a_megatron_prefix_without_sidecar_trains_and_the_launch_line_says_so(tmp_path):
     from loom.data.describe import summary_line
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     with ShardWriter(tmp_path / "my_text_document", np.uint16) as w:
         for d in _docs(4, 40):
@@ -133,7 +133,7 @@ def test_a_megatron_prefix_without_sidecar_trains_and_the_launch_line_says_so(tm
 
 
 def test_a_flat_nanogpt_bin_is_read_with_its_dtype(tmp_path):
-    from loom.data.stores import datasets
+    from loom.data.options.tokens import datasets
 
     tokens = np.arange(1000, dtype=np.uint32) % 250
     tokens.tofile(tmp_path / "train.bin")

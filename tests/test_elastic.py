@@ -123,8 +123,8 @@ def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher
 def _mixture(root: Path) -> list[str]:
     """Two byte-level stores (`loom data prepare`'s machinery, in this process) of standard
     library files, mixed 0.7 / 0.3."""
+    from loom.data.options.tinycode import corpus_files
     from loom.data.prepare import file_doc_units, prepare
-    from loom.data.tinycode import corpus_files
 
     files = corpus_files(600_000)
     for name, part in (("lib_a", files[0::2]), ("lib_b", files[1::2][:40])):

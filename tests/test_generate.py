@@ -52,11 +52,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _with_dataset_key(dest: Path, run: Path, key: str, value: str) -> Path:
-    """A copy of `run` whose config sets dataset.<key> (dataset=chat's keys: not this run's schema)."""
+    """A copy of `run` whose config sets dataset.<key> of dataset=chat (the run's data is then chat's)."""
     import shutil
 
     shutil.copytree(run, dest, ignore=shutil.ignore_patterns("export"))
     cfg = OmegaConf.load(dest / "config.yaml")
+    cfg.dataset.name = "chat"
     cfg.dataset[key] = value
     OmegaConf.save(cfg, dest / "config.yaml")
     return dest

@@ -68,8 +68,8 @@ def _reference_first_loss(run_dir: Path, rows_per_step: int) -> tuple[float, int
     from omegaconf import OmegaConf
     from transformers import LlamaForCausalLM
 
-    from loom.data.chat.build import stores
-    from loom.data.chat.samples import ChatSamples
+    from loom.data.options.chat.build import stores
+    from loom.data.options.chat.samples import ChatSamples
     from loom.data.sampler import ResumableDistributedSampler
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
@@ -117,8 +117,8 @@ def _trained_targets(run_dir: Path, n_rows: int) -> int:
     """The trained targets of the first `n_rows` rows of the run's global order (the sampler's, at any dp)."""
     from omegaconf import OmegaConf
 
-    from loom.data.chat.build import stores
-    from loom.data.chat.samples import ChatSamples
+    from loom.data.options.chat.build import stores
+    from loom.data.options.chat.samples import ChatSamples
     from loom.data.sampler import ResumableDistributedSampler
 
     cfg = OmegaConf.load(run_dir / "config.yaml")

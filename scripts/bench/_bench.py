@@ -51,7 +51,7 @@ def token_file(cfg: dict[str, Any]) -> Path:
     store's one shard of bytes (prepared if missing)."""
     from omegaconf import OmegaConf
 
-    from loom.data import tinycode
+    from loom.data.options import tinycode
 
     store = tinycode.stores(OmegaConf.create(cfg), None)["train"]
     if len(store.shards) != 1 or store.dtype.name != "uint8":

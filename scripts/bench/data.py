@@ -51,7 +51,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0}))
 
 def corpus(dest: Path, mb: float) -> tuple[Path, int]:
     """JSON lines of the standard library's .py files, repeated up to `mb` MB of text."""
-    from loom.data.tinycode import corpus_files
+    from loom.data.options.tinycode import corpus_files
 
     files, size, n = corpus_files(10**9), 0, 0
     with open(dest, "w") as out:
@@ -189,8 +189,8 @@ def bench_index(root: Path) -> dict:
 
 def bench_wait(root: Path, steps: int) -> dict:
     """3 byte-level stores of standard library files, mixed 0.5 / 0.3 / 0.2, gpt_small, 2 ranks."""
+    from loom.data.options.tinycode import corpus_files
     from loom.data.prepare import file_doc_units, prepare
-    from loom.data.tinycode import corpus_files
 
     files = corpus_files(30_000_000)
     for i in range(3):

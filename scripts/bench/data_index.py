@@ -60,9 +60,9 @@ def first_batch(store: Path, seq_len: int) -> dict:
     from torch.utils.data import DataLoader
 
     from loom.data.module import LoomDataModule
+    from loom.data.options.tokens import datasets
     from loom.data.sampler import ResumableDistributedSampler
     from loom.data.store import read_sidecar
-    from loom.data.stores import datasets
     from loom.pipeline import resolve
 
     vocab = int((read_sidecar(store) or {}).get("vocab_size") or 256)  # a real store's vocabulary, not 256

@@ -1,6 +1,12 @@
 """Datasets as config groups (conf/dataset/): every option yields (train, val) map-style
 datasets behind one LightningDataModule with resumable distributed sampling.
 
+A wing of options, like loom.models: each option is one module or folder under `options/`
+handing the registry (`registry.py`, one line per option) its `DatasetOption` (`option.py`);
+below them lie what options share (`checks.py`, `cache.py`, `files.py`, `fingerprint.py`,
+`tokenizer.py`) and the token machinery (`tokens.py`, `prepare/`, `store/`, `index/`, `mix.py`,
+`sampler.py`), which names no option. This module asks the registry on everyone else's behalf.
+
 This package's top level stays free of torch: the schemas, checks and the questions other
 groups ask (`is_token_data`, `items_per_sample`, `data_vocab_size`, `data_features`) run in
 the launcher before torch is imported.
@@ -53,14 +59,25 @@ def data_vocab_size(cfg: DictConfig) -> int | None:
         return None
     if DATASETS[ds.name].vocab is not None:
         return DATASETS[ds.name].vocab(ds)
-    if "vocab_size" in ds:
-        return int(ds.vocab_size)
     return tokenizer_vocab(str(ds.tokenizer)) if ds.get("tokenizer") else 256
 
 
 def data_features(cfg: DictConfig) -> tuple[int, int] | None:
     """(input features, classes) of feature data (None: token data)."""
     return DATASETS[cfg.dataset.name].features(cfg.dataset)
+
+
+def data_where(ds: DictConfig) -> str | None:
+    """Where a run's data lives as its config says it, opening nothing (None: nothing to say or
+    an option this Loom does not know)."""
+    option = DATASETS.get(str(ds.get("name")))
+    return option.where(ds) if option is not None else None
+
+
+def chat_template_file(ds: DictConfig) -> str | None:
+    """The chat template file the data was rendered with, over the tokenizer's own (None: none)."""
+    option = DATASETS.get(str(ds.get("name")))
+    return option.template_file(ds) if option is not None else None
 
 
 def normalize(cfg: DictConfig) -> None:

@@ -16,7 +16,7 @@ A dataset that orders itself (`ordered = True`: a mixture, whose schedule must h
 prefix) is read in its own order, epoch e continuing at index e * len(dataset).
 
 A dataset whose loss is a mean over the trained tokens of the global batch (`trained_tokens(ids)`:
-chat data, loom.data.chat.samples) gets `(id, scale)` pairs instead of ids: scale is (micro
+chat data, loom.data.options.chat.samples) gets `(id, scale)` pairs instead of ids: scale is (micro
 batches per step) / (trained tokens of the step's global batch), known here because a step is
 always the next `global_batch` samples of the order.
 """

@@ -12,29 +12,16 @@ tokenizer opens the store without tokenizing (the key fingerprints both). No tor
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from loom.data.cache import cache_root, fingerprint
+
 log = logging.getLogger("loom")
 SPLITS = ("train", "val")
-
-
-def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "loom" / "datasets"
-
-
-def fingerprint(files: list[Path], *extra: object) -> str:
-    h = hashlib.sha1()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}|{st.st_size}|{int(st.st_mtime)}\n".encode())
-    for e in extra:
-        h.update(repr(e).encode())
-    return h.hexdigest()[:16]
 
 
 def store_dir(name: str, key: str, ds: DictConfig, split: str) -> Path:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from loom.data import chat_template_file
 from loom.errors import ConfigError
 from loom.export import Request
 from loom.export import request as export_request
@@ -119,7 +120,7 @@ def request(run: str, prompt: str | None, chat: bool, step: int | None, settings
     cfg = load_frozen(RunDir(run_dir).config)
     _check_model(cfg, run_dir)
     tokenizer = cfg.dataset.get("tokenizer") or None
-    template = cfg.dataset.get("chat_template") or None
+    template = chat_template_file(cfg.dataset)
     template_file = _check_chat(run_dir, tokenizer, template) if chat else None
     try:
         export = export_request(str(run_dir), "hf", None, step, None)

@@ -196,7 +196,7 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor, used: int | None = None) -> 
 
 
 def _global_token_loss(logits: torch.Tensor, batch: dict, used: int | None = None) -> torch.Tensor:
-    """Chat data's loss (loom.data.chat.samples): the summed cross-entropy of the trained targets
+    """Chat data's loss (loom.data.options.chat.samples): the summed cross-entropy of the trained targets
     times the sampler's `scale`, so that the mean over micro batches and ranks is the mean over
     the global batch's trained tokens; without a scale (validation), this batch's token mean."""
     if used is not None and used < logits.shape[-1]:

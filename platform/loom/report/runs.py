@@ -187,9 +187,15 @@ def model_text(run: Run) -> str:
 
 
 def dataset_text(run: Run) -> str:
+    from omegaconf import OmegaConf
+
+    from loom.data import data_where
+
     ds = run.config.get("dataset") or {}
-    where = ds.get("paths") or ds.get("hub") or ds.get("path")
-    where = ", ".join(map(str, where)) if isinstance(where, list) else where
+    try:  # the option says where its data lives; an older config lacking its keys says nothing
+        where = data_where(OmegaConf.create(ds)) if isinstance(ds, dict) else None
+    except (AttributeError, KeyError):
+        where = None
     return (ds.get("name") or "n/a") + (f" ({where})" if where else "")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import importlib
 import io
 import json
 from collections.abc import Iterator
@@ -228,11 +227,11 @@ def hf_dir_docs(unit: InputUnit, cur: Cursor) -> Iterator[Doc]:
 
 def hf_rows_docs(unit: InputUnit, cur: Cursor) -> Iterator[Doc]:
     """Rows of a dataset reloaded by its spec: row i is kept when it falls in the wanted split
-    (as loom.data.hf.docs chooses). loom.data.hf is found by name: it calls this package, so a
-    static import back would be a cycle."""
+    (as loom.data.prepare.hf_source.docs chooses)."""
     from omegaconf import OmegaConf
 
-    load = importlib.import_module("loom.data.hf").load
+    from loom.data.prepare.hf_source import load
+
     ds = load(OmegaConf.create(unit.load_spec))
     k = unit.val_every
     for i, v in _rows(ds, unit.field, unit.start, unit.stop):

@@ -68,7 +68,7 @@ def file_doc_units(files: list[Path], shard_bytes: int = 256 << 20) -> list[Inpu
 
 def hf_row_units(load_spec: dict, column: str, n_rows: int, *, val_every: int, want_val: bool,
                  max_docs: int | None, rows_per_unit: int = 20000) -> list[InputUnit]:
-    """Row ranges of a `datasets` dataset that each worker reloads with loom.data.hf.load
+    """Row ranges of a `datasets` dataset that each worker reloads with loom.data.prepare.hf_source.load
     (cached on disk by `datasets`, so reloading is cheap); the split's rows are chosen by index."""
     end = n_rows if max_docs is None else min(n_rows, max_docs)
     source = str(load_spec.get("path") or f"hub:{load_spec.get('hub')}")

@@ -1,11 +1,11 @@
-"""The training samples of rendered conversations (loom.data.chat.build's split directories).
+"""The training samples of rendered conversations (loom.data.options.chat.build's split directories).
 
 `packing=padded`: one conversation per row, padded to seq_len. `packing=documents`: whole
 conversations packed greedily, in store order, into rows of seq_len+1 tokens (never split, so
 a conversation keeps its prompt), positions restarting at each conversation (the models'
 document masks: no attention across conversations). A conversation longer than seq_len+1 is
 truncated or dropped (`dataset.overlong`), one truncated to nothing trained is dropped, each counted
-(loom.data.chat.rows).
+(loom.data.options.chat.rows).
 
 Every sample is a dict: `input_ids`, `labels` (-100 where not trained: prompt tokens, padding,
 a target across a conversation boundary), `scale`, and under documents packing `positions`.
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from loom.data.chat.rows import fit
 from loom.data.index.windows import IGNORE
+from loom.data.options.chat.rows import fit
 
 
 def pack(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -111,12 +111,12 @@ class ChatSamples(Dataset):
 
 def datasets(cfg):
     """(train, val or None) of the rendered conversations (rendered here where missing)."""
-    from loom.data.chat.build import stores
+    from loom.data.options.chat.build import stores
 
     ds = cfg.dataset
     dirs = stores(cfg)
     train = ChatSamples(dirs["train"], "chat", ds.seq_len, ds.packing, ds.overlong)
-    if len(train) == 0:  # validation refuses this before launch (loom.data.chat.build.check_trainable)
+    if len(train) == 0:  # validation refuses this before launch (loom.data.options.chat.build.check_trainable)
         raise ValueError(f"dataset chat: no conversation left to train on ({train.fitted.reasons()})")
     val = ChatSamples(dirs["val"], "chat", ds.seq_len, ds.packing, ds.overlong)
     return train, (val if len(val) else None)

@@ -1,4 +1,5 @@
-"""The default corpus: the Python standard library's .py sources (present wherever Python is).
+"""`dataset=tinycode`, the default corpus: the Python standard library's .py sources (present
+wherever Python is).
 
 No torch here: the launcher can list and size the corpus during validation.
 """
@@ -9,12 +10,27 @@ import functools
 import os
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from loom.data.checks import corpus_val_size
 from loom.data.files import first_bytes
 from loom.data.fingerprint import DataInputs
+from loom.data.option import DatasetOption, always
+
+
+@dataclass
+class TinycodeDatasetConfig:
+    name: str = "tinycode"
+    batch_size: int = 16
+    seq_len: int = 128
+    packing: str = "concat"           # concat | documents (no attention across documents)
+    max_bytes: int = 16_000_000
+    val_every: int = 20
+    tokenizer: str | None = None      # null: byte-level (vocab 256); else a local HF tokenizer
+    cache_dir: str | None = None
 
 
 def stdlib_dir() -> Path:
@@ -64,3 +80,8 @@ def datasets(cfg: DictConfig):
     from loom.data.tokens import front_end_datasets
 
     return front_end_datasets(cfg, stores(cfg))
+
+
+OPTION = DatasetOption(TinycodeDatasetConfig, "loom.data.options.tinycode:datasets", always(True), inputs, source,
+                       tokenized=True, stores=stores,
+                       val_size=lambda ds: corpus_val_size(ds, corpus_files(ds.max_bytes)))

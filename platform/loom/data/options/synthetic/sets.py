@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loom.data.options.synthetic import val_samples
+
 
 class SyntheticTokens(Dataset):
     def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int, split: int = 0) -> None:
@@ -45,7 +47,7 @@ class SyntheticTensors(Dataset):
 
 def datasets(cfg) -> tuple[Dataset, Dataset | None]:
     ds, seed = cfg.dataset, cfg.seed
-    n_val = max(1, ds.num_samples // 16)
+    n_val = val_samples(ds)
     if ds.kind == "tokens":
         return (SyntheticTokens(ds.num_samples, ds.seq_len, ds.vocab_size, seed, 0),
                 SyntheticTokens(n_val, ds.seq_len, ds.vocab_size, seed, 1))

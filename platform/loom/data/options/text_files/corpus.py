@@ -43,7 +43,7 @@ def source(ds: DictConfig) -> str:
 
 def window_split_every(ds: DictConfig, n_files: int) -> int | None:
     """k when validation is every k-th window (fewer files than val_every), else None."""
-    if ds.name != "text_files" or ds.val_every <= 1 or n_files >= ds.val_every:
+    if ds.val_every <= 1 or n_files >= ds.val_every:
         return None
     fraction = ds.get("val_fraction") or 1.0 / ds.val_every
     return max(2, round(1.0 / fraction))

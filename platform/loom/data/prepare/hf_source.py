@@ -1,4 +1,5 @@
-"""`dataset=hf`: text from the Hugging Face `datasets` library, offline unless asked.
+"""A Hugging Face `datasets` source, loaded offline unless asked: what `dataset=hf` tokenizes,
+`dataset=chat` renders, and `loom data prepare`'s row-range workers reload by spec (readers.py).
 
 Sources, one of:
 - `dataset.hub=<id>` (+ `dataset.config`, `dataset.split`): a hub dataset. Offline by
@@ -8,8 +9,9 @@ Sources, one of:
   whose `dataset.split` is used).
 - `dataset.path=<file or glob>`: local .json/.jsonl/.csv/.txt/.parquet files.
 
-No torch here (the `datasets` library does not import it): validation reads a local
-source's columns from its metadata or first record, and opens a hub dataset from the cache.
+Below the options and beside the prepare workers that reload it, so nothing imports it by name.
+No torch here (the `datasets` library does not import it): validation reads a local source's
+columns from its metadata or first record, and opens a hub dataset from the cache.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
-
-from loom.data.fingerprint import DataInputs
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 
@@ -55,16 +55,11 @@ def data_files(path: str) -> list[Path]:
     return expand(path)
 
 
-def inputs(ds: DictConfig) -> DataInputs:
-    """A local source's files; none for a hub dataset (the library's cache fingerprints it)."""
-    if not ds.path:
-        return DataInputs()
-    p = Path(ds.path).expanduser()
-    return DataInputs(files=sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(ds.path))
-
-
-def source(ds: DictConfig) -> str:
-    return f"hub {ds.hub} ({ds.config or 'default'}, {ds.split})" if ds.hub else f"{ds.path}"
+def source_files(path: str) -> list[Path]:
+    """A local source's files: every file of a directory (a save_to_disk dir's arrow files and
+    metadata), else the data files the path or glob names."""
+    p = Path(path).expanduser()
+    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(path)
 
 
 def _saved_split_dir(p: Path, split: str) -> tuple[Path | None, list[str]]:
@@ -168,7 +163,7 @@ def load(ds: DictConfig) -> Any:
             return loaded[ds.split] if isinstance(loaded, datasets.DatasetDict) else loaded
         files = data_files(ds.path)
         # Local files' arrow conversion goes next to Loom's token cache when one is set.
-        from loom.data.tokens import cache_root
+        from loom.data.cache import cache_root
 
         cache = str(cache_root(ds.cache_dir) / "hf") if ds.cache_dir else None
         bars = datasets.is_progress_bar_enabled()
@@ -186,15 +181,14 @@ def load(ds: DictConfig) -> Any:
     return datasets.load_dataset(ds.hub, ds.config, split=ds.split)
 
 
-def source_key(ds: DictConfig, dataset: Any | None) -> str:
-    """What the token cache depends on: the local files, or the hub dataset's fingerprint."""
-    from loom.data.tokens import fingerprint
+def source_key(ds: DictConfig, dataset: Any | None, column: str | None = None) -> str:
+    """What the token cache depends on: the local files, or the hub dataset's fingerprint (and
+    the `column` read, where the caller reads one)."""
+    from loom.data.cache import fingerprint
 
-    spec = (ds.hub, ds.config, ds.split, ds.text_column, ds.val_every, ds.get("max_docs"))
+    spec = (ds.hub, ds.config, ds.split, column, ds.val_every, ds.get("max_docs"))
     if ds.path:
-        p = Path(ds.path).expanduser()
-        files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else data_files(ds.path)
-        return fingerprint(files, *spec)
+        return fingerprint(source_files(ds.path), *spec)
     return fingerprint([], *spec, getattr(dataset, "_fingerprint", None))
 
 
@@ -210,37 +204,3 @@ def docs(dataset: Any, column: str, val_every: int, want_val: bool, max_docs: in
             i += 1
             if text is not None and is_val == want_val:
                 yield text if isinstance(text, str | bytes) else str(text)
-
-
-def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, object]:
-    """The train and val token stores, prepared into the cache where missing: row ranges of the
-    dataset, which each prepare worker reloads from the `datasets` cache (document i is
-    validation when i % val_every == val_every - 1). The dataset is loaded here only when a
-    store is missing, or to fingerprint a hub dataset."""
-    from omegaconf import OmegaConf
-
-    from loom.data.prepare import hf_row_units
-    from loom.data.tokens import split_stores
-
-    ds = cfg.dataset
-    set_offline(ds)
-    loaded: dict = {}
-
-    def dataset():
-        if "ds" not in loaded:
-            loaded["ds"] = load(ds)
-        return loaded["ds"]
-
-    def units(want_val: bool):
-        return lambda: hf_row_units(OmegaConf.to_container(ds), ds.text_column, dataset().num_rows,
-                                    val_every=ds.val_every, want_val=want_val, max_docs=ds.get("max_docs"))
-
-    key = source_key(ds, None if ds.path else dataset())
-    return split_stores("hf", key, ds, {"train": units(False), "val": units(True)}, workers)
-
-
-def datasets(cfg: DictConfig):
-    """(train, val) token windows of the cached stores."""
-    from loom.data.tokens import front_end_datasets
-
-    return front_end_datasets(cfg, stores(cfg))

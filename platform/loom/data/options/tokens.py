@@ -9,18 +9,34 @@ tokenizers and vocabularies before any process starts.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from loom.data.fingerprint import DataInputs
+from loom.data.option import DatasetOption, always
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 
 PACKINGS = ("concat", "documents")
 FLAT_DTYPES = ("uint16", "uint32")
 EXAMPLE = "dataset.mix='[{path: /data/tok/web, weight: 0.7}, {path: /data/tok/code, weight: 0.3}]'"
+
+
+@dataclass
+class TokensDatasetConfig:
+    name: str = "tokens"
+    batch_size: int = 16
+    seq_len: int = 128
+    # the sources: a store path each (a `loom data prepare` dir, a Megatron prefix, a nanoGPT .bin),
+    # or {path, weight (default 1), name (default: the path's last part)}
+    mix: list[Any] = field(default_factory=list)
+    packing: str = "concat"           # concat | documents (no attention across documents)
+    val_fraction: float | None = 0.005  # of each source's windows, held out (every k-th window)
+    dtype: str | None = None          # a flat nanoGPT .bin's tokens: uint16 (default) | uint32
+    tokenizer: str | None = None      # the run's tokenizer: checked against the stores' sidecars
 
 
 @dataclass(frozen=True)
@@ -210,3 +226,8 @@ def datasets(cfg: DictConfig):
             val.append(held)
     mixture = Mixture(train, [s.weight for s in srcs], int(cfg.seed))
     return mixture, (val if len(val) > 1 else val[0] if val else None)
+
+
+OPTION = DatasetOption(TokensDatasetConfig, "loom.data.options.tokens:datasets", always(True), inputs, source,
+                       val_size=val_size, check=check_tokens, normalize=normalize_tokens, vocab=vocab,
+                       mean_document=mean_document)

@@ -1,4 +1,4 @@
-"""`dataset=digits`: scikit-learn's bundled handwritten digits (1797 8x8 images, 10 classes).
+"""`dataset=digits`'s torch half: scikit-learn's bundled handwritten digits as datasets.
 
 Shipped inside the scikit-learn wheel: no download. Features are scaled to [0, 1]; every
 `val_every`-th sample is validation (deterministic).
@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-
-N_SAMPLES = 1797  # features and classes: loom.data.registry
 
 
 class ArrayDataset(Dataset):

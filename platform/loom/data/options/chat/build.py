@@ -5,7 +5,7 @@ is rendered when the config is checked, before the run dir exists (a later run f
 a SLURM job's rank 0 renders in `prepare_data` where it is missing), so a row that cannot be
 trained (no messages, a non-string content, an unknown role, a template that rewrites earlier
 turns, nothing to train) stops the launch with exit 2, naming the rows, and so does a split
-left with nothing to train at dataset.seq_len (counted per reason: loom.data.chat.rows). A row
+left with nothing to train at dataset.seq_len (counted per reason: loom.data.options.chat.rows). A row
 with an empty assistant reply is dropped and counted, or refused (`dataset.empty_replies`). The
 stores are written beside the cache entry and renamed into it when whole: a refused or
 interrupted render leaves nothing in the cache. No torch here.
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from loom.data.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
-from loom.data.chat.rows import CONVERSATIONS, fit
-from loom.data.chat.template import ChatTemplate, TemplateError, load_template
 from loom.data.fingerprint import DataInputs
+from loom.data.options.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
+from loom.data.options.chat.rows import CONVERSATIONS, fit
+from loom.data.options.chat.template import ChatTemplate, TemplateError, load_template
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 
@@ -46,12 +46,12 @@ def template_of(ds: DictConfig) -> ChatTemplate:
 
 
 def normalize_chat(cfg: DictConfig) -> None:
-    from loom.data.checks import _absolute
+    from loom.data.checks import absolute
 
     ds = cfg.dataset
     for key in ("path", "chat_template"):
         if ds.get(key):
-            ds[key] = _absolute(str(ds[key]))
+            ds[key] = absolute(str(ds[key]))
 
 
 def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
@@ -95,9 +95,9 @@ def check_trainable(ds: DictConfig, train_dir: Path) -> None:
 
 
 def inputs(ds: DictConfig) -> DataInputs:
-    from loom.data import hf
+    from loom.data.prepare.hf_source import source_files
 
-    files = hf.inputs(ds).files if ds.path else []
+    files = source_files(ds.path) if ds.path else []
     extra = [Path(ds.chat_template)] if ds.get("chat_template") else []
     return DataInputs(files=list(files) + extra)
 
@@ -107,18 +107,18 @@ def source(ds: DictConfig) -> str:
 
 
 def _key(ds: DictConfig, template: ChatTemplate) -> str:
-    from loom.data import hf
-    from loom.data.tokens import fingerprint
+    from loom.data.cache import fingerprint
+    from loom.data.prepare.hf_source import source_key
 
     spec = (ds.format, ds.get("messages_column"), ds.train_on, ds.val_every, ds.get("max_docs"),
             hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()), ds.empty_replies)
     files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
-    return fingerprint(files, *spec, None if ds.path else hf.source_key(ds, None))
+    return fingerprint(files, *spec, None if ds.path else source_key(ds, None))
 
 
 def store_root(ds: DictConfig) -> Path:
+    from loom.data.cache import cache_root
     from loom.data.prepare import tokenizer_fingerprint
-    from loom.data.tokens import cache_root
 
     tok = tokenizer_fingerprint(str(ds.tokenizer))[:12]
     return cache_root(ds.get("cache_dir")) / f"chat-{_key(ds, template_of(ds))}-{tok}"
@@ -140,9 +140,9 @@ def _complete(root: Path) -> bool:
 
 
 def _rows(ds: DictConfig):
-    from loom.data import hf
+    from loom.data.prepare.hf_source import load
 
-    dataset = hf.load(ds)  # a file it cannot read: ConfigError naming the file, the row and the error
+    dataset = load(ds)  # a file it cannot read: ConfigError naming the file, the row and the error
     i = 0
     for batch in dataset.iter(batch_size=256):
         keys = list(batch)

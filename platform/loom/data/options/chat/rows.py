@@ -3,7 +3,7 @@
 A conversation longer than seq_len+1 tokens is truncated or dropped (`dataset.overlong`); one
 truncated to no trained target (its prompt alone fills the row) would train nothing and is dropped.
 Torch-free: validation asks it before launch (a split with nothing to train is refused, counted
-per reason), and the training samples (loom.data.chat.samples) are built from the same answer.
+per reason), and the training samples (loom.data.options.chat.samples) are built from the same answer.
 """
 
 from __future__ import annotations
