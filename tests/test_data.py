@@ -78,16 +78,27 @@ def test_validation_evaluates_the_same_windows_at_any_world_size():
     ranks (the global batch kept) the ranks together evaluate exactly the set's first 3 x 16 windows
     (it counted batches per rank: 2 ranks evaluated twice 1 rank's, and another validation loss); a set
     holding fewer evaluates its whole global batches, the same at any world size too."""
+    from loom.data.batch import Batch
     from loom.data.module import LoomDataModule
+
+    class _Ids(torch.utils.data.Dataset):  # a map-style set of its own indices
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int) -> Batch:
+            return Batch(torch.tensor(i), torch.tensor(i))
 
     def seen(cfg, dp: int, windows: int) -> list[int]:
         out, counts = [], set()
         for rank in range(dp):
             dm = LoomDataModule(cfg, rank, dp)
-            dm.val_set = range(windows)  # a map-style set of its own indices
+            dm.val_set = _Ids(windows)
             batches = list(dm.val_dataloader())
             counts.add(len(batches))
-            out += [int(i) for b in batches for i in b]
+            out += [int(i) for b in batches for i in b.inputs]
         assert len(counts) == 1  # every rank the same number of whole batches: the mean over ranks is the mean
         return sorted(out)
 
@@ -146,9 +157,9 @@ def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
     else:
         assert x.shape == y.shape == (cfg.dataset.seq_len,) and (x[1:] == y[:-1]).all()
     if case == "synthetic_tokens":  # deterministic from the seed, no I/O
-        again = _datamodules(cfg)[1].train_set[5][0]
-        assert (again == dms[1].train_set[5][0]).all()
-        other = _datamodules(resolve([*overrides[case], "seed=1"]))[1].train_set[5][0]
+        again = _datamodules(cfg)[1].train_set[5].inputs
+        assert (again == dms[1].train_set[5].inputs).all()
+        other = _datamodules(resolve([*overrides[case], "seed=1"]))[1].train_set[5].inputs
         assert not (other == again).all()
 
 
@@ -171,7 +182,7 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
         source = train.sources[0]
         assert val.window(0) == k - 1 and source.holdout.k == k
         store = source.store
-        assert val[0][0].tolist() == store.read((k - 1) * 32, 32).tolist()  # window k-1 of the corpus
+        assert val[0].inputs.tolist() == store.read((k - 1) * 32, 32).tolist()  # window k-1 of the corpus
         assert all(source.window(t) % k != k - 1 for t in range(len(source)))
         again_train, again_val = token_sets(cfg)
         assert [again_val.window(i) for i in range(len(val))] == [val.window(i) for i in range(len(val))]
