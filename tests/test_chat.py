@@ -151,6 +151,7 @@ def _step(model, dataset, dp: int, micro: int, global_batch: int, naive: bool = 
     rank sums its micro batches' loss / accumulation, the ranks' gradients are averaged; the
     logged loss is the mean over micro batches and ranks (tracking.recorder)."""
     import torch
+
     from loom.data.batch import collate
     from loom.data.sampler import ResumableDistributedSampler
     from loom.models.lit import _global_token_loss

@@ -11,11 +11,11 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from loom.data.batch import Batch
 from loom.errors import EXIT_INVALID, ConfigError
 from loom.models.activation_checkpointing import apply_activation_checkpointing, clean_name
 from loom.models.document_mask import attend, document_ids, document_mask
 from loom.models.gpt.network import GPT, Block
-from loom.data.batch import Batch
 from loom.models.lit import _lm_loss
 from loom.models.llama.network import DecoderLayer, Llama
 
