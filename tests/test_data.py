@@ -344,5 +344,7 @@ def test_text_files_trains_from_its_packed_cache(tmp_path, corpus):
     assert r.rc == 0, r.out + r.err
     assert "documents packed apart" in r.out  # document masks under tensor parallelism (2 x 2)
     assert r.summary()["tokens"] == 4 * 2 * 4 * 64 and r.summary()["parallel"]["tp"] == 2
+    rate = r.summary()["throughput"]  # masked batches (no target across a document boundary): trained counted
+    assert 0 < rate["trained_tokens_per_sec"] <= rate["overall"]["tokens_per_sec"], rate
     stores = sorted(cache.glob("text_files-*/*/loom.json"))
     assert [f.parent.name for f in stores] == ["train", "val"]
