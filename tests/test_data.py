@@ -20,7 +20,7 @@ from conftest import (
     run_loom,
     start_loom,
 )
-from tests_helpers import CORPUS, helpers_env, write_json_corpus
+from tests_helpers import CORPUS, IdSamples, helpers_env, write_json_corpus
 
 from loom.data.sampler import ResumableDistributedSampler
 from loom.errors import ConfigError
@@ -78,24 +78,13 @@ def test_validation_evaluates_the_same_windows_at_any_world_size():
     ranks (the global batch kept) the ranks together evaluate exactly the set's first 3 x 16 windows
     (it counted batches per rank: 2 ranks evaluated twice 1 rank's, and another validation loss); a set
     holding fewer evaluates its whole global batches, the same at any world size too."""
-    from loom.data.batch import Batch
     from loom.data.module import LoomDataModule
-
-    class _Ids(torch.utils.data.Dataset):  # a map-style set of its own indices
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-        def __getitem__(self, i: int) -> Batch:
-            return Batch(torch.tensor(i), torch.tensor(i))
 
     def seen(cfg, dp: int, windows: int) -> list[int]:
         out, counts = [], set()
         for rank in range(dp):
             dm = LoomDataModule(cfg, rank, dp)
-            dm.val_set = _Ids(windows)
+            dm.val_set = IdSamples(windows)  # a map-style set of its own indices
             batches = list(dm.val_dataloader())
             counts.add(len(batches))
             out += [int(i) for b in batches for i in b.inputs]
