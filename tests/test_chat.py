@@ -151,8 +151,8 @@ def _step(model, dataset, dp: int, micro: int, global_batch: int, naive: bool = 
     rank sums its micro batches' loss / accumulation, the ranks' gradients are averaged; the
     logged loss is the mean over micro batches and ranks (tracking.recorder)."""
     import torch
-    from torch.utils.data import default_collate
 
+    from loom.data.batch import collate
     from loom.data.sampler import ResumableDistributedSampler
     from loom.models.lit import _global_token_loss
 
@@ -164,10 +164,10 @@ def _step(model, dataset, dp: int, micro: int, global_batch: int, naive: bool = 
                                               shuffle=False)
         items = list(sampler)[:micro * accum]
         for k in range(accum):
-            batch = default_collate([dataset[it] for it in items[k * micro:(k + 1) * micro]])
+            batch = collate([dataset[it] for it in items[k * micro:(k + 1) * micro]])
             if naive:
-                batch["scale"] = torch.full_like(batch["scale"], float("nan"))  # the micro batch's own mean
-            logits = model(batch["input_ids"], batch.get("positions"))
+                batch.loss_scale = torch.full_like(batch.loss_scale, float("nan"))  # the micro batch's own mean
+            logits = model(batch.inputs, batch.positions)
             loss = _global_token_loss(logits, batch)
             (loss / accum).backward()
             losses.append(float(loss.detach()))
@@ -254,11 +254,11 @@ def test_overlong_conversations_truncated_or_dropped_and_counted(tmp_path):
     assert sorted(set(lengths)) == [65, 94, 98]
     long = sum(n > 81 for n in lengths)
     assert cut.overlong == dropped.overlong == long and len(cut) == 8 and len(dropped) == 8 - long
-    assert all(cut[i]["input_ids"].shape == (80,) for i in range(len(cut)))
+    assert all(cut[i].inputs.shape == (80,) for i in range(len(cut)))
     kept = raw[:, 1] <= 81
     assert (cut.conv[kept, 2] == raw[kept, 2]).all() and (cut.conv[~kept, 2] < raw[~kept, 2]).all()
     for i in range(len(cut)):  # the trained targets counted are the ones the sample trains
-        assert int((cut[i]["labels"] != -100).sum()) == int(cut.trained_tokens(np.array([i]))[0])
+        assert int(cut[i].trained_targets()) == int(cut.trained_tokens(np.array([i]))[0])
     assert f"{long} longer than seq_len+1 truncated" in cut.describe(0)
     assert f"{long} longer than seq_len+1 dropped" in dropped.describe(0)
 

@@ -20,7 +20,7 @@ from conftest import (
     run_loom,
     start_loom,
 )
-from tests_helpers import CORPUS, helpers_env, write_json_corpus
+from tests_helpers import CORPUS, IdSamples, helpers_env, write_json_corpus
 
 from loom.data.sampler import ResumableDistributedSampler
 from loom.errors import ConfigError
@@ -84,10 +84,10 @@ def test_validation_evaluates_the_same_windows_at_any_world_size():
         out, counts = [], set()
         for rank in range(dp):
             dm = LoomDataModule(cfg, rank, dp)
-            dm.val_set = range(windows)  # a map-style set of its own indices
+            dm.val_set = IdSamples(windows)  # a map-style set of its own indices
             batches = list(dm.val_dataloader())
             counts.add(len(batches))
-            out += [int(i) for b in batches for i in b]
+            out += [int(i) for b in batches for i in b.inputs]
         assert len(counts) == 1  # every rank the same number of whole batches: the mean over ranks is the mean
         return sorted(out)
 
@@ -146,9 +146,9 @@ def test_every_dataset_shards_disjointly_over_ranks(case, corpus, tmp_path):
     else:
         assert x.shape == y.shape == (cfg.dataset.seq_len,) and (x[1:] == y[:-1]).all()
     if case == "synthetic_tokens":  # deterministic from the seed, no I/O
-        again = _datamodules(cfg)[1].train_set[5][0]
-        assert (again == dms[1].train_set[5][0]).all()
-        other = _datamodules(resolve([*overrides[case], "seed=1"]))[1].train_set[5][0]
+        again = _datamodules(cfg)[1].train_set[5].inputs
+        assert (again == dms[1].train_set[5].inputs).all()
+        other = _datamodules(resolve([*overrides[case], "seed=1"]))[1].train_set[5].inputs
         assert not (other == again).all()
 
 
@@ -171,7 +171,7 @@ def test_text_files_with_few_files_hold_out_windows_for_validation(tmp_path):
         source = train.sources[0]
         assert val.window(0) == k - 1 and source.holdout.k == k
         store = source.store
-        assert val[0][0].tolist() == store.read((k - 1) * 32, 32).tolist()  # window k-1 of the corpus
+        assert val[0].inputs.tolist() == store.read((k - 1) * 32, 32).tolist()  # window k-1 of the corpus
         assert all(source.window(t) % k != k - 1 for t in range(len(source)))
         again_train, again_val = token_sets(cfg)
         assert [again_val.window(i) for i in range(len(val))] == [val.window(i) for i in range(len(val))]
@@ -333,5 +333,7 @@ def test_text_files_trains_from_its_packed_cache(tmp_path, corpus):
     assert r.rc == 0, r.out + r.err
     assert "documents packed apart" in r.out  # document masks under tensor parallelism (2 x 2)
     assert r.summary()["tokens"] == 4 * 2 * 4 * 64 and r.summary()["parallel"]["tp"] == 2
+    rate = r.summary()["throughput"]  # masked batches (no target across a document boundary): trained counted
+    assert 0 < rate["trained_tokens_per_sec"] <= rate["overall"]["tokens_per_sec"], rate
     stores = sorted(cache.glob("text_files-*/*/loom.json"))
     assert [f.parent.name for f in stores] == ["train", "val"]

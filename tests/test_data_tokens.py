@@ -99,7 +99,9 @@ def test_documents_packing_restarts_positions_and_masks_crossing_targets(two_sto
     order = web_docs[0::3] + web_docs[1::3] + web_docs[2::3]
     starts = np.cumsum([0] + [len(d) for d in order])
     for w in range(len(src)):
-        x, y, pos = src[w]
+        b = src[w]
+        y, pos = b.targets, b.positions
+        assert b.masked
         for i in range(32):
             g = w * 32 + i
             doc = int(np.searchsorted(starts, g, side="right")) - 1

@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from loom.data.batch import Batch
 from loom.errors import EXIT_INVALID, ConfigError
 from loom.models.activation_checkpointing import apply_activation_checkpointing, clean_name
 from loom.models.document_mask import attend, document_ids, document_mask
@@ -191,13 +192,13 @@ def test_validation_logs_each_source_and_the_token_weighted_loss():
     x, y, pos = _packed()
     y2 = y.clone()
     y2[0, :10] = -100  # fewer tokens in this batch: the weights matter
-    batches = {"web": [(x, y), (x.flip(0), y.flip(0))], "code": [(x, y2, pos)]}
+    batches = {"web": [Batch(x, y), Batch(x.flip(0), y.flip(0))], "code": [Batch(x, y2, pos, masked=True)]}
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, datamodule=_TwoSources(batches))
     module.eval()
     with torch.no_grad():
-        losses = {n: [(float(module._loss(b)), int((b[1] != -100).sum())) for b in bs] for n, bs in batches.items()}
+        losses = {n: [(float(module._loss(b)), int(b.trained_targets())) for b in bs] for n, bs in batches.items()}
     got = {k: float(v) for k, v in trainer.callback_metrics.items()}
     for n, ls in losses.items():
         assert abs(got[f"val/loss/{n}"] - sum(v for v, _ in ls) / len(ls)) < 1e-5, (n, got)

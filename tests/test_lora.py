@@ -16,6 +16,7 @@ from conftest import refused
 from lora_helpers import assert_adapter_only_checkpoint, make_hf_llama, peft_keys
 
 from loom import strategies
+from loom.data.batch import Batch, collate
 from loom.models import build_module, lora
 from loom.pipeline import resolve
 from loom.plan import make_plan
@@ -47,7 +48,7 @@ def _module(cfg):
 def _batches() -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (4, 33), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    return torch.utils.data.DataLoader([Batch(t[:-1], t[1:]) for t in tokens], batch_size=2, collate_fn=collate)
 
 
 class SaveAt(pl.Callback):

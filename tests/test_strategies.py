@@ -49,6 +49,8 @@ def _first_batches(dp: int, micro: int, steps: int) -> list[list[int]]:
     """The sample ids of each of the first `steps` optimizer steps, all ranks together, through
     Loom's data module configured as the worker configures it (LoomDataModule(cfg, dp_rank,
     dp_size).train_dataloader(), ResumableDistributedSampler inside)."""
+    from tests_helpers import IdSamples
+
     from loom.data.module import LoomDataModule
     from loom.pipeline import resolve
 
@@ -56,9 +58,9 @@ def _first_batches(dp: int, micro: int, steps: int) -> list[list[int]]:
     per_rank = []
     for rank in range(dp):
         dm = LoomDataModule(cfg, dp_rank=rank, dp_size=dp)
-        dm.train_set = list(range(1001))
+        dm.train_set = IdSamples(1001)
         loader = iter(dm.train_dataloader())
-        per_rank.append([next(loader).tolist() for _ in range(steps)])
+        per_rank.append([next(loader).inputs.tolist() for _ in range(steps)])
     return [sorted(x for r in per_rank for x in r[k]) for k in range(steps)]
 
 

@@ -21,6 +21,21 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 
 
+class IdSamples(torch.utils.data.Dataset):
+    """A map-style set whose sample i is a Batch of i (its loaders' batches show which ids they read)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        from loom.data.batch import Batch
+
+        return Batch(torch.tensor(i), torch.tensor(i))
+
+
 def helpers_env(tmp: Path) -> dict[str, str]:
     """Env for a `loom` subprocess: this directory importable, HF caches under tmp."""
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)

@@ -59,6 +59,7 @@ def first_batch(store: Path, seq_len: int) -> dict:
     import torch  # noqa: F401  (the baseline includes torch, as a rank's does)
     from torch.utils.data import DataLoader
 
+    from loom.data.batch import collate
     from loom.data.module import LoomDataModule
     from loom.data.options.tokens import datasets
     from loom.data.sampler import ResumableDistributedSampler
@@ -72,7 +73,7 @@ def first_batch(store: Path, seq_len: int) -> dict:
                    f"model.vocab_size={vocab}", "hardware.dataloader_workers=0", "trainer.global_batch_size=64"])
     train, val = datasets(cfg)
     sampler = ResumableDistributedSampler(train, 8, 3, micro_batch=8, global_batch=64, seed=0)
-    x, y = next(iter(DataLoader(train, batch_size=8, sampler=sampler)))
+    x, y = next(iter(DataLoader(train, batch_size=8, sampler=sampler, collate_fn=collate)))
     out = {"windows": len(train), "seconds": time.perf_counter() - t0, "rss_gb": rss_gb() - base,
            "peak_rss_gb": peak_gb() - peak0, "batch": list(x.shape), "vocab_size": vocab}
     if val is not None:

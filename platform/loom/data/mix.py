@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loom.data.batch import Batch
 from loom.data.index import Blend, Holdout, Permutation
 from loom.data.index.feistel import seed_key
 from loom.data.index.windows import IGNORE, window_positions, windows_of
@@ -47,17 +48,17 @@ class SourceWindows(Dataset):
                 "the store was written with another tokenizer. Prepare it with the run's tokenizer "
                 "(`loom data prepare ... --tokenizer`), or set model.vocab_size to cover it.")
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> Batch:
         start = self.window(int(i)) * self.seq_len
         chunk = self.store.read(start, self.seq_len + 1).astype(np.int64)
         self._check_ids(chunk, start)
         x, y = chunk[:-1], chunk[1:].copy()
         if not self.documents:
-            return torch.from_numpy(x), torch.from_numpy(y)
+            return Batch(torch.from_numpy(x), torch.from_numpy(y))
         starts = self.store.doc_starts(start, start + self.seq_len + 1) - start
         positions, crossing = window_positions(np.asarray(starts, dtype=np.int64), self.seq_len)
         y[crossing] = IGNORE
-        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions), masked=True)
 
 
 class Mixture(Dataset):
@@ -91,7 +92,7 @@ class Mixture(Dataset):
             self._perms[key] = Permutation(n, seed_key(self.seed, j, epoch))
         return j, epoch, self._perms[key](r)
 
-    def __getitem__(self, k: int):
+    def __getitem__(self, k: int) -> Batch:
         j, _, t = self.locate(int(k))
         return self.sources[j][t]
 

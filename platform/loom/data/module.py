@@ -5,6 +5,9 @@ datasets; sampling is the same for all: `ResumableDistributedSampler` (one seede
 epoch, dealt to data-parallel ranks by micro batch, so a step is the same samples at any dp;
 `loom.data.position.DataPosition` keeps the position in that order in every checkpoint).
 
+Every option's samples are `loom.data.batch.Batch`es; the loaders stack them into one `Batch` per
+micro batch (`collate`), the one type every model reads, by field.
+
 Text corpora are tokenized into cached token stores (loom.data.tokens) by the launcher before
 the ranks start, or else in `prepare_data` (Lightning calls it on local rank 0 of each node,
 then every rank waits at a barrier); `setup` only opens the stores.
@@ -27,6 +30,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from loom.data.batch import collate
 from loom.data.registry import DATASETS
 from loom.data.sampler import ResumableDistributedSampler
 from loom.schema import load
@@ -123,6 +127,7 @@ class LoomDataModule(pl.LightningDataModule):
             pin_memory=hw.pin_memory,
             persistent_workers=workers > 0,
             drop_last=True,
+            collate_fn=collate,
             **kw,
         )
 

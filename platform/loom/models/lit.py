@@ -2,8 +2,9 @@
 
 Every one keeps the trained network as `self.model` (the plain nn.Module whose state_dict is
 the run's final weights, and what FSDP/TP shard), declares `sharding_units` (the module
-classes FSDP shards as units) and takes Loom's optimizer and schedule (loom.optim). A
-user's own LightningModule (`model=custom`) is used as it is.
+classes FSDP shards as units) and takes Loom's optimizer and schedule (loom.optim), and reads
+the data's one declared batch type, `loom.data.batch.Batch`, by field. A user's own
+LightningModule (`model=custom`) is used as it is (it receives the same Batch; `x, y = batch`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
+from loom.data.batch import IGNORE_INDEX, Batch
 from loom.models.init import NamedInit, ResetParametersInit, meta_capable
 from loom.optim.build import build_optimizer, sync_schedule
 
-IGNORE_INDEX = -100  # F.cross_entropy's default: targets the loss leaves out (document boundaries)
 # model.* keys that configure Loom, not the network's constructor
 CONFIG_ONLY_KEYS = ("name", "init_from", "init_from_fingerprint", "vocab_used", "lora")
 
@@ -74,7 +75,7 @@ class LoomModule(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
-    def _loss(self, batch) -> torch.Tensor:
+    def _loss(self, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
 
     def _lm_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -85,16 +86,16 @@ class LoomModule(pl.LightningModule):
         """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
         return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         pipe = self._pipeline()
         return self._loss(batch) if pipe is None else self._pipeline_step(pipe, batch)
 
-    def _pipeline_step(self, pipe, batch) -> torch.Tensor:
+    def _pipeline_step(self, pipe, batch: Batch) -> torch.Tensor:
         """Manual optimization: the schedule runs every microbatch's forward and backward, then
-        clip by the norm across stages, step the optimizer and the lr schedule."""
-        x, y = batch
+        clip by the norm across stages, step the optimizer and the lr schedule. (Checks refuse
+        positions and a loss scale under pipeline parallelism: the stages see tokens only.)"""
         opt, sched = self.optimizers(), self.lr_schedulers()
-        loss = pipe.run(self.model, self._lm_loss, x, y)
+        loss = pipe.run(self.model, self._lm_loss, batch.inputs, batch.targets)
         clip = self.cfg.trainer.gradient_clip_val
         if clip:
             pipe.clip(list(self.model.parameters()), float(clip))
@@ -115,15 +116,16 @@ class LoomModule(pl.LightningModule):
         if not self.trainer.strategy.handles_gradient_accumulation:
             optimizer.zero_grad(set_to_none=True)
 
-    def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+    def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()
-        loss = self._loss(batch) if pipe is None else pipe.run(self.model, self._lm_loss, *batch, train=False)
+        loss = (self._loss(batch) if pipe is None
+                else pipe.run(self.model, self._lm_loss, batch.inputs, batch.targets, train=False))
         names = self._val_names()
         if len(names) <= 1:
             self.log("val/loss", loss, sync_dist=True, prog_bar=False)
             return loss
         self.log(f"val/loss/{names[dataloader_idx]}", loss, sync_dist=True, add_dataloader_idx=False)
-        self._val_sums.add(loss, batch[1])
+        self._val_sums.add(loss, batch.targets)
         return loss
 
     def _val_names(self) -> list[str]:
@@ -195,15 +197,23 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor, used: int | None = None) -> 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
-def _global_token_loss(logits: torch.Tensor, batch: dict, used: int | None = None) -> torch.Tensor:
+def batch_loss(logits: torch.Tensor, batch: Batch, used: int | None = None) -> torch.Tensor:
+    """The loss a token batch declares: with a `loss_scale` (chat), the global batch's token mean;
+    else the mean over this batch's trained targets."""
+    if batch.loss_scale is not None:
+        return _global_token_loss(logits, batch, used)
+    return _lm_loss(logits, batch.targets, used)
+
+
+def _global_token_loss(logits: torch.Tensor, batch: Batch, used: int | None = None) -> torch.Tensor:
     """Chat data's loss (loom.data.options.chat.samples): the summed cross-entropy of the trained targets
-    times the sampler's `scale`, so that the mean over micro batches and ranks is the mean over
+    times the sampler's `loss_scale`, so that the mean over micro batches and ranks is the mean over
     the global batch's trained tokens; without a scale (validation), this batch's token mean."""
     if used is not None and used < logits.shape[-1]:
         logits = logits[..., :used]
-    y = batch["labels"]
+    y = batch.targets
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), reduction="sum")
-    scale = batch["scale"].reshape(-1)[0]
+    scale = batch.loss_scale.reshape(-1)[0]
     own_mean = total / (y != IGNORE_INDEX).sum().clamp_min(1)
     return torch.where(scale.isnan(), own_mean, total * scale.nan_to_num(0.0))
 
@@ -217,30 +227,23 @@ class DecoderModule(LoomModule):
     def build_model(self) -> nn.Module:
         return self.network(**network_kwargs(self.cfg.model))
 
-    def _loss(self, batch) -> torch.Tensor:
-        """(x, y), or (x, y, pos) under dataset.packing=documents: pos restarts at each document
-        start, and y is already -100 where a target would cross into the next document; or chat
-        data's dict (input_ids, labels, scale[, positions])."""
-        if isinstance(batch, dict):
-            logits = self.model(batch["input_ids"], batch.get("positions"))
-            return _global_token_loss(logits, batch, self._vocab_used)
-        if len(batch) == 3:
-            x, y, pos = batch
-            return self._lm_loss(self.model(x, pos), y)
-        x, y = batch
-        return self._lm_loss(self.model(x), y)
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """Under dataset.packing=documents the batch's positions restart at each document start
+        (the network's document mask), and its targets are already -100 where one would cross
+        into the next document; chat data's batch carries its loss scale (`batch_loss`)."""
+        args = (batch.inputs,) if batch.positions is None else (batch.inputs, batch.positions)
+        return batch_loss(self.model(*args), batch, self._vocab_used)
 
 
 class ClassifierModule(LoomModule):
     """Cross-entropy classification, `model=mlp`; logs val/acc next to val/loss."""
 
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.model(x).float(), y)
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(self.model(batch.inputs).float(), batch.targets)
 
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(x).float()
+    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        y = batch.targets
+        logits = self.model(batch.inputs).float()
         loss = F.cross_entropy(logits, y)
         self.log("val/loss", loss, sync_dist=True)
         self.log("val/acc", (logits.argmax(-1) == y).float().mean(), sync_dist=True)
@@ -268,9 +271,9 @@ class WrappedModule(LoomModule):
         self.sharding_units = tuple(getattr(model, "sharding_units", ()))
         return model
 
-    def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        out = self.model(x)
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        y = batch.targets
+        out = self.model(batch.inputs)
         if out.dim() > 2 and out.dim() == y.dim() + 1:
             out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
         return self.loss_fn(out.float() if out.is_floating_point() else out, y)

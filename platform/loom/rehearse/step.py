@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from loom.data.batch import Batch
 from loom.layout import ParallelLayout
 from loom.models import model_width, vocab_size
 from loom.strategies import lightning_precision
@@ -138,7 +139,7 @@ def _plain_step(cfg: DictConfig, module: Any, plugin: Any, device: str) -> tuple
     """Forward, loss and backward of one micro batch (`dataset.batch_size` samples)."""
     x, y = _batch(cfg, int(cfg.dataset.batch_size), device)
     with plugin.forward_context():
-        loss = module._loss((x, y))
+        loss = module._loss(Batch(x, y))
     loss.backward()
     return _grad_bytes(module.model.parameters()), {"micro_batch": int(cfg.dataset.batch_size)}
 

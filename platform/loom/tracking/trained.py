@@ -2,10 +2,10 @@
 
 A chat row is padded to seq_len and only the assistant's tokens are targets; a documents-packed
 row has no target across a boundary: tokens/s counts every position processed (61,440 a step of
-which ~600 trained, in one SFT run), so the runs whose batches carry `labels` (-100 where nothing
-is trained) also report `perf/trained_tokens_per_sec` and summary.json
+which ~600 trained, in one SFT run), so the runs whose batches are `masked` (targets -100 where
+nothing is trained; loom.data.batch.Batch) also report `perf/trained_tokens_per_sec` and summary.json
 `throughput.trained_tokens_per_sec`. Counted on the device without a host sync (a sum per micro
-batch), read at log steps; nothing for data without labels (every token is a target).
+batch), read at log steps; nothing for unmasked data (every token is a target).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
+from loom.data.batch import Batch
 from loom.hardware.peaks import mfu, mfu_error
-
-IGNORE = -100  # the label of a position not trained (the datasets' convention, and torch's cross entropy's)
 
 
 class TrainedTokens:
@@ -26,13 +25,13 @@ class TrainedTokens:
         self.window: torch.Tensor | None = None
 
     def add(self, batch: Any) -> None:
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if isinstance(labels, torch.Tensor):
-            n = (labels != IGNORE).sum()
+        """`batch`: what the loader yielded (a user's module may have transformed it: then nothing)."""
+        if isinstance(batch, Batch) and batch.masked:
+            n = batch.trained_targets()
             self.window = n if self.window is None else self.window + n
 
     def take(self) -> float:
-        """The window's count (NaN when the batches carry no labels), and a new window."""
+        """The window's count (NaN when no batch was masked), and a new window."""
         out = float("nan") if self.window is None else float(self.window)
         self.window = None
         return out

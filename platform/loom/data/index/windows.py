@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-IGNORE = -100  # a target the loss skips (torch's cross_entropy ignore_index)
+from loom.data.batch import IGNORE_INDEX
+
+IGNORE = IGNORE_INDEX  # a target the loss skips (loom.data.batch owns the value)
 
 
 def windows_of(n_tokens: int, seq_len: int) -> int:

@@ -11,9 +11,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from loom.data.batch import Batch
 from loom.models.hf import config as hf
 from loom.models.init import FileInit, NamedInit, own_constants, std_rule
-from loom.models.lit import LoomModule, _global_token_loss, _lm_loss
+from loom.models.lit import LoomModule, batch_loss
 
 log = logging.getLogger("loom")
 
@@ -58,11 +59,9 @@ class HFCausalLMModule(LoomModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=x, use_cache=False).logits
 
-    def _loss(self, batch) -> torch.Tensor:
-        if isinstance(batch, dict):  # chat data (padded: no positions, checks refuse documents packing)
-            return _global_token_loss(self.forward(batch["input_ids"]), batch)
-        x, y = batch
-        return _lm_loss(self.forward(x), y)
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """Tokens only: checks refuse documents packing (positions) for a transformers model."""
+        return batch_loss(self.forward(batch.inputs), batch)
 
 
 def build(cfg: DictConfig) -> Any:

@@ -7,9 +7,9 @@ document masks: no attention across conversations). A conversation longer than s
 truncated or dropped (`dataset.overlong`), one truncated to nothing trained is dropped, each counted
 (loom.data.options.chat.rows).
 
-Every sample is a dict: `input_ids`, `labels` (-100 where not trained: prompt tokens, padding,
-a target across a conversation boundary), `scale`, and under documents packing `positions`.
-`scale` makes the loss the mean over the trained targets of the whole global batch, whatever
+Every sample is a `loom.data.batch.Batch`: `inputs`, `targets` (-100 where not trained: prompt tokens,
+padding, a target across a conversation boundary), `loss_scale`, and under documents packing `positions`.
+`loss_scale` makes the loss the mean over the trained targets of the whole global batch, whatever
 the packing, the ranks and the accumulation (transformers PR #34191, TRL #2604): the sampler
 knows the global batch each micro batch belongs to and hands each sample id with
 (micro batches per step) / (trained targets in the global batch), so that each micro batch's
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loom.data.batch import Batch
 from loom.data.index.windows import IGNORE
 from loom.data.options.chat.rows import fit
 
@@ -85,7 +86,7 @@ class ChatSamples(Dataset):
         last = int(self.rows[i + 1]) if i + 1 < len(self.rows) else len(self.conv)
         return range(first, last if self.documents else first + 1)
 
-    def __getitem__(self, item) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item) -> Batch:
         i, scale = (int(item[0]), float(item[1])) if isinstance(item, tuple | list) else (int(item), float("nan"))
         ids, labels, pos = [], [], []
         for c in self._conversations(i):
@@ -102,11 +103,9 @@ class ChatSamples(Dataset):
         tok = np.concatenate([tok, np.zeros(pad, dtype=np.int64)])
         lab = np.concatenate([lab, np.full(pad, IGNORE, dtype=np.int64)])
         p = np.concatenate([p, np.arange(pad, dtype=np.int64)])  # padding: its own document
-        out = {"input_ids": torch.from_numpy(tok[:-1]), "labels": torch.from_numpy(lab[1:].copy()),
-               "scale": torch.tensor(scale, dtype=torch.float32)}
-        if self.documents:
-            out["positions"] = torch.from_numpy(p[:-1].copy())
-        return out
+        return Batch(torch.from_numpy(tok[:-1]), torch.from_numpy(lab[1:].copy()),
+                     torch.from_numpy(p[:-1].copy()) if self.documents else None,
+                     torch.tensor(scale, dtype=torch.float32), masked=True)
 
 
 def datasets(cfg):

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loom.data.batch import Batch
+
 
 class ArrayDataset(Dataset):
     def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
@@ -19,8 +21,8 @@ class ArrayDataset(Dataset):
     def __len__(self) -> int:
         return len(self.y)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+    def __getitem__(self, i: int) -> Batch:
+        return Batch(self.x[i], self.y[i])
 
 
 def split_indices(n: int, val_every: int) -> tuple[np.ndarray, np.ndarray]:

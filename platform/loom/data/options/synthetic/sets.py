@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loom.data.batch import Batch
 from loom.data.options.synthetic import val_samples
 
 
@@ -24,10 +25,10 @@ class SyntheticTokens(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> Batch:
         rng = np.random.default_rng([self.seed, self.split, i])
         chunk = torch.from_numpy(rng.integers(0, self.vocab, self.seq_len + 1, dtype=np.int64))
-        return chunk[:-1], chunk[1:]
+        return Batch(chunk[:-1], chunk[1:])
 
 
 class SyntheticTensors(Dataset):
@@ -38,11 +39,11 @@ class SyntheticTensors(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> Batch:
         rng = np.random.default_rng([self.seed, self.split, i])
         x = rng.standard_normal(self.numel, dtype=np.float32)
         y = int(np.argmax(x[: min(self.classes, self.numel)]))
-        return torch.from_numpy(x.reshape(self.shape)), torch.tensor(y, dtype=torch.int64)
+        return Batch(torch.from_numpy(x.reshape(self.shape)), torch.tensor(y, dtype=torch.int64))
 
 
 def datasets(cfg) -> tuple[Dataset, Dataset | None]:
