@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from ast_grep import docstring_ids
 
 from loom.data.option import DatasetOption
 from loom.data.registry import DATASETS, OPTIONS
@@ -52,10 +53,6 @@ def _folder(name: str) -> Path:
     return OPTIONS_DIR / name if (OPTIONS_DIR / name).is_dir() else OPTIONS_DIR / f"{name}.py"
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of the string constants that are docstrings (or bare string statements)."""
-    return {id(n.value) for n in ast.walk(tree)
-            if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
 
 
 def _is_dataset(node: ast.AST) -> bool:
@@ -122,7 +119,7 @@ def offences(source: str, names: set[str] | None = None, keys: set[str] | None =
     names = set(DATASETS) if names is None else names
     keys = set().union(*OWN_KEYS.values()) if keys is None else keys
     tree = ast.parse(source)
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     found = []
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from ast_grep import docstring_ids
 
 from loom.models.registry import FAMILIES, MODELS
 
@@ -26,19 +27,12 @@ FAMILY_KEYS = {"n_head", "n_kv_heads", "n_layer", "d_model", "intermediate_size"
 SIZES = {"vocab_size", "block_size"}  # a dataset has them too: only `cfg.model.vocab_size` is the model's
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    """ids of the string constants that are docstrings (or bare string statements)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            out.add(id(node.value))
-    return out
 
 
 def offences(source: str) -> list[str]:
     """What a module's code (not its docstrings and comments) says about a family."""
     tree = ast.parse(source)
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     found = []
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from ast_grep import docstring_ids
 
 from loom.rundir.paths import Part, RunDir, SweepDir, rows, run_dir_table
 
@@ -75,7 +76,7 @@ def offences(source: str, module: str = "") -> list[str]:
     """Where a module's code spells a run-dir name (not its docstrings and comments)."""
     anywhere, folders = owned()
     tree = ast.parse(source)
-    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    docs = docstring_ids(tree)
     joined = _joined(tree)
     inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     found = []

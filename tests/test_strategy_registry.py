@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ast_grep import docstring_ids
 
 from loom.compose import compose, group_options
 from loom.plan.compare import compare
@@ -31,12 +32,6 @@ ALLOWED = {
 }
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            out.add(id(node.value))
-    return out
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -47,7 +42,7 @@ def strategy_names(source: str) -> list[tuple[int, str]]:
     """(line, name) of each string constant of `source` naming a strategy option (docstrings and
     comments are prose: allowed)."""
     tree = ast.parse(source)
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     counted: dict[int, tuple[int, str]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and "strategy" in ast.unparse(node):
