@@ -46,6 +46,71 @@ SUMMARY_METRICS = ("final_loss", "validation.loss", "validation.acc", "throughpu
 # How the report ranks by one when no direction is given: rates and accuracy up, losses and times down.
 MAXIMIZED = ("validation.acc", "throughput.tokens_per_sec", "throughput.samples_per_sec", "throughput.mfu",
              "throughput.tflops_per_device")
+# ... or by an evaluation score, `eval/<task>/<metric>` (the last evaluation's; summary.json `eval`).
+EVAL_OBJECTIVE = "eval/"
+# lm-eval's metrics, by the direction that is better (a metric's filter suffix, `exact_match_strict-match`,
+# goes with its metric): scores up, perplexities and bits down.
+EVAL_DIRECTIONS = {
+    **dict.fromkeys(("acc", "acc_norm", "acc_mutual_info", "exact_match", "f1", "mcc", "bleu", "chrf", "ter_inverse",
+                     "rouge1", "rouge2", "rougeL", "rougeLsum", "em", "pass_at_1", "contains"), "maximize"),
+    **dict.fromkeys(("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte", "ter"), "minimize"),
+}
+
+
+def eval_objective(name: str) -> tuple[str, str] | None:
+    """(task, metric) of an `eval/<task>/<metric>` objective; None for a summary.json metric or a malformed one."""
+    if not name.startswith(EVAL_OBJECTIVE):
+        return None
+    task, _, metric = name[len(EVAL_OBJECTIVE):].rpartition("/")
+    return (task, metric) if task and metric else None
+
+
+def objective_direction(name: str) -> str | None:
+    """The better direction of an objective, from MAXIMIZED or EVAL_DIRECTIONS (None: an eval metric not
+    in the table: sweep.direction must say)."""
+    pair = eval_objective(name)
+    if pair is None:
+        return "maximize" if name in MAXIMIZED else "minimize"
+    metric = pair[1]
+    known = sorted((m for m in EVAL_DIRECTIONS if metric == m or metric.startswith(m + "_")), key=len)
+    return EVAL_DIRECTIONS[known[-1]] if known else None
+
+
+def objective_problem(name: str, tasks: list[str] | tuple[str, ...]) -> str | None:
+    """Why `name` cannot rank trials (None: it can): a summary.json metric, or `eval/<task>/<metric>` with
+    `<task>` in eval.tasks (by name, or the `task:` of a listed task YAML)."""
+    if name in SUMMARY_METRICS:
+        return None
+    choices = f"Valid choices: {', '.join(SUMMARY_METRICS)}, or eval/<task>/<metric> for a task in eval.tasks."
+    pair = eval_objective(name)
+    if pair is None:
+        return f"sweep.objective={name!r} is not a summary.json metric. {choices}"
+    named = eval_task_names(tasks)
+    if pair[0] not in named:
+        listed = f"eval.tasks is {list(tasks)}" if tasks else "eval.tasks is empty"
+        return (f"sweep.objective={name!r} ranks by task {pair[0]!r}, but {listed}: add it "
+                f"(eval.tasks='[{pair[0]}]') or rank by one of {', '.join(sorted(named)) or 'the summary metrics'}.")
+    return None
+
+
+def eval_task_names(tasks: list[str] | tuple[str, ...]) -> set[str]:
+    """The task names eval.tasks evaluates: each entry, and for a path to a task YAML (or a folder of them)
+    the `task:` each names (its top-level line: lm-eval's YAML tags, `!function`, need no loader here)."""
+    import re
+    from pathlib import Path
+
+    names = set()
+    for entry in tasks:
+        names.add(str(entry))
+        path = Path(str(entry)).expanduser()
+        files = sorted(path.glob("*.yaml")) if path.is_dir() else [path] if path.suffix in (".yaml", ".yml") else []
+        for f in files:
+            try:
+                found = re.search(r"^task:\s*['\"]?([^'\"\s#]+)", f.read_text(), re.M)
+            except OSError:
+                continue
+            names.update([found.group(1)] if found else [])
+    return names
 
 
 @dataclass

@@ -22,8 +22,9 @@ from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
 from loom.models import experiment_of
 from loom.packages import TRAINING, check_needs
+from loom.rundir.eval_results import objective_of
 from loom.rundir.paths import RunDir, SweepDir
-from loom.schema import SUMMARY_METRICS
+from loom.schema import eval_objective, objective_direction, objective_problem
 from loom.validate import package_needs
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
@@ -128,11 +129,14 @@ class Manifest:
         return t
 
 
-def objective_of(summary: dict[str, Any], name: str) -> float | None:
-    node: Any = summary
-    for part in name.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return float(node) if isinstance(node, (int, float)) else None
+def trial_objective(t: Trial, run_dir: Path, name: str) -> float | None:
+    """The trial's objective value from its run dir (summary.json, and eval/ for `eval/<task>/<metric>`);
+    a completed trial without one says so (an evaluation that failed or never ran that task)."""
+    value = objective_of(json.loads(RunDir(run_dir).summary.read_text()), name, run_dir)
+    if value is None and _completed(run_dir):
+        print(f"[sweep] trial {t.index}: its summary has no {name}"
+              + (" (no evaluation scored it: see summary.json `eval`)" if eval_objective(name) else ""), flush=True)
+    return value
 
 
 RunTrial = Callable[[list[str]], tuple[int, Path | None, str | None]]
@@ -159,11 +163,9 @@ def run_sweep(
             "Invalid config: sweep.sampler=optuna with hardware=slurm: Optuna needs each trial's result "
             "before it picks the next, and SLURM trials finish later. Use a grid sweep on SLURM."
         )
-    if base.sweep.objective not in SUMMARY_METRICS:  # the grid's best trial is ranked by it too
-        raise ConfigError(
-            f"Invalid config: sweep.objective={base.sweep.objective!r} is not a summary.json metric. "
-            f"Valid choices: {', '.join(SUMMARY_METRICS)}."
-        )
+    problem = objective_problem(str(base.sweep.objective), list((base.get("eval") or {}).get("tasks") or []))
+    if problem is not None:  # the grid's best trial is ranked by it too
+        raise ConfigError(f"Invalid config: {problem}")
     if base.sweep.direction not in ("minimize", "maximize"):
         raise ConfigError(f"Invalid config: sweep.direction={base.sweep.direction!r}: valid choices: minimize, maximize.")
     objective, direction = sweep_objective(base, [s.key_or_group for s in sweeps], overrides)
@@ -207,6 +209,8 @@ def sweep_objective(base: DictConfig, keys: list[str], overrides: list[str]) -> 
     from loom.plan.assumptions import set_by
 
     chosen = (str(base.sweep.objective), str(base.sweep.direction))
+    if eval_objective(chosen[0]) is not None:
+        return chosen[0], eval_direction(chosen, set_by(overrides, "sweep.direction"))
     if not speed_only(keys) or set_by(overrides, "sweep.objective") or set_by(overrides, "sweep.direction"):
         return chosen
     from loom.models import model_spec
@@ -216,6 +220,19 @@ def sweep_objective(base: DictConfig, keys: list[str], overrides: list[str]) -> 
     print(f"[sweep] objective: {objective} (maximize): the swept keys ({', '.join(dict.fromkeys(keys))}) change "
           "speed and memory, not the losses; set sweep.objective to rank by another metric", flush=True)
     return objective, "maximize"
+
+
+def eval_direction(chosen: tuple[str, str], said: bool) -> str:
+    """An evaluation objective's direction: sweep.direction when the command sets it, else the metric's
+    (EVAL_DIRECTIONS: acc up, perplexity down); a metric not in that table needs sweep.direction."""
+    objective, direction = chosen
+    known = objective_direction(objective)
+    if said or known == direction:
+        return direction
+    if known is None:
+        raise ConfigError(f"Invalid config: sweep.objective={objective}: is a higher {objective.rsplit('/', 1)[-1]} "
+                          "better or a lower one? Set sweep.direction=maximize or sweep.direction=minimize.")
+    return known
 
 
 def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, objective: str) -> None:
@@ -229,7 +246,7 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
         print(f"[sweep] trial {t.index} already completed: {t.run_dir}", flush=True)
         summary = RunDir(t.run_dir).summary if t.run_dir else None
         if summary is not None and summary.is_file():  # ranked by this command's objective
-            t.objective = objective_of(json.loads(summary.read_text()), objective)
+            t.objective = trial_objective(t, Path(t.run_dir), objective)
             manifest.save()
         return
     print(f"[sweep] trial {t.index}: {' '.join(t.overrides)}", flush=True)
@@ -247,7 +264,7 @@ def _run(t: Trial, manifest: Manifest, pin: list[str], run_trial: RunTrial, obje
         else:  # --dry-run: the job script was written, nothing ran or was submitted
             t.state = "pending"
     if run_dir and RunDir(run_dir).summary.exists():
-        t.objective = objective_of(json.loads(RunDir(run_dir).summary.read_text()), objective)
+        t.objective = trial_objective(t, run_dir, objective)
     manifest.save()
 
 
@@ -264,7 +281,7 @@ def _settle_submitted(t: Trial, objective: str) -> None:
     run_dir = Path(t.run_dir)
     if _completed(run_dir):
         t.state = "completed"
-        t.objective = objective_of(json.loads(RunDir(run_dir).summary.read_text()), objective)
+        t.objective = trial_objective(t, run_dir, objective)
     elif active_job(run_dir) is None:
         t.state = "pending"
 

@@ -113,6 +113,9 @@ class Plan:
     assumptions: dict[str, Any] = field(default_factory=dict)
     # parameters with gradients and optimizer state when not all (model.lora: the adapters); null: all
     trainable_params: int | None = None
+    # eval.tasks: {evaluations, requests_per_evaluation, tokens_per_evaluation, seconds_per_evaluation,
+    # seconds, rate_flops, rate_source, tasks: {task: {documents, requests, tokens, assumed}}} (plan/evaluation.py)
+    evaluation: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,6 +175,10 @@ def make_plan(cfg: DictConfig) -> Plan:
         trainable_params=trainable_params(cfg),
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
     )
+    # imported here, after Plan exists: it asks compare's rate, and compare imports this module
+    from loom.plan.evaluation import eval_cost
+
+    plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
         if fix is not None:

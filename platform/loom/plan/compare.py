@@ -123,7 +123,7 @@ def compare(composed: DictConfig) -> Comparison:
         raise ConfigError(refused[0][1])
     order = {id(c): i for i, c in enumerate(listed)}  # ties: the registry's `rank`, nd's splits last
     listed.sort(key=lambda c: (*rank_key(c), order[id(c)]))
-    return Comparison(listed, refused, _rate(composed.hardware, None)[1], bandwidth(composed.hardware)[1])
+    return Comparison(listed, refused, compute_rate(composed.hardware, None)[1], bandwidth(composed.hardware)[1])
 
 
 def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, batch: int) -> DictConfig:
@@ -193,7 +193,7 @@ def predict(cfg: DictConfig, plan: Plan) -> Prediction:
     """(compute s, communication s by kind (bytes and calls), the exposed part of it s, bubble
     fraction, step s) of one step of `plan`."""
     hw = cfg.hardware
-    rate, _ = _rate(hw, plan.peak_flops_per_device)
+    rate, _ = compute_rate(hw, plan.peak_flops_per_device)
     share = _oversubscription(hw, plan.world_size)
     compute = None
     if plan.flops_per_step is not None:
@@ -238,7 +238,7 @@ def _oversubscription(hw: DictConfig, world: int) -> float:
     return max(1.0, world / float(hw.cpu_cores))
 
 
-def _rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:
+def compute_rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:
     """FLOP/s per device the compute term divides by, and where it comes from."""
     measured = (hw.get("measured") or {}).get("matmul_tflops") if hw.get("measured") else None
     if measured:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from loom.plan.assumptions import phrase
+from loom.plan.evaluation import cost_line
 from loom.plan.memory import GB, HOST_USABLE
 
 
@@ -66,6 +67,8 @@ def render(plan: dict[str, Any]) -> None:
     peak = plan["peak_flops_per_device"]
     rows.append(("peak", f"{peak / 1e12:,.4g} TFLOP/s per device ({plan['precision']})" if peak
                  else "unknown (MFU will be null)"))
+    if plan.get("evaluation"):
+        rows.append(("evaluation", cost_line(plan["evaluation"])))
     verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
     if not plan["fits"]:
         fix = _fix(plan)

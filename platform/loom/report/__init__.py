@@ -17,7 +17,7 @@ from pathlib import Path
 from loom.errors import ConfigError
 from loom.report.compare import best_line, columns, comparison_report, read_sweep, worlds_differ
 from loom.report.runs import Run, collect, load_run, run_report, summary_rows
-from loom.schema import MAXIMIZED, SUMMARY_METRICS
+from loom.schema import SUMMARY_METRICS, eval_objective, objective_direction
 
 __all__ = ["Run", "collect", "load_run", "report", "run_report", "summary_rows"]
 
@@ -46,9 +46,12 @@ def report(paths: list[str | Path], out: str | Path | None = None, objective: st
     paths = [Path(p) for p in paths]
     if direction is not None and objective is None:
         raise ConfigError("loom report: --direction goes with --objective (e.g. --objective validation.loss).")
-    if objective is not None and objective not in SUMMARY_METRICS:
+    if objective is not None and objective not in SUMMARY_METRICS and eval_objective(objective) is None:
         raise ConfigError(f"loom report: --objective {objective} is not a summary.json metric; valid choices: "
-                          f"{', '.join(SUMMARY_METRICS)}.")
+                          f"{', '.join(SUMMARY_METRICS)}, or eval/<task>/<metric> (an evaluation score).")
+    if objective is not None and direction is None and objective_direction(objective) is None:
+        raise ConfigError(f"loom report: is a higher or a lower {objective} better? Add --direction maximize "
+                          "or --direction minimize.")
     runs, sweep_dir, skipped = collect(paths)
     if objective is not None and read_sweep(sweep_dir) is None:
         raise ConfigError(f"loom report: --objective ranks a sweep's trials; {', '.join(map(str, paths))} is not a "
@@ -74,7 +77,7 @@ def report(paths: list[str | Path], out: str | Path | None = None, objective: st
     sweep = read_sweep(sweep_dir)
     if sweep is not None and objective is not None:
         sweep.objective = objective
-        sweep.direction = direction or ("maximize" if objective in MAXIMIZED else "minimize")
+        sweep.direction = direction or objective_direction(objective) or "minimize"
     path, plots = comparison_report(runs, out_dir, skipped, sweep)
     title = f"{len(runs)} runs" + (" (scaling eff.: tokens/s per device vs the smallest world size)"
                                    if worlds_differ(runs) else "")

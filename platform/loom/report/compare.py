@@ -28,7 +28,9 @@ from typing import Any
 from loom.report.runs import Run, _md_table, _num, _pct, _write, error_text
 from loom.report.sweep_plots import TrialBar, scaling_plot, trials_plot
 from loom.report.tie import REL_TOL, Tie, tie_of
+from loom.rundir.eval_results import objective_of
 from loom.rundir.paths import SweepDir
+from loom.schema import eval_objective
 
 
 @dataclass
@@ -73,16 +75,9 @@ def _differing(trials: list[dict], t: dict) -> dict[str, Any]:
     return {k: mine.get(k) for k in sorted(keys) if not k.startswith("run.")}
 
 
-def objective_of(summary: dict[str, Any], name: str) -> float | None:
-    node: Any = summary
-    for part in name.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
-
-
 def _scored(runs: list[Run], sweep: Sweep) -> list[tuple[float, Run]]:
     """(objective value, run) of the completed runs that have a finite one."""
-    scored = [(objective_of(r.summary, sweep.objective), r) for r in runs if r.summary.get("status") == "completed"]
+    scored = [(objective_of(r.summary, sweep.objective, r.path), r) for r in runs if r.summary.get("status") == "completed"]
     return [(v, r) for v, r in scored if v is not None and math.isfinite(v)]
 
 
@@ -129,7 +124,7 @@ def best_line(runs: list[Run], sweep: Sweep) -> str:
     if not order:
         return f"best trial: none (no completed trial has {sweep.objective})"
     best = order[0]
-    value = objective_of(best.summary, sweep.objective)
+    value = objective_of(best.summary, sweep.objective, best.path)
     extreme = "highest" if sweep.direction == "maximize" else "lowest"
     return f"best trial: {title(best, sweep)} ({sweep.objective} {_value(value, sweep.objective)}, the {extreme}): " \
            f"{best.path}"
@@ -217,7 +212,7 @@ def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> 
             params = sweep.params.get(r.path) or {}
             row += [str(params.get(k, "")) for k in sweep.keys]
             best = "tied" if tie is not None and id(r) in rank else "★" if rank.get(id(r)) == 1 else ""
-            row += [*losses, _num(objective_of(r.summary, sweep.objective), ".4f"), best, str(rank.get(id(r), ""))]
+            row += [*losses, _objective_cell(r, sweep), best, str(rank.get(id(r), ""))]
         rate = r.rate
         row += [str(r.summary.get("strategy")), str(r.summary.get("hardware")), str(r.world),
                 _num(rate, ",.1f" if r.classifier else ",.0f"),
@@ -227,6 +222,14 @@ def comparison_rows(runs: list[Run], base: Path, sweep: Sweep | None = None) -> 
         row += [_pct(r.mfu), _num(mem, ".2f", f" GB {kind}")]
         rows.append(row if sweep is not None else [*row, *losses])
     return rows
+
+
+def _objective_cell(r: Run, sweep: Sweep) -> str:
+    """The trial's objective value; a completed trial that no evaluation scored says so."""
+    value = objective_of(r.summary, sweep.objective, r.path)
+    if value is None and eval_objective(sweep.objective) and r.summary.get("status") == "completed":
+        return "not evaluated"
+    return _num(value, ".4f")
 
 
 def trial_bars(runs: list[Run], sweep: Sweep) -> tuple[list[TrialBar], str, str]:
@@ -245,7 +248,7 @@ def objective_plots(runs: list[Run], sweep: Sweep, out: Path) -> list[Path]:
     best = best_run(runs, sweep)
     paths = []
     for key in sweep.keys:
-        points = [(sweep.params.get(r.path, {}).get(key), objective_of(r.summary, sweep.objective), r is best)
+        points = [(sweep.params.get(r.path, {}).get(key), objective_of(r.summary, sweep.objective, r.path), r is best)
                   for r in runs]
         points = [p for p in points if p[0] is not None and p[1] is not None]
         if points:

@@ -1,6 +1,7 @@
 """One run's files (summary.json, config.yaml, plan.json) as a `Run`, and its `report.md`:
 the summary as a table (model, dataset, losses, validation, throughput in the task's unit,
-data wait, memory, why it failed), a mixture's sources (loom.report.sources) and the run's plots.
+data wait, memory, why it failed), a mixture's sources (loom.report.sources), its evaluations
+(loom.report.evals) and the run's plots.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 from loom.atomic import atomic_write_text
 from loom.errors import ConfigError
+from loom.report.evals import eval_section, latest_text
 from loom.report.sources import data_wait_text, sources_section
+from loom.rundir.eval_results import eval_results
 from loom.rundir.paths import RunDir
 from loom.rundir.summary import validation_text
 
@@ -259,6 +262,9 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if len({h.get("world_size") for h in history}) > 1:  # the run changed its world
         rows.append(("world history", ", ".join(f"{h.get('world_size')} rank(s) from step {h.get('start_step')} "
                                                 f"({h.get('reason')})" for h in history)))
+    evaluated = latest_text(eval_results(run.path, s))
+    if evaluated:
+        rows.append(("evaluation", evaluated))
     if s.get("final_weights"):
         rows.append(("final weights", str(s["final_weights"])))
     return rows
@@ -284,14 +290,15 @@ def run_report(run: Run) -> Path:
     from loom.tracking.plots import PLOTS, write_plots
 
     plots_dir = RunDir(run.path).plots
-    if RunDir(run.path).metrics.is_file():
+    if RunDir(run.path).metrics.is_file() or eval_results(run.path, run.summary):
         try:
             write_plots(run.path)
         except Exception as e:  # a report without pictures is still a report
             print(f"warning: plots not drawn ({type(e).__name__}: {e})")
     s = run.summary
     parts = [f"# Run {s.get('run_id')} ({s.get('status')})", "",
-             _md_table(["", "value"], [[k, v] for k, v in summary_rows(run)]), "", *sources_section(s)]
+             _md_table(["", "value"], [[k, v] for k, v in summary_rows(run)]), "", *sources_section(s),
+             *eval_section(run.path, s, _md_table)]
     pics = [p for p in PLOTS if (plots_dir / p).is_file()]
     if pics:
         parts += ["## Plots", ""]

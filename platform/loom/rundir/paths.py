@@ -90,6 +90,16 @@ class RunDir:
     def export(self, fmt: str, step: int, dtype: str = "") -> Path:
         return self.exports / f"{fmt}-step-{int(step)}{'-' + dtype if dtype else ''}"
 
+    evals = Part("eval", "evaluation results, one file per evaluated step (eval.tasks, `loom eval`)", "eval/", row=False)
+
+    @each("eval/step-NNNNNNN.json", "one evaluation's scores per task and metric (in the loop or `loom eval`)")
+    def eval_result(self, step: int) -> Path:
+        return self.evals / f"step-{int(step):07d}.json"
+
+    def eval_results(self) -> list[Path]:
+        """Every evaluation result on disk, by name (= by step)."""
+        return sorted(self.evals.glob("step-*.json"))
+
     wandb = Part("wandb", "the offline wandb run (`wandb sync runs/.../wandb/offline-run-*` later)", "wandb/")
     tensorboard = Part("tensorboard", "TensorBoard event files (tracking=tensorboard or tracking.tensorboard=true)",
                        "tensorboard/")
@@ -106,7 +116,7 @@ class RunDir:
         return self.profile / f"memory-rank-{rank}.pickle"
 
     profile_summary = Part("profile/summary.json", "the window's step time by kind of work (`loom report` reads it)")
-    plots = Part("plots", "loss.png, throughput.png, utilization.png, ranks.png (`loom report`)", "plots/")
+    plots = Part("plots", "loss.png, throughput.png, utilization.png, ranks.png, eval.png (`loom report`)", "plots/")
     ranks = Part("ranks.jsonl", "every rank's step time, data wait and forward at each log step (stragglers)")
     world_history = Part("world_history.json", "one entry per attempt: its start step, world size, reason and span")
     logs = Part("logs", "every rank's log, failure and hang records", "logs/", row=False)

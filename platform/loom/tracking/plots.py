@@ -1,4 +1,5 @@
-"""`<run>/plots/{loss,throughput,utilization}.png` from `<run>/metrics.csv`.
+"""`<run>/plots/{loss,throughput,utilization}.png` from `<run>/metrics.csv`, and `eval.png` from the
+run's evaluations (summary.json `eval`, `<run>/eval/step-*.json`) beside the loss.
 
 No torch here (the report verb uses it too), and matplotlib is imported only when a plot is
 drawn. Figures are made with `matplotlib.figure.Figure` directly rather than pyplot, so no
@@ -14,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from loom.atomic import atomic_path
+from loom.rundir.eval_results import eval_results
 from loom.rundir.paths import RunDir
+from loom.rundir.summary import read_summary
 
-PLOTS = ("loss.png", "throughput.png", "utilization.png")
+PLOTS = ("loss.png", "eval.png", "throughput.png", "utilization.png")
+EVAL_PANELS = 8   # at most this many (task, metric) panels in eval.png: the report's table has every one
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -175,17 +179,61 @@ def _utilization(rows, title: str, path: Path) -> Path:
     return _save(fig, path)
 
 
+def eval_series(results: list[dict]) -> dict[tuple[str, str], list[tuple[float, float, float | None]]]:
+    """(task, metric) -> [(step, value, stderr)] of the evaluations with a step (failed ones have no score)."""
+    out: dict[tuple[str, str], list[tuple[float, float, float | None]]] = {}
+    for r in results:
+        step = r.get("step")
+        if r.get("error") or not isinstance(step, (int, float)):
+            continue
+        for task, t in (r.get("tasks") or {}).items():
+            for metric, v in (t.get("metrics") or {}).items():
+                err = _as_float((t.get("stderr") or {}).get(metric))
+                if _as_float(v) is not None:
+                    out.setdefault((task, metric), []).append((float(step), float(v), err))
+    return dict(sorted(out.items()))
+
+
+def _eval(rows, series, title: str, path: Path) -> Path:
+    """The loss on top, then one panel per (task, metric): its score per step, stderr as error bars."""
+    shown = list(series.items())[:EVAL_PANELS]
+    fig, axes = _figure(1 + len(shown), f"{title}: evaluation")
+    _panel(axes[0], rows, "train/loss", label="train/loss", color="tab:blue", ylabel="loss", missing="loss", ymin=None)
+    for ax, ((task, metric), points) in zip(axes[1:], shown, strict=True):
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        errs = [p[2] or 0.0 for p in points]
+        ax.errorbar(xs, ys, yerr=errs if any(errs) else None, fmt="o-", capsize=3, color="tab:green",
+                    label=f"{task} {metric}")
+        ax.set_ylabel(metric)
+        ax.legend()
+    return _save(fig, path)
+
+
+def write_eval_plot(run_dir: Path, summary: dict | None = None) -> Path | None:
+    """`plots/eval.png` when the run has evaluations with a step (None: none to draw)."""
+    run_dir = Path(run_dir)
+    series = eval_series(eval_results(run_dir, summary if summary is not None else read_summary(run_dir)))
+    if not series:
+        return None
+    out = RunDir(run_dir).plots
+    out.mkdir(parents=True, exist_ok=True)
+    return _eval(read_metrics(run_dir), series, run_dir.name, out / "eval.png")
+
+
 def write_plots(run_dir: Path) -> list[Path]:
-    """Draw the run's plots from metrics.csv; returns the paths written ([] without metrics)."""
+    """Draw the run's plots from metrics.csv (and its evaluations); returns the paths written
+    ([] without metrics or evaluations)."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
+    evals = write_eval_plot(run_dir)
     if not rows:
-        return []
+        return [evals] if evals else []
     out = RunDir(run_dir).plots
     out.mkdir(parents=True, exist_ok=True)
     title = run_dir.name
     return [
         _loss(rows, title, out / "loss.png"),
+        *([evals] if evals else []),
         _throughput(rows, title, out / "throughput.png"),
         _utilization(rows, title, out / "utilization.png"),
     ]
