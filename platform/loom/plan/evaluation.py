@@ -24,7 +24,6 @@ CHOICES = 4                # requests per document of a multiple-choice task who
 DEFAULT_TOKENS = 256       # tokens per request (context + continuation) when the documents are not read
 MAX_GEN_TOKS = 256         # lm-eval's default generation length (generation_kwargs.max_gen_toks)
 FORWARD_SHARE = 1 / 3      # a forward pass: 2N of a training step's 6N FLOPs per token
-SHIPPED_TASKS = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 
 
 class _Tolerant(yaml.SafeLoader):
@@ -45,11 +44,20 @@ def _task_file(entry: str) -> Path | None:
     path = Path(entry).expanduser()
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
-    for f in sorted(SHIPPED_TASKS.glob("*.yaml")) if SHIPPED_TASKS.is_dir() else []:
+    for f in _shipped_tasks():
         doc = _load(f)
         if doc.get("task") == entry:
             return f
     return None
+
+
+def _shipped_tasks() -> list[Path]:
+    """The task YAMLs Loom ships (the eval group's `tasks/` folder), found without importing lm-eval."""
+    from importlib.util import find_spec
+
+    spec = find_spec("loom.eval")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    return sorted(f for d in where for f in (Path(d) / "tasks").rglob("*.yaml"))
 
 
 def _load(path: Path) -> dict[str, Any]:
