@@ -21,6 +21,7 @@ from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
+from loom.plan.evaluation import eval_cost
 from loom.plan.experts import experts_summary
 from loom.plan.memory import (
     GB,
@@ -175,9 +176,6 @@ def make_plan(cfg: DictConfig) -> Plan:
         trainable_params=trainable_params(cfg),
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
     )
-    # imported here, after Plan exists: it asks compare's rate, and compare imports this module
-    from loom.plan.evaluation import eval_cost
-
     plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)

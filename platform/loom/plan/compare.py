@@ -46,13 +46,12 @@ from loom.plan import Plan, make_plan
 from loom.plan.links import bandwidth
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
+from loom.plan.rates import compute_rate
 from loom.strategies.degrees import DEGREE_KEYS
 from loom.strategies.registry import STRATEGIES, ranked
 from loom.strategies.variants import Machine
 from loom.validate import validate, with_strategy
 
-PEAK_EFFICIENCY = 0.4          # model FLOPs utilisation a well-tuned dense run reaches of the datasheet peak
-FALLBACK_TFLOPS = {"gpu": 100.0, "cpu": 0.05}   # per device, when neither peak nor a probe is known
 # Seconds per communication call, beside its bytes: gloo over loopback (CPU), NCCL within a
 # node and across nodes (GPU). scripts/bench/layouts.py calibrates the CPU figure.
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
@@ -236,21 +235,6 @@ def _oversubscription(hw: DictConfig, world: int) -> float:
     if hw.accelerator != "cpu" or not hw.get("cpu_cores"):
         return 1.0
     return max(1.0, world / float(hw.cpu_cores))
-
-
-def compute_rate(hw: DictConfig, peak: float | None) -> tuple[float, str]:
-    """FLOP/s per device the compute term divides by, and where it comes from."""
-    measured = (hw.get("measured") or {}).get("matmul_tflops") if hw.get("measured") else None
-    if measured:
-        return float(measured) * 1e12, f"measured matmul {float(measured):g} TFLOP/s (loom probe)"
-    if peak is None:
-        from loom.hardware.peaks import peak_flops
-
-        peak = peak_flops(hw)
-    if peak:
-        return peak * PEAK_EFFICIENCY, f"peak {peak / 1e12:g} TFLOP/s x {PEAK_EFFICIENCY:g}"
-    tf = FALLBACK_TFLOPS.get(str(hw.accelerator), FALLBACK_TFLOPS["gpu"])
-    return tf * 1e12, f"assumed {tf:g} TFLOP/s (no peak, no `loom probe` profile)"
 
 
 def _latency(hw: DictConfig) -> float:

@@ -4,7 +4,7 @@ No lm-eval import (the plan answers in a blink): a local task's YAML (a path in 
 shipped tasks) is read for its data file, output type and choices, and its documents counted; a registry
 task, whose dataset is not counted here, is assumed DEFAULT_DOCUMENTS (eval.limit caps both). Rank 0
 evaluates the gathered model alone, so the rate is one device's: the plan's compute rate (a `loom probe`
-measurement, else the peak x compare.PEAK_EFFICIENCY, else an assumed figure) for forward-only FLOPs,
+measurement, else the peak x rates.PEAK_EFFICIENCY, else an assumed figure) for forward-only FLOPs,
 FORWARD_SHARE of a training step's per token. An estimate: the plan says so.
 """
 
@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig
 
 from loom.models import vocab_size
+from loom.plan.rates import compute_rate
 
 DEFAULT_DOCUMENTS = 1000   # documents of a task the plan does not count, without eval.limit
 CHOICES = 4                # requests per document of a multiple-choice task whose choices are not counted
@@ -110,8 +111,6 @@ def task_cost(entry: str, limit: int | None, max_length: int, bytes_per_token: f
 def eval_cost(cfg: DictConfig, flops_per_token: float | None, peak: float | None) -> dict[str, Any] | None:
     """plan.json `evaluation` (None: eval.tasks is empty): evaluations, requests and forward tokens per
     evaluation, seconds per evaluation and in all at the plan's rate (None without a FLOP count)."""
-    from loom.plan.compare import compute_rate
-
     ev = cfg.get("eval")
     if ev is None or not ev.get("tasks"):
         return None
