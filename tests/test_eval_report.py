@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from loom.errors import ConfigError
 
@@ -131,19 +131,18 @@ def test_eval_metric_directions(metric, direction):
 
 
 def _base(tasks: list[str], *extra: str):
+    """A validated config whose eval.tasks is set afterwards (names that are not tasks: checked by ENGINE's group)."""
     from loom.pipeline import resolve
 
     cfg = resolve(["hardware=cpu", "hardware.devices=1", *extra])
-    with open_dict(cfg):
-        cfg.eval = OmegaConf.create({"tasks": tasks, "every_n_steps": 0, "at_end": True, "limit": None,
-                                     "max_length": None})
+    cfg.eval.tasks = tasks
     return cfg
 
 
 def test_sweep_objective_on_an_eval_task_not_in_eval_tasks_is_refused_before_any_trial(tmp_path):
     """Config time: the task must be one eval.tasks evaluates (by name, or a listed YAML's `task:`)."""
     from loom.schema import objective_problem
-    from loom.sweep import run_sweep
+    from loom.sweep import evaluated_tasks, run_sweep
 
     def never(*_):
         raise AssertionError("no trial may be resolved or run")
@@ -153,11 +152,11 @@ def test_sweep_objective_on_an_eval_task_not_in_eval_tasks_is_refused_before_any
         with pytest.raises(ConfigError, match="ranks by task 'tiny_mc'") as e:
             run_sweep(["optim.lr=0.1,0.2"], base, never, never)
         assert said in str(e.value) and "eval.tasks='[tiny_mc]'" in str(e.value)
-    yaml_task = tmp_path / "mine.yaml"
-    yaml_task.write_text("task: tiny_mc\ndataset_path: json\noutput_type: multiple_choice\n")
-    assert objective_problem("eval/tiny_mc/acc", [str(yaml_task)]) is None
-    assert objective_problem("eval/tiny_mc/acc", [str(tmp_path)]) is None  # a folder of task YAMLs
-    assert "not a summary.json metric" in objective_problem("eval/acc", ["tiny_mc"])
+    yaml_task = _local_task(tmp_path / "tasks", 3)  # `task: tiny_mc` in a YAML eval.tasks lists, or its folder
+    for entry in (str(yaml_task), str(yaml_task.parent)):
+        assert objective_problem("eval/tiny_mc/acc", *evaluated_tasks(_base([entry]))) is None
+    assert objective_problem("eval/tinycode_mc/acc", *evaluated_tasks(_base(["tinycode_mc"]))) is None
+    assert "not a summary.json metric" in objective_problem("eval/acc", ["tiny_mc"], {"tiny_mc"})
 
 
 def test_sweep_direction_of_an_eval_objective(capsys):
@@ -190,11 +189,11 @@ def test_plan_says_what_evaluation_costs(tmp_path):
     """Every 50 of 200 steps (the end among them): 4 evaluations; the local task's 12 documents counted,
     3 requests each; a registry task under eval.limit=7: 7 x 4 choices assumed; seconds = forward FLOPs
     (a third of training's per token) over the plan's rate; the row in the table and plan.json."""
+    from loom.eval import model_context
     from loom.plan import Plan, make_plan
     from loom.plan.evaluation import FORWARD_SHARE, cost_line, evaluations
 
-    cfg = _base([str(_local_task(tmp_path, 12)), "hellaswag"], "trainer.max_steps=200")
-    cfg.eval.every_n_steps, cfg.eval.limit = 50, None
+    cfg = _base([str(_local_task(tmp_path, 12)), "hellaswag"], "trainer.max_steps=200", "eval.every_n_steps=50")
     plan = make_plan(cfg)
     ev = plan.evaluation
     assert ev["evaluations"] == 4 and ev["tasks"][str(tmp_path / "mc.yaml")]["documents"] == 12
@@ -205,10 +204,24 @@ def test_plan_says_what_evaluation_costs(tmp_path):
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).evaluation == ev
     cfg.eval.limit = 7
     ev = make_plan(cfg).evaluation
-    assert ev["tasks"]["hellaswag"] == {"documents": 7, "requests": 28, "tokens": 28 * cfg.dataset.seq_len,
+    assert ev["tasks"]["hellaswag"] == {"documents": 7, "requests": 28, "tokens": 28 * min(model_context(cfg), 256),
                                         "assumed": False}
     assert ev["tasks"][str(tmp_path / "mc.yaml")]["documents"] == 7
     assert f"4 evaluation(s) x {ev['requests_per_evaluation']:,} requests" in cost_line(ev)
     assert (evaluations(200, 0, True), evaluations(200, 60, True), evaluations(200, 60, False)) == (1, 4, 3)
     cfg.eval.tasks = []
     assert make_plan(cfg).evaluation is None
+
+
+def test_plan_counts_the_shipped_tasks_of_a_composed_config(capsys):
+    """`eval.tasks=[tinycode_mc,tinycode_ppl]` composed and validated as `loom plan` does: the shipped
+    documents counted (150 of 4 choices, 75 texts), the row in the plan's table."""
+    from loom.pipeline import plan_run, resolve
+
+    cfg = resolve(["hardware=cpu", "eval.tasks=[tinycode_mc,tinycode_ppl]", "eval.every_n_steps=100",
+                   "trainer.max_steps=200"])
+    plan = plan_run(cfg, show=True)
+    ev = plan.evaluation
+    assert ev["evaluations"] == 2 and ev["requests_per_evaluation"] == 150 * 4 + 75
+    assert {t: c["documents"] for t, c in ev["tasks"].items()} == {"tinycode_mc": 150, "tinycode_ppl": 75}
+    assert "2 evaluation(s) x 675 requests" in " ".join(capsys.readouterr().out.split())

@@ -76,41 +76,20 @@ def objective_direction(name: str) -> str | None:
     return EVAL_DIRECTIONS[known[-1]] if known else None
 
 
-def objective_problem(name: str, tasks: list[str] | tuple[str, ...]) -> str | None:
+def objective_problem(name: str, tasks: list[str], named: set[str]) -> str | None:
     """Why `name` cannot rank trials (None: it can): a summary.json metric, or `eval/<task>/<metric>` with
-    `<task>` in eval.tasks (by name, or the `task:` of a listed task YAML)."""
+    `<task>` one that eval.tasks (`tasks`) evaluates (`named`: the names, with those its task YAMLs give)."""
     if name in SUMMARY_METRICS:
         return None
     choices = f"Valid choices: {', '.join(SUMMARY_METRICS)}, or eval/<task>/<metric> for a task in eval.tasks."
     pair = eval_objective(name)
     if pair is None:
         return f"sweep.objective={name!r} is not a summary.json metric. {choices}"
-    named = eval_task_names(tasks)
     if pair[0] not in named:
         listed = f"eval.tasks is {list(tasks)}" if tasks else "eval.tasks is empty"
         return (f"sweep.objective={name!r} ranks by task {pair[0]!r}, but {listed}: add it "
                 f"(eval.tasks='[{pair[0]}]') or rank by one of {', '.join(sorted(named)) or 'the summary metrics'}.")
     return None
-
-
-def eval_task_names(tasks: list[str] | tuple[str, ...]) -> set[str]:
-    """The task names eval.tasks evaluates: each entry, and for a path to a task YAML (or a folder of them)
-    the `task:` each names (its top-level line: lm-eval's YAML tags, `!function`, need no loader here)."""
-    import re
-    from pathlib import Path
-
-    names = set()
-    for entry in tasks:
-        names.add(str(entry))
-        path = Path(str(entry)).expanduser()
-        files = sorted(path.glob("*.yaml")) if path.is_dir() else [path] if path.suffix in (".yaml", ".yml") else []
-        for f in files:
-            try:
-                found = re.search(r"^task:\s*['\"]?([^'\"\s#]+)", f.read_text(), re.M)
-            except OSError:
-                continue
-            names.update([found.group(1)] if found else [])
-    return names
 
 
 @dataclass

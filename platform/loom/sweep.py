@@ -163,7 +163,7 @@ def run_sweep(
             "Invalid config: sweep.sampler=optuna with hardware=slurm: Optuna needs each trial's result "
             "before it picks the next, and SLURM trials finish later. Use a grid sweep on SLURM."
         )
-    problem = objective_problem(str(base.sweep.objective), list((base.get("eval") or {}).get("tasks") or []))
+    problem = objective_problem(str(base.sweep.objective), *evaluated_tasks(base))
     if problem is not None:  # the grid's best trial is ranked by it too
         raise ConfigError(f"Invalid config: {problem}")
     if base.sweep.direction not in ("minimize", "maximize"):
@@ -195,6 +195,14 @@ def run_sweep(
     else:
         _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)
     return sweep_dir, manifest
+
+
+def evaluated_tasks(base: DictConfig) -> tuple[list[str], set[str]]:
+    """(eval.tasks, the task names they evaluate: each name, and the tasks of each listed YAML or folder)."""
+    from loom.eval.registry import split
+
+    tasks = [str(t) for t in (base.get("eval") or {}).get("tasks") or []]
+    return tasks, {*tasks, *split(tasks)[0]}
 
 
 def speed_only(keys: list[str]) -> bool:

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig
 
+from loom.eval import model_context
+from loom.eval.registry import SHIPPED
 from loom.models import vocab_size
 from loom.plan.rates import compute_rate
 
@@ -45,20 +47,11 @@ def _task_file(entry: str) -> Path | None:
     path = Path(entry).expanduser()
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
-    for f in _shipped_tasks():
+    for f in sorted(SHIPPED.glob("*.yaml")):
         doc = _load(f)
         if doc.get("task") == entry:
             return f
     return None
-
-
-def _shipped_tasks() -> list[Path]:
-    """The task YAMLs Loom ships (the eval group's `tasks/` folder), found without importing lm-eval."""
-    from importlib.util import find_spec
-
-    spec = find_spec("loom.eval")
-    where = list(spec.submodule_search_locations or []) if spec is not None else []
-    return sorted(f for d in where for f in (Path(d) / "tasks").rglob("*.yaml"))
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -82,30 +75,53 @@ def _data_file(doc: dict[str, Any], here: Path) -> Path | None:
     return None
 
 
+def _documents(doc: dict[str, Any], here: Path | None) -> list[dict[str, Any]]:
+    """The documents of a local task's evaluated split ([]: not local, or not JSON lines)."""
+    data = _data_file(doc, here) if here is not None else None
+    try:
+        rows = [json.loads(ln) for ln in data.read_text().splitlines() if ln.strip()] if data is not None else []
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _field(doc: dict[str, Any], key: str) -> str | None:
+    """The document field a `{{field}}` template (or a bare field name) names."""
+    v = doc.get(key)
+    return v.strip("{} ") if isinstance(v, str) else None
+
+
 def task_cost(entry: str, limit: int | None, max_length: int, bytes_per_token: float) -> dict[str, Any]:
-    """{documents, requests, tokens (forward), assumed (DEFAULT_DOCUMENTS taken)} of one evaluation of a task."""
+    """{documents, requests, tokens (forward), assumed (DEFAULT_DOCUMENTS taken)} of one evaluation of a task.
+    A local task's requests are measured on its documents: a multiple-choice request is the document
+    without its other choices; a generation forwards its context once per generated token (no cache)."""
     f = _task_file(entry)
     doc = _load(f) if f is not None else {}
-    data = _data_file(doc, f.parent) if f is not None else None
-    lines = [ln for ln in data.read_text().splitlines() if ln.strip()] if data is not None else []
-    docs = len(lines) if lines else DEFAULT_DOCUMENTS
-    docs = min(docs, limit) if limit else docs
-    per_request = min(max_length, max(1, round(sum(map(len, lines)) / len(lines) / bytes_per_token))) \
-        if lines else min(max_length, DEFAULT_TOKENS)
+    rows = _documents(doc, f.parent if f is not None else None)
+    docs = min(len(rows) or DEFAULT_DOCUMENTS, limit or len(rows) or DEFAULT_DOCUMENTS)
     kind = doc.get("output_type", "multiple_choice")
-    if kind == "multiple_choice":
-        choices = doc.get("doc_to_choice")
-        if isinstance(choices, str) and lines:
-            first = json.loads(lines[0])
-            choices = first.get(choices.strip("{} ")) if isinstance(first, dict) else None
-        per_doc = len(choices) if isinstance(choices, list) and choices else CHOICES
-        return {"documents": docs, "requests": docs * per_doc, "tokens": docs * per_doc * per_request,
-                "assumed": not (lines or limit)}
-    if kind == "generate_until":  # one forward per generated token over the growing sequence (no cache)
+    choices = [r.get(_field(doc, "doc_to_choice") or "") for r in rows] if kind == "multiple_choice" else []
+    per_doc = [len(c) if isinstance(c, list) and c else CHOICES for c in choices] or [CHOICES]
+    per_doc_mean = sum(per_doc) / len(per_doc) if kind == "multiple_choice" else 1
+
+    def request_tokens(r: dict[str, Any], c: Any) -> float:
+        text = len(json.dumps(r, ensure_ascii=False))
+        if isinstance(c, list) and c:  # the context and one choice: the others' characters left out
+            text -= sum(len(str(x)) for x in c) * (len(c) - 1) / len(c)
+        return text / bytes_per_token
+
+    if rows:
+        sizes = [request_tokens(r, c) for r, c in zip(rows, choices or [None] * len(rows), strict=True)]
+        per_request = min(max_length, max(1, round(sum(sizes) / len(sizes))))
+    else:
+        per_request = min(max_length, DEFAULT_TOKENS)
+    requests = round(docs * per_doc_mean)
+    if kind == "generate_until":
         gen = int((doc.get("generation_kwargs") or {}).get("max_gen_toks", MAX_GEN_TOKS))
         tokens = docs * gen * min(max_length, per_request + gen // 2)
-        return {"documents": docs, "requests": docs, "tokens": tokens, "assumed": not (lines or limit)}
-    return {"documents": docs, "requests": docs, "tokens": docs * per_request, "assumed": not (lines or limit)}
+    else:
+        tokens = requests * per_request
+    return {"documents": docs, "requests": requests, "tokens": tokens, "assumed": not (rows or limit)}
 
 
 def eval_cost(cfg: DictConfig, flops_per_token: float | None, peak: float | None) -> dict[str, Any] | None:
@@ -114,7 +130,7 @@ def eval_cost(cfg: DictConfig, flops_per_token: float | None, peak: float | None
     ev = cfg.get("eval")
     if ev is None or not ev.get("tasks"):
         return None
-    max_length = int(ev.get("max_length") or cfg.dataset.get("seq_len") or 2048)
+    max_length = int(ev.get("max_length") or model_context(cfg))
     try:  # a byte vocabulary reads a character a token; a subword one about four
         byte_vocab = vocab_size(cfg) <= 512
     except (AttributeError, KeyError, TypeError, ValueError):
