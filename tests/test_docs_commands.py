@@ -199,6 +199,16 @@ def _user_module(f: Path, r: Resolver) -> None:
     f.write_text("from tests_helpers import DigitsLit as MyLitModule  # a user's LightningModule\n")
 
 
+def _eval_task(d: Path, r: Resolver) -> None:
+    """docs/evaluation.md's own task YAML over a local JSONL (data_files absolute, as the page says)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "my_mcq.jsonl").write_text("".join(json.dumps({"question": f"{i} + 1 =", "choices": [f" {i + 1}", f" {i}"],
+                                                        "label": 0}) + "\n" for i in range(8)))
+    page = (ROOT / "docs" / "evaluation.md").read_text()
+    yaml = page.split("# /data/evals/my_mcq.yaml\n", 1)[1].split("```", 1)[0]
+    (d / "my_mcq.yaml").write_text(yaml.replace("/data/evals", str(d)))
+
+
 def _my_recipes(d: Path, r: Resolver) -> None:
     d.mkdir()
     shutil.copy(ROOT / "recipes" / "gpt-pretrain.yaml", d / "my-pretrain.yaml")
@@ -208,6 +218,7 @@ def _my_recipes(d: Path, r: Resolver) -> None:
 PLACEHOLDERS: dict[str, Callable[[Path, Resolver], None]] = {
     "/data/corpus": _corpus,
     "/data/chats.jsonl": _chats,
+    "/data/evals": _eval_task,
     "/data/my_dataset": _saved_dataset,
     "/data/pairs.jsonl": _pairs,
     "/data/owt/train.bin": _flat_uint16,

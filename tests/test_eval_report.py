@@ -140,18 +140,23 @@ def _base(tasks: list[str], *extra: str):
 
 
 def test_sweep_objective_on_an_eval_task_not_in_eval_tasks_is_refused_before_any_trial(tmp_path):
-    """Config time: the task must be one eval.tasks evaluates (by name, or a listed YAML's `task:`)."""
+    """Config time: the task must be one eval.tasks evaluates (by name, or a listed YAML's `task:`): validation
+    refuses it (`loom train`, `--cfg job`, each trial), and so does the sweep before its first trial."""
+    from loom.pipeline import resolve
     from loom.schema import objective_problem
-    from loom.sweep import evaluated_tasks, run_sweep
+    from loom.sweep import run_sweep
+    from loom.validate import evaluated_tasks
 
     def never(*_):
         raise AssertionError("no trial may be resolved or run")
 
-    for tasks, said in (([], "eval.tasks is empty"), (["tiny_ppl"], "eval.tasks is ['tiny_ppl']")):
-        base = _base(tasks, "sweep.objective=eval/tiny_mc/acc", f"run.root={tmp_path}")
-        with pytest.raises(ConfigError, match="ranks by task 'tiny_mc'") as e:
-            run_sweep(["optim.lr=0.1,0.2"], base, never, never)
-        assert said in str(e.value) and "eval.tasks='[tiny_mc]'" in str(e.value)
+    with pytest.raises(ConfigError, match="ranks by task 'tiny_mc', but eval.tasks is empty") as e:
+        resolve(["hardware=cpu", "sweep.objective=eval/tiny_mc/acc"])
+    assert "eval.tasks='[tiny_mc]'" in str(e.value)
+    base = _base(["tiny_ppl"], f"run.root={tmp_path}")
+    base.sweep.objective = "eval/tiny_mc/acc"
+    with pytest.raises(ConfigError, match=r"ranks by task 'tiny_mc', but eval.tasks is \['tiny_ppl'\]"):
+        run_sweep(["optim.lr=0.1,0.2"], base, never, never)
     yaml_task = _local_task(tmp_path / "tasks", 3)  # `task: tiny_mc` in a YAML eval.tasks lists, or its folder
     for entry in (str(yaml_task), str(yaml_task.parent)):
         assert objective_problem("eval/tiny_mc/acc", *evaluated_tasks(_base([entry]))) is None
@@ -163,7 +168,8 @@ def test_sweep_direction_of_an_eval_objective(capsys):
     """The metric's direction unless the command says one; a metric not in the table needs it said."""
     from loom.sweep import sweep_objective
 
-    base = _base(["tiny_mc"], "sweep.objective=eval/tiny_mc/acc")
+    base = _base(["tiny_mc"])
+    base.sweep.objective = "eval/tiny_mc/acc"
     assert sweep_objective(base, ["optim.lr"], ["sweep.objective=eval/tiny_mc/acc"]) == ("eval/tiny_mc/acc", "maximize")
     with open_dict(base):
         base.sweep.direction = "minimize"

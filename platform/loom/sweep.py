@@ -25,7 +25,7 @@ from loom.packages import TRAINING, check_needs
 from loom.rundir.eval_results import objective_of
 from loom.rundir.paths import RunDir, SweepDir
 from loom.schema import eval_objective, objective_direction, objective_problem
-from loom.validate import package_needs
+from loom.validate import evaluated_tasks, package_needs
 
 # Hydra's own spellings for the sweeper, accepted as aliases of Loom's `sweep.*` keys.
 ALIASES = {
@@ -195,14 +195,6 @@ def run_sweep(
     else:
         _optuna(fixed, sweeps, base, manifest, pin, resolve, run_trial)
     return sweep_dir, manifest
-
-
-def evaluated_tasks(base: DictConfig) -> tuple[list[str], set[str]]:
-    """(eval.tasks, the task names they evaluate: each name, and the tasks of each listed YAML or folder)."""
-    from loom.eval.registry import split
-
-    tasks = [str(t) for t in (base.get("eval") or {}).get("tasks") or []]
-    return tasks, {*tasks, *split(tasks)[0]}
 
 
 def speed_only(keys: list[str]) -> bool:

@@ -21,11 +21,13 @@ from loom.errors import ConfigError, require
 from loom.packages import PACKAGES, TRAINING, VALIDATION, Need, check_needs
 from loom.redaction import secret_literals
 from loom.schema import (
+    EVAL_OBJECTIVE,
     GROUPS,
     NULLABLE_TOP_LEVEL,
     SECRET_ADVICE,
     SECTIONS,
     TOP_LEVEL,
+    objective_problem,
     typed,
     unknown_key_message,
 )
@@ -143,6 +145,24 @@ def check(cfg: DictConfig) -> None:
     layout = strategies.layout_of(cfg)
     for group in CHECK_ORDER:
         GROUP_PACKAGES[group].check(cfg, layout)
+    _check_objective(cfg)
+
+
+def evaluated_tasks(cfg: DictConfig) -> tuple[list[str], set[str]]:
+    """(eval.tasks, the task names they evaluate: each name, and the tasks of each listed YAML or folder)."""
+    from loom.eval.registry import split
+
+    tasks = [str(t) for t in (cfg.get("eval") or {}).get("tasks") or []]
+    return tasks, {*tasks, *split(tasks)[0]}
+
+
+def _check_objective(cfg: DictConfig) -> None:
+    """sweep.objective=eval/<task>/<metric> names a task eval.tasks evaluates (a sweep refuses it before
+    any trial; a single run's config alike). Summary metrics are checked by the sweep, which ranks by them."""
+    objective = str(cfg.sweep.objective)
+    problem = objective_problem(objective, *evaluated_tasks(cfg)) if objective.startswith(EVAL_OBJECTIVE) else None
+    if problem is not None:
+        raise ConfigError(f"Invalid config: {problem}")
 
 
 def _check_sections(cfg: DictConfig) -> None:
