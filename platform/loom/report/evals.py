@@ -10,6 +10,7 @@ from typing import Any
 
 from loom.rundir.eval_results import eval_results
 
+SHOWN = 3   # scores in the summary's one line (report.md's table has them all)
 HEADER = ["step", "task", "metric", "value", "stderr", "n-shot", "version", "documents", "source"]
 
 
@@ -20,7 +21,7 @@ def _step(r: dict[str, Any]) -> str:
 
 def _value(v: Any) -> str:
     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return f"{v:.4f}"
+        return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"  # a word perplexity of an untrained model: 6.261e+09
     return "n/a"
 
 
@@ -52,7 +53,8 @@ def latest_text(results: list[dict[str, Any]]) -> str | None:
     scores = [f"{task} {metric} {_value(v)}" for task, t in sorted(r["tasks"].items())
               for metric, v in sorted((t.get("metrics") or {}).items())]
     more = f"; {failed} failed" if failed else ""
-    return f"{', '.join(scores)} (step {_step(r)}; {len(results)} evaluation(s){more})"
+    shown = ", ".join(scores[:SHOWN]) + (f", +{len(scores) - SHOWN} more in report.md" if len(scores) > SHOWN else "")
+    return f"{shown} (step {_step(r)}; {len(results)} evaluation(s){more})"
 
 
 def eval_section(run_dir: Path, summary: dict[str, Any], table: Any) -> list[str]:

@@ -204,6 +204,8 @@ def _eval(rows, series, title: str, path: Path) -> Path:
         errs = [p[2] or 0.0 for p in points]
         ax.errorbar(xs, ys, yerr=errs if any(errs) else None, fmt="o-", capsize=3, color="tab:green",
                     label=f"{task} {metric}")
+        if min(ys) > 0 and max(ys) / min(ys) >= 10:  # a perplexity falling by decades
+            ax.set_yscale("log")
         ax.set_ylabel(metric)
         ax.legend()
     return _save(fig, path)
