@@ -34,6 +34,7 @@ def _run_dir(root: Path, name: str, evals: list[dict], status: str = "completed"
     run.mkdir(parents=True)
     s = empty_summary(cfg, name, layout_of(cfg))
     s.update(status=status, global_step=30, final_loss=2.0, first_loss=4.0, eval=evals)
+    s["time"] = {**(s.get("time") or {}), "eval_s": 4.5}
     s["throughput"].update(tokens_per_sec=rate, samples_per_sec=rate / 64, steady=True)
     (run / "summary.json").write_text(json.dumps(s))
     rows = ["step,train/loss"] + [f"{i},{4.0 - i / 15!r}" for i in range(1, 31)]
@@ -61,6 +62,7 @@ def test_report_has_the_eval_table_the_failed_evaluation_and_the_plot(tmp_path, 
     assert "| 30 | tiny_mc | acc | 0.7500 | 0.0500 | 0 | 1.0 | 20 | checkpoint |" in md  # the file's, not 0.5
     assert "0.5000" not in md.split("## Evaluation")[1].split("## Plots")[0]
     assert "tiny_mc acc 0.7500" in capsys.readouterr().out  # the console's summary: the newest scores
+    assert "| evaluation time | 4.5 s |" in md
     png = RunDir(run).plots / "eval.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![eval](plots/eval.png)" in md
     assert md.index("![loss]") < md.index("![eval]") < md.index("![throughput]")

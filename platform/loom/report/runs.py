@@ -248,6 +248,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("compile / first step", f"{_num(t.get('compile_s'), ',.1f', ' s')} / {_num(t.get('first_step_s'), ',.1f', ' s')}"),
         ("validation / checkpoints",
          f"{_num(t.get('validation_s'), ',.1f', ' s')} / {_num(t.get('checkpoint_s'), ',.1f', ' s')}"),
+        *([("evaluation time", _num(t.get("eval_s"), ",.1f", " s"))] if t.get("eval_s") else []),
         ("wall time", _num(s.get("wall_time_s"), ",.1f", " s")),
         ("steps trained (all attempts)", _num(s.get("steps_trained"), ",d")),
         ("restarts", str(s.get("restarts", 0))),
