@@ -233,3 +233,21 @@ def test_plan_counts_the_shipped_tasks_of_a_composed_config(capsys):
     assert ev["evaluations"] == 2 and ev["requests_per_evaluation"] == 150 * 4 + 75
     assert {t: c["documents"] for t, c in ev["tasks"].items()} == {"tinycode_mc": 150, "tinycode_ppl": 75}
     assert "2 evaluation(s) x 675 requests" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_trial_is_scored_by_its_newest_evaluation_or_said_to_have_none(tmp_path, capsys):
+    """The sweep's own read of a trial (manifest `objective`): eval/step-N.json files count; a completed
+    trial whose evaluations all failed has none, and the sweep says so."""
+    from loom.report import report
+    from loom.rundir.paths import RunDir
+    from loom.sweep import Trial, trial_objective
+
+    scored = _run_dir(tmp_path, "a", [_result(10, 0.3)])
+    RunDir(scored).evals.mkdir()
+    RunDir(scored).eval_result(30).write_text(json.dumps(_result(30, 0.45, source="checkpoint")))
+    assert trial_objective(Trial(0, []), scored, "eval/tiny_mc/acc") == 0.45
+    failed = _run_dir(tmp_path, "b", [{"step": 30, "error": "ValueError: bad"}])
+    assert trial_objective(Trial(1, []), failed, "eval/tiny_mc/acc") is None
+    assert "[sweep] trial 1: its summary has no eval/tiny_mc/acc (no evaluation scored it" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--direction maximize or --direction minimize"):
+        report([str(tmp_path)], objective="eval/tiny_mc/mystery")
