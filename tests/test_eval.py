@@ -193,9 +193,15 @@ def test_loom_eval_reads_a_sharded_checkpoint(llama, strategy):
     assert result["step"] == 5 and result["tasks"]["tinycode_mc"]["samples"] == 8
 
 
-def test_a_missing_step_is_refused_listing_the_steps(llama):
-    rc, _, err = _loom("eval", str(llama["fsdp"].run_dir), "--tasks", "tinycode_mc", "--step", "7")
+def test_loom_eval_refuses_a_missing_step_and_an_unknown_task(llama):
+    """Exit 2 in one paragraph, nothing written: --step without such a checkpoint lists the steps
+    there are; an unknown task lists the closest names."""
+    run_dir = llama["fsdp"].run_dir
+    rc, _, err = _loom("eval", str(run_dir), "--tasks", "tinycode_mc", "--step", "7")
     assert rc == 2 and "--step 7" in err and "available steps: 5, 10" in err, err
+    rc, _, err = _loom("eval", str(run_dir), "--tasks", "tinycode_ppl,tinycode_mcq")
+    assert rc == 2 and "unknown task 'tinycode_mcq'" in err and "tinycode_mc" in err and "\n" not in err.strip(), err
+    assert not RunDir(run_dir).eval_result(7).exists()
 
 
 def test_loom_eval_of_a_lora_run_merges_its_adapter(shared):
