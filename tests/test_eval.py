@@ -138,6 +138,8 @@ def test_a_local_task_yaml_by_path_and_a_generation_budget_over_the_context(tmp_
     assert rc == 2 and "max_gen_toks" in err and "32 tokens" in err, err
     rc, err = _plan(tmp_path, "eval.tasks=[tinycode_mc]", "eval.max_length=100000")
     assert rc == 2 and "eval.max_length" in err, err
+    rc, err = _plan(tmp_path, "eval.tasks=[tinycode_mc]", "eval.apply_chat_template=true")
+    assert rc == 2 and "chat template" in err and "dataset.tokenizer=null" in err, err
 
 
 # ----------------------------------------------------------------------------- the shared runs

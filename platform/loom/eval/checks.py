@@ -52,6 +52,9 @@ def check_tasks(cfg: DictConfig) -> None:
         raise ConfigError(f"Invalid config: eval.tasks={list(ev.tasks)} needs text, but dataset={cfg.dataset.name} "
                           "has no tokenizer (its ids are not text): set dataset.tokenizer=<a local Hugging Face "
                           "tokenizer>, or train on text (dataset=tinycode, hf or text_files: bytes).")
+    if ev.apply_chat_template and text_encoding(cfg) == "bytes":
+        raise ConfigError("Invalid config: eval.apply_chat_template=true renders each request with the tokenizer's chat "
+                          "template, and this run has none (dataset.tokenizer=null: its text is UTF-8 bytes); drop it.")
     max_length = eval_length(cfg)
     for name in names:
         for task, tc in leaves(manager, name):
