@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
-from loom.eval import eval_length
 from loom.eval.registry import is_path, manager_for
+from loom.eval.schema import eval_length
 
 # Datasets whose text is UTF-8 bytes when dataset.tokenizer is null (conf/dataset/*.yaml says so);
 # the engine reads them with loom.eval.engine.byte_tokenizer.
@@ -52,6 +52,9 @@ def check_tasks(cfg: DictConfig) -> None:
         raise ConfigError(f"Invalid config: eval.tasks={list(ev.tasks)} needs text, but dataset={cfg.dataset.name} "
                           "has no tokenizer (its ids are not text): set dataset.tokenizer=<a local Hugging Face "
                           "tokenizer>, or train on text (dataset=tinycode, hf or text_files: bytes).")
+    if ev.apply_chat_template and text_encoding(cfg) == "bytes":
+        raise ConfigError("Invalid config: eval.apply_chat_template=true renders each request with the tokenizer's chat "
+                          "template, and this run has none (dataset.tokenizer=null: its text is UTF-8 bytes); drop it.")
     max_length = eval_length(cfg)
     for name in names:
         for task, tc in leaves(manager, name):

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from loom.errors import ConfigError
-from loom.eval import eval_length
 from loom.eval.checks import check_tasks, text_encoding
-from loom.eval.schema import EvalConfig
+from loom.eval.schema import EvalConfig, eval_length
 from loom.export import Request
 from loom.export import request as export_request
 from loom.export.select import run_dir_of
 from loom.models.registry import MODELS
+from loom.packages import PACKAGES
+from loom.packages import require as require_package
 from loom.rundir.config_file import load_frozen
 from loom.rundir.paths import RunDir
 from loom.schema import typed
@@ -58,6 +59,8 @@ def settings(cfg: DictConfig, tasks: list[str], **flags: int | None) -> DictConf
 def request(run: str, tasks: list[str], *, step: int | None = None, limit: int | None = None,
             num_fewshot: int | None = None, batch_size: int | None = None) -> EvalRequest:
     """Everything `loom eval` was asked, checked against the run dir (ConfigError: exit 2)."""
+    pip_name, extra = PACKAGES["lm_eval"]
+    require_package("lm_eval", option="loom eval", extra=extra, pip_name=pip_name)
     tasks = [t for t in tasks if t]
     if not tasks:
         raise _usage(f"{run}: say which tasks: --tasks a,b (lm-eval task names, Loom's tinycode_mc, "
