@@ -7,6 +7,8 @@ Order matters where two callbacks act on the same hook, and Lightning calls them
   batches counted up to that step (`DataPosition.on_train_batch_end` first);
 - the recorder before the saver: the step's time is measured before a save starts, and a save
   is not training time (`recorder.checkpointing`);
+- the evaluation after the recorder and the saver: it scores the step the recorder has timed,
+  and a save due at the same step is written first (`recorder.evaluated`: not training time);
 - the user's callbacks after Loom's, so their hooks see Loom's done (`trainer.callbacks`);
 - the final results last: `on_train_end` gathers weights and figures after every other
   callback's end (the recorder's last window, the garbage collector given back).
@@ -107,8 +109,25 @@ def hang_timeout(cfg: DictConfig) -> float:
 def _watchdog(w: Wiring) -> list[Any]:
     from loom.worker.hang import HangWatchdog
 
-    saver = w.saver
-    return [HangWatchdog(w.run_dir, w.rank, hang_timeout(w.cfg), w.progress, busy=lambda: saver.writing)]
+    saver, progress = w.saver, w.progress  # a save being written, or an evaluation (rank 0's, awaited): busy
+    return [HangWatchdog(w.run_dir, w.rank, hang_timeout(w.cfg), w.progress,
+                         busy=lambda: saver.writing or progress.phase == "evaluating")]
+
+
+def _evaluation_on(cfg: DictConfig) -> bool:
+    """eval.tasks set (an older config without the eval group: off)."""
+    return bool((cfg.get("eval") or {}).get("tasks"))
+
+
+def _evaluation(w: Wiring) -> list[Any]:
+    """eval.tasks: lm-eval's tasks on the model in memory at its steps (loom.worker.evaluation);
+    rank 0's results go to summary.json through `run`."""
+    from loom.worker.evaluation import Evaluation
+
+    cb = Evaluation(w.cfg, w.run_dir, w.rank, w.progress, w.recorder)
+    if w.run is not None:
+        w.run.evaluation = cb
+    return [cb]
 
 
 def _user_callbacks(w: Wiring) -> list[Any]:
@@ -123,6 +142,7 @@ MONITORS: dict[str, Monitor] = {
     "recorder": Monitor(_always, lambda w: [w.recorder]),
     "stragglers": Monitor(lambda cfg: bool(cfg.tracking.stragglers), _stragglers),
     "checkpoints": Monitor(_always, lambda w: [w.saver]),
+    "evaluation": Monitor(_evaluation_on, _evaluation),
     "garbage_collection": Monitor(lambda cfg: cfg.trainer.gc_every_n_steps > 0, _garbage_collection),
     "train_timeout": Monitor(_always, _train_timeout),
     "phase": Monitor(_always, lambda w: [_phase_callback(w.progress)]),
