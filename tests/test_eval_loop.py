@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from conftest import launching_fixture
+from test_tracking import DDP_ARGS, EVAL_EVERY, SENTINELS, STEPS
 
 from loom.pipeline import resolve
 from loom.worker.evaluation import Evaluation, full_copy, gather_state, held_whole
@@ -189,3 +190,53 @@ def test_fsdp2_weights_gather_to_rank_0_and_a_failure_reaches_every_rank(tmp_pat
     assert r0["equal"] is True and r1["state"] is None  # the whole model on rank 0 alone
     assert r0["entry"] == {"step": 2, "error": "ValueError: no such metric"}
     assert r1["entry"] == r0["entry"]
+
+
+# --- the DDP run of tests/test_tracking.py (eval.tasks=[tinycode_mc] at steps 8 and 12) ---------------
+
+
+@launching_fixture(scope="module")
+def ddp_run(shared):
+    r = shared.get(*DDP_ARGS, env=SENTINELS)
+    assert r.rc == 0, r.out + r.err
+    return r
+
+
+def test_the_loop_records_each_evaluation_in_files_trackers_and_summary(ddp_run):
+    run, s = ddp_run.run_dir, ddp_run.summary()
+    steps = [EVAL_EVERY, STEPS]
+    assert sorted(p.name for p in (run / "eval").glob("step-*.json")) == [f"step-{n:07d}.json" for n in steps]
+    assert [e["step"] for e in s["eval"]] == steps and not any("error" in e for e in s["eval"])
+    for entry in s["eval"]:
+        saved = json.loads((run / "eval" / f"step-{entry['step']:07d}.json").read_text())
+        assert saved["source"] == "loop" and saved["tasks"] == entry["tasks"]
+        task = entry["tasks"]["tinycode_mc"]
+        assert task["samples"] == 20 and 0 <= task["metrics"]["acc"] <= 1 and "acc" in task["stderr"]
+    rows = [r for r in ddp_run.metrics() if r.get("eval/tinycode_mc/acc")]
+    assert [int(r["step"]) for r in rows] == steps
+    assert [float(r["eval/tinycode_mc/acc"]) for r in rows] == pytest.approx(
+        [e["tasks"]["tinycode_mc"]["metrics"]["acc"] for e in s["eval"]])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events_file] = (run / "tensorboard").glob("events.out.tfevents.*")
+    events = EventAccumulator(str(events_file))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/tinycode_mc/acc")] == steps  # every tracker, not only the csv
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert f"eval at step {EVAL_EVERY} (" in log and f"eval at step {STEPS} (" in log
+
+
+def test_evaluation_time_is_apart_from_every_step_and_the_steady_rate(ddp_run):
+    """summary.json's time split has eval_s (rank 0's evaluation, awaited by rank 1), and no step
+    holds it: the step lines' times add up to at most train_time_s (which excludes it), while
+    the window right after an evaluation is no longer than the evaluation."""
+    s = ddp_run.summary()
+    t, span = s["time"], s["attempts"][-1]
+    assert t["eval_s"] == span["eval_s"] > 0
+    assert sum(e["seconds"] for e in s["eval"]) <= t["eval_s"]  # the engine's seconds inside the callback's
+    rows = {int(r["step"]): float(r["perf/step_time_ms"]) for r in ddp_run.metrics() if r.get("perf/step_time_ms")}
+    assert sum(rows.values()) / 1000 <= s["train_time_s"] + 0.001
+    # the windows right after an evaluation are no slower than the eval seconds would make them
+    for step in (EVAL_EVERY + 1,):
+        assert rows[step] / 1000 < s["eval"][0]["seconds"], (rows[step], s["eval"][0]["seconds"])
+    assert s["throughput"]["steady"] and span["steady_train_s"] <= s["train_time_s"]

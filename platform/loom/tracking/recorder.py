@@ -10,8 +10,7 @@ peak, and summary.json has `throughput.mfu: null` with the reason in `throughput
 
 Training time (`train_s`, the denominator of every rate) is the wall time of the training
 loop, from `on_train_start` to `on_train_end`, minus the time spent in validation (as
-Lightning's ThroughputMonitor also does), in checkpoint saves and in benchmark evaluation
-(`evaluated`, loom.worker.evaluation) (`loom.tracking.clock`):
+Lightning's ThroughputMonitor also does), in checkpoint saves and in evaluation (`loom.tracking.clock`):
 tokens/s counts the tokens trained per second of training. The steady rates leave out the
 first logged window (or `tracking.warmup_steps`) and every window in which any rank compiled
 (torch's compile hooks: loom.tracking.compiles); a recompile after the first window is one
@@ -180,20 +179,14 @@ class Recorder(pl.Callback):
         if self.val_start is None:
             return
         self._sync(pl_module)
-        now = time.perf_counter()
-        self.clock.validation_s += now - self.val_start
-        self.val_window += now - self.val_start
+        self.clock.validation_s += self.apart(time.perf_counter() - self.val_start)
         self.val_start = None
-        self.batch_end, self.ckpt_at_batch_end = now, self._ckpt_seconds()  # not before validation
 
-    def evaluated(self, seconds: float) -> None:
-        """An evaluation (loom.worker.evaluation) just took `seconds` after a step's end: out of
-        training time, of the current log window's step time, and of the next batch's data wait
-        (as validation). The step it followed was already timed (the recorder's hook runs first)."""
-        self.clock.eval_s += seconds
+    def apart(self, seconds: float) -> float:
+        """Seconds after a step not training (validation, evaluation): out of its window and data wait."""
         self.val_window += seconds
         self.batch_end, self.ckpt_at_batch_end = time.perf_counter(), self._ckpt_seconds()
-        self.compiles.phase = "train"
+        return seconds
 
     # ---------------------------------------------------------------- log steps
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -371,8 +364,7 @@ class Recorder(pl.Callback):
         self.loop_time = self.clock.train_s()
         if trainer.global_rank == 0:
             log.info(f"training loop ended at step {trainer.global_step}: {self.loop_time:.3f} s training, "
-                     f"{self.clock.validation_s:.3f} s validation, {self.clock.checkpoint_s:.3f} s checkpoints"
-                     + (f", {self.clock.eval_s:.3f} s evaluation" if self.clock.eval_s else ""))
+                     f"{self.clock.validation_s:.3f} s validation, {self.clock.checkpoint_s:.3f} s checkpoints")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.compiles.stop()

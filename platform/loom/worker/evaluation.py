@@ -21,7 +21,7 @@ over its accelerator, which would need a copy per rank (the gather above gives o
 rank 0) and lm-eval's collectives beside Lightning's; the broadcast keeps one in flight.
 
 The seconds an evaluation takes are apart from training: the recorder leaves them out of the
-step times, the steady windows, tokens/s and MFU (`Recorder.evaluated`), and summary.json's
+step times, the steady windows, tokens/s and MFU (`Recorder.apart`), and summary.json's
 time split shows them as `eval_s`. The random streams (Python, NumPy, torch CPU and CUDA) are
 restored afterwards: lm-eval seeds them, training's dropout and sampling must not see it.
 
@@ -90,7 +90,7 @@ class Evaluation(pl.Callback):
             entry = self.run(trainer, pl_module, step)
         finally:
             self.progress.phase = phase
-        self.recorder.evaluated(time.perf_counter() - begin)
+        self.recorder.clock.eval_s += self.recorder.apart(time.perf_counter() - begin)
         if self.rank == 0:
             self.record(trainer, entry)
 

@@ -8,7 +8,7 @@ Order matters where two callbacks act on the same hook, and Lightning calls them
 - the recorder before the saver: the step's time is measured before a save starts, and a save
   is not training time (`recorder.checkpointing`);
 - the evaluation after the recorder and the saver: it scores the step the recorder has timed,
-  and a save due at the same step is written first (`recorder.evaluated`: not training time);
+  and a save due at the same step is written first (`recorder.apart`: not training time);
 - the user's callbacks after Loom's, so their hooks see Loom's done (`trainer.callbacks`);
 - the final results last: `on_train_end` gathers weights and figures after every other
   callback's end (the recorder's last window, the garbage collector given back).
