@@ -5,7 +5,8 @@ The Python packages come from platform/; Loom's bundled files stay where a devel
 `loom._conf`, `loom._recipes` and `loom._slurm`, read at run time through importlib.resources
 (platform/loom/compose/paths.py). pyproject.toml alone cannot say this: its package finder and a
 package-dir mapping of folders outside platform/ do not combine. An editable install keeps
-reading the checkout's folders.
+reading the checkout's folders. loom/eval/tasks/ (lm-eval task YAML and JSONL, no __init__.py) ships as
+loom.eval's package data.
 """
 
 from pathlib import Path
@@ -26,4 +27,4 @@ def data_packages() -> dict[str, str]:
 
 DATA = data_packages()
 setup(packages=[*find_packages("platform"), *DATA], package_dir={"": "platform", **DATA},
-      package_data={package: ["*"] for package in DATA})
+      package_data={**{package: ["*"] for package in DATA}, "loom.eval": ["tasks/*"]})  # the shipped eval tasks

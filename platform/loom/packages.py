@@ -36,6 +36,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "sklearn": ("scikit-learn", "data"),
     "optuna": ("hydra-optuna-sweeper", "sweeps"),
     "kubeflow_trainer_api": ("kubeflow-trainer-api", "kubernetes"),
+    "lm_eval": ("lm-eval", "eval"),
 }
 
 

@@ -90,6 +90,14 @@ class RunDir:
     def export(self, fmt: str, step: int, dtype: str = "") -> Path:
         return self.exports / f"{fmt}-step-{int(step)}{'-' + dtype if dtype else ''}"
 
+    evals = Part("eval", "benchmark scores (eval.tasks in the loop, `loom eval` after the fact), one file per step",
+                 "eval/", row=False)
+
+    @each("eval/step-NNNNNNN.json", "lm-eval's scores of the step: per task its metrics, stderr, version, n-shot "
+          "(source: loop or checkpoint)")
+    def eval_result(self, step: int) -> Path:
+        return self.evals / f"step-{int(step):07d}.json"
+
     wandb = Part("wandb", "the offline wandb run (`wandb sync runs/.../wandb/offline-run-*` later)", "wandb/")
     tensorboard = Part("tensorboard", "TensorBoard event files (tracking=tensorboard or tracking.tensorboard=true)",
                        "tensorboard/")
