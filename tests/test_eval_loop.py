@@ -22,7 +22,7 @@ from test_tracking import DDP_ARGS, EVAL_EVERY, SENTINELS, STEPS
 from loom.pipeline import resolve
 from loom.worker.evaluation import Evaluation, full_copy, gather_state, held_whole
 
-TINY = ["hardware=cpu", "model=gpt_tiny", "model.n_layer=2", "dataset.seq_len=32"]
+TINY = ["hardware=cpu", "model=gpt_tiny", "model.n_layer=2"]  # dataset.seq_len 128: the task's contexts fit
 EVAL = ["eval.tasks=[tinycode_mc]", "eval.limit=4", "eval.batch_size=4"]
 
 
@@ -50,7 +50,7 @@ def _trainer(rank: int = 0, world: int = 1, step: int = 4, max_steps: int = 8, l
 def _recorder():
     from loom.tracking.recorder import Recorder
 
-    return Recorder(log_every=1, samples_per_step=8, seq_len=32, flops_per_token=None, peak_flops_per_device=None,
+    return Recorder(log_every=1, samples_per_step=8, seq_len=128, flops_per_token=None, peak_flops_per_device=None,
                     world_size=1)
 
 

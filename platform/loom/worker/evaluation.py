@@ -120,13 +120,13 @@ class Evaluation(pl.Callback):
             try:
                 with torch.no_grad(), trainer.strategy.precision_plugin.forward_context():
                     result = evaluate(logits_of(net), run_tokenizer(self.cfg), self.ev,
-                                      max_length=max_length(self.cfg), device=device)
+                                      max_length=max_length(self.cfg), device=device, step=step)
             finally:
                 net.train(was_training)
             return {**result, "step": step}
         except Exception as e:  # evaluation is a report on the model: it never stops training
             tasks = ", ".join(str(t) for t in self.ev.tasks)
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".rstrip(": ")
+            error = one_line(e)
             log.error(f"evaluation at step {step} failed (eval.tasks: {tasks}): {error}. Training continues; "
                       f"summary.json's eval has the error at step {step}.", exc_info=log.isEnabledFor(logging.DEBUG))
             return {"step": step, "error": error}
@@ -158,6 +158,17 @@ class Evaluation(pl.Callback):
             logger.log_metrics(metrics, step=int(entry["step"]))
         shown = ", ".join(f"{k[len('eval/'):]} {v:.4f}" for k, v in metrics.items())
         log.info(f"eval at step {entry['step']} ({entry.get('seconds', 0.0):.1f} s): {shown}")
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message`, or where it was raised when it has none (a bare assert)."""
+    text = str(e).strip()
+    if text:
+        return f"{type(e).__name__}: {text.splitlines()[0]}"
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{type(e).__name__} at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else type(e).__name__
 
 
 # ---------------------------------------------------------------------- the route's parts
