@@ -228,15 +228,13 @@ def test_the_loop_records_each_evaluation_in_files_trackers_and_summary(ddp_run)
 
 def test_evaluation_time_is_apart_from_every_step_and_the_steady_rate(ddp_run):
     """summary.json's time split has eval_s (rank 0's evaluation, awaited by rank 1), and no step
-    holds it: the step lines' times add up to at most train_time_s (which excludes it), while
-    the window right after an evaluation is no longer than the evaluation."""
+    holds it: the step lines' times (log_every_n_steps=1: each step its own window) add up to at
+    most train_time_s, which the clock takes eval_s out of on its own; a step window holding an
+    evaluation would exceed it by the evaluation's seconds (about 0.5 s here, steps 0.2 s)."""
     s = ddp_run.summary()
     t, span = s["time"], s["attempts"][-1]
     assert t["eval_s"] == span["eval_s"] > 0
     assert sum(e["seconds"] for e in s["eval"]) <= t["eval_s"]  # the engine's seconds inside the callback's
     rows = {int(r["step"]): float(r["perf/step_time_ms"]) for r in ddp_run.metrics() if r.get("perf/step_time_ms")}
     assert sum(rows.values()) / 1000 <= s["train_time_s"] + 0.001
-    # the windows right after an evaluation are no slower than the eval seconds would make them
-    for step in (EVAL_EVERY + 1,):
-        assert rows[step] / 1000 < s["eval"][0]["seconds"], (rows[step], s["eval"][0]["seconds"])
     assert s["throughput"]["steady"] and span["steady_train_s"] <= s["train_time_s"]

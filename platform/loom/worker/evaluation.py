@@ -60,9 +60,10 @@ class Evaluation(pl.Callback):
     """Scores the model at its steps (module docstring). `results` (rank 0): this attempt's
     entries in step order, a RESULT or {"step", "error"}."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, rank: int, progress: Progress, recorder: Any) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, rank: int, progress: Progress, recorder: Any,
+                 saver: Any = None) -> None:
         self.cfg, self.ev, self.run_dir, self.rank = cfg, cfg.eval, Path(run_dir), rank
-        self.progress, self.recorder = progress, recorder
+        self.progress, self.recorder, self.saver = progress, recorder, saver
         self.every = int(self.ev.get("every_n_steps") or 0)
         self.at_end = bool(self.ev.get("at_end", True))
         self.results: list[dict[str, Any]] = []
@@ -80,8 +81,8 @@ class Evaluation(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not self.due(step, trainer.max_steps):
-            return
+        if not self.due(step, trainer.max_steps) or getattr(self.saver, "preempted", False):
+            return  # a preempted run (every rank agreed) has no time to spare
         self.last_step = step
         self.recorder.compiles.phase = "eval"  # a compile while scoring is not a training compile
         phase, self.progress.phase = self.progress.phase, "evaluating"  # the hang watchdog waits for it

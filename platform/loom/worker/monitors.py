@@ -124,7 +124,7 @@ def _evaluation(w: Wiring) -> list[Any]:
     rank 0's results go to summary.json through `run`."""
     from loom.worker.evaluation import Evaluation
 
-    cb = Evaluation(w.cfg, w.run_dir, w.rank, w.progress, w.recorder)
+    cb = Evaluation(w.cfg, w.run_dir, w.rank, w.progress, w.recorder, w.saver)
     if w.run is not None:
         w.run.evaluation = cb
     return [cb]
