@@ -115,7 +115,7 @@ class Evaluation(pl.Callback):
             from loom.eval.engine import evaluate
 
             device = trainer.strategy.root_device
-            net = pl_module.model if state is None else full_copy(pl_module, state, device)
+            net = getattr(pl_module, "model", pl_module) if state is None else full_copy(pl_module, state, device)
             was_training = net.training
             net.eval()
             try:
@@ -217,11 +217,12 @@ def full_copy(module: pl.LightningModule, state: dict[str, torch.Tensor], device
 
 
 def logits_of(net: torch.nn.Module):
-    """The engine's callable: (B, T) token ids -> (B, T, V) logits (a transformers model's
-    output carries them as `.logits`)."""
+    """The engine's callable: (B, T) token ids -> (B, T, V) float32 logits (a transformers model's
+    output carries them as `.logits`; under a mixed-precision autocast they come back in bf16,
+    whose log-softmax would round the scores)."""
     def call(ids: torch.Tensor) -> torch.Tensor:
         out = net(ids)
-        return getattr(out, "logits", out)
+        return getattr(out, "logits", out).float()
 
     return call
 
