@@ -1,6 +1,6 @@
 """`loom`: the command line. Each verb parses its arguments and hands over to a stage:
 `train` to the pipeline (or a sweep of pipelines), `plan` to the plan, `report`, `probe`,
-`export`, `generate`, `recipes` and `data` to their modules.
+`export`, `generate`, `eval`, `recipes` and `data` to their modules.
 
 Nothing here imports torch or Lightning before the config is valid and the plan feasible:
 a bad config is refused within the first second.
@@ -90,6 +90,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     settings = Settings(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     return generate(args.run_dir, args.prompt, args.chat, step=args.step, settings=settings)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """A run's weights scored on benchmark tasks by lm-evaluation-harness (torch and lm_eval are
+    imported only once the request is valid)."""
+    from loom.evaluate import evaluate_run
+
+    return evaluate_run(args.run_dir, args.tasks.split(","), step=args.step, limit=args.limit,
+                        num_fewshot=args.num_fewshot, batch_size=args.batch_size)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -265,6 +274,22 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=cmd_generate)
 
 
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("eval", help="score a run's final weights or a checkpoint on benchmark tasks "
+                                    "(lm-evaluation-harness); writes RUN_DIR/eval/step-N.json")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (`loom train` prints it after 'run dir:')")
+    e.add_argument("--tasks", required=True, metavar="A,B",
+                   help="lm-eval task names (Loom ships tinycode_mc, tinycode_complete, tinycode_ppl) or "
+                        "paths to task YAML files or directories, comma-separated")
+    e.add_argument("--step", type=int, metavar="N",
+                   help="the checkpoint of step N (default: the final weights of a completed run, else the "
+                        "newest checkpoint), as `loom export`")
+    e.add_argument("--limit", type=int, metavar="N", help="documents per task (default: the run's eval.limit; all)")
+    e.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's own)")
+    e.add_argument("--batch-size", type=int, metavar="B", help="requests per forward pass (default: eval.batch_size)")
+    e.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom", description="Declarative distributed training.")
     p.add_argument("--version", nargs=0, action=_PrintVersions,
@@ -331,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="floating tensors' dtype (default: the run's checkpoint.export_dtype)")
     ex.set_defaults(func=cmd_export)
     _generate_parser(sub)
+    _eval_parser(sub)
     _data_parser(sub)
     rc = sub.add_parser("recipes", help="list, show or copy reusable recipe templates")
     rc.add_argument("action", choices=["list", "show", "copy"])

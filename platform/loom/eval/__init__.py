@@ -15,7 +15,7 @@ from loom.eval.schema import SCHEMAS, EvalConfig
 from loom.layout import ParallelLayout
 from loom.packages import Need
 
-__all__ = ["NEEDS", "SCHEMAS", "EvalConfig", "check", "model_context", "normalize"]
+__all__ = ["NEEDS", "SCHEMAS", "EvalConfig", "check", "eval_length", "model_context", "normalize"]
 
 NEEDS: tuple[Need, ...] = (
     Need("eval.tasks=[...] (non-empty)", lambda cfg: bool(cfg.eval.tasks), "lm_eval",
@@ -27,6 +27,11 @@ def model_context(cfg: DictConfig) -> int:
     """The longest input the run's model takes: a GPT's block_size, else what it trained on."""
     block = cfg.model.get("block_size") if isinstance(cfg.model, DictConfig) else None
     return int(block or cfg.dataset.seq_len)
+
+
+def eval_length(cfg: DictConfig) -> int:
+    """The tokens of context lm-eval gives the model: eval.max_length, else what it trained on."""
+    return int(cfg.eval.max_length or cfg.dataset.seq_len)
 
 
 def normalize(cfg: DictConfig) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
+from loom.eval import eval_length
 from loom.eval.registry import is_path, manager_for
 
 # Datasets whose text is UTF-8 bytes when dataset.tokenizer is null (conf/dataset/*.yaml says so);
@@ -51,7 +52,7 @@ def check_tasks(cfg: DictConfig) -> None:
         raise ConfigError(f"Invalid config: eval.tasks={list(ev.tasks)} needs text, but dataset={cfg.dataset.name} "
                           "has no tokenizer (its ids are not text): set dataset.tokenizer=<a local Hugging Face "
                           "tokenizer>, or train on text (dataset=tinycode, hf or text_files: bytes).")
-    max_length = ev.max_length or cfg.dataset.seq_len
+    max_length = eval_length(cfg)
     for name in names:
         for task, tc in leaves(manager, name):
             check_local(task, tc)
