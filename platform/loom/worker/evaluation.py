@@ -112,6 +112,7 @@ class Evaluation(pl.Callback):
     def score(self, trainer, pl_module, step: int, state: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Rank 0: the RESULT of `eval.tasks` at `step`, or the error entry."""
         try:
+            from loom.eval import eval_length
             from loom.eval.engine import evaluate
 
             device = trainer.strategy.root_device
@@ -121,7 +122,7 @@ class Evaluation(pl.Callback):
             try:
                 with torch.no_grad(), trainer.strategy.precision_plugin.forward_context():
                     result = evaluate(logits_of(net), run_tokenizer(self.cfg), self.ev,
-                                      max_length=max_length(self.cfg), device=device, step=step)
+                                      max_length=eval_length(self.cfg), device=device, step=step)
             finally:
                 net.train(was_training)
             return {**result, "step": step}
@@ -228,24 +229,18 @@ def logits_of(net: torch.nn.Module):
 
 
 def run_tokenizer(cfg: DictConfig):
-    """The run's tokenizer: `dataset.tokenizer`, else a transformers model's own directory when it
-    holds one, else byte-level ids (the engine's `byte_tokenizer`, as Loom's byte data)."""
-    name = cfg.dataset.get("tokenizer")
-    model_dir = cfg.model.get("config")
-    if not name and model_dir and (Path(str(model_dir)) / "tokenizer_config.json").is_file():
-        name = str(model_dir)
-    if name:
-        from transformers import AutoTokenizer
+    """The run's tokenizer (`loom.eval.checks.text_encoding`: `dataset.tokenizer`, local files
+    only), else byte-level ids (the engine's `byte_tokenizer`, as Loom's byte data), as `loom eval`."""
+    from loom.eval.checks import text_encoding
 
-        return AutoTokenizer.from_pretrained(str(name))
-    from loom.eval.engine import byte_tokenizer
+    name = text_encoding(cfg)
+    if name is None or name == "bytes":  # None: refused before launch (no text); bytes otherwise
+        from loom.eval.engine import byte_tokenizer
 
-    return byte_tokenizer()
+        return byte_tokenizer()
+    from loom.data.tokenizer import load_tokenizer
 
-
-def max_length(cfg: DictConfig) -> int:
-    """`eval.max_length`, else the context the model trains at (`dataset.seq_len`)."""
-    return int(cfg.eval.get("max_length") or cfg.dataset.seq_len)
+    return load_tokenizer(name)
 
 
 @contextmanager
