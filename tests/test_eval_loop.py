@@ -121,6 +121,25 @@ def test_an_evaluation_in_place_scores_and_records_the_step(tmp_path):
     assert metrics["eval/tinycode_mc/acc"] == entry["tasks"]["tinycode_mc"]["metrics"]["acc"]
 
 
+def test_the_unsharded_copy_of_a_lora_llama_holds_its_adapters():
+    """The copy a sharded run's evaluation scores (built on meta, adapters injected under
+    training's names, the gathered state assigned): the same logits as the trained network, whose
+    adapters are made non-zero so that leaving them out would show."""
+    cfg = resolve(["hardware=cpu", "model=llama_tiny", "model.lora.r=4", "model.lora.alpha=8", *EVAL])
+    module = _module(cfg)
+    net = module.model.eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    copy = full_copy(module, state, torch.device("cpu")).eval()
+    assert not any(t.is_meta for t in [*copy.parameters(), *copy.buffers()])
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(copy(ids), net(ids))
+
+
 # --- FSDP2 on 2 spawned gloo ranks ------------------------------------------------------------------
 
 
