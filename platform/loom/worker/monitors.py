@@ -7,8 +7,10 @@ Order matters where two callbacks act on the same hook, and Lightning calls them
   batches counted up to that step (`DataPosition.on_train_batch_end` first);
 - the recorder before the saver: the step's time is measured before a save starts, and a save
   is not training time (`recorder.checkpointing`);
-- the evaluation after the recorder and the saver: it scores the step the recorder has timed,
-  and a save due at the same step is written first (`recorder.apart`: not training time);
+- the evaluation after the recorder, the saver and the train timeout: it scores the step the
+  recorder has timed, a save due at the same step is written first (`recorder.apart`: neither
+  is training time), and the gloo group its other ranks wait on, made at the first evaluation,
+  keeps its long timeout (the train timeout shortens every group that exists after step 1);
 - the user's callbacks after Loom's, so their hooks see Loom's done (`trainer.callbacks`);
 - the final results last: `on_train_end` gathers weights and figures after every other
   callback's end (the recorder's last window, the garbage collector given back).
@@ -142,9 +144,9 @@ MONITORS: dict[str, Monitor] = {
     "recorder": Monitor(_always, lambda w: [w.recorder]),
     "stragglers": Monitor(lambda cfg: bool(cfg.tracking.stragglers), _stragglers),
     "checkpoints": Monitor(_always, lambda w: [w.saver]),
-    "evaluation": Monitor(_evaluation_on, _evaluation),
     "garbage_collection": Monitor(lambda cfg: cfg.trainer.gc_every_n_steps > 0, _garbage_collection),
     "train_timeout": Monitor(_always, _train_timeout),
+    "evaluation": Monitor(_evaluation_on, _evaluation),
     "phase": Monitor(_always, lambda w: [_phase_callback(w.progress)]),
     "profiler": Monitor(_profile_on, _profiling),
     "hang_watchdog": Monitor(lambda cfg: hang_timeout(cfg) > 0, _watchdog),
