@@ -158,26 +158,30 @@ def _scored(run_dir: Path, *args: str) -> dict:
 
 
 def test_loom_scores_equal_lm_evals_own_cli_on_the_export(llama, tmp_path, monkeypatch):
-    """`loom eval` of the single run, then `lm_eval run --model hf` on the export it made (the byte
-    tokenizer saved beside it): acc and acc_norm are the same numbers."""
+    """`loom eval` of the single run, then `lm_eval run --model hf` on the export it made, with the
+    same settings (the byte tokenizer saved for it; max_length: the 64 tokens the run trained on,
+    which Loom gives lm-eval, where the CLI would take the config's 256 positions): acc and acc_norm,
+    and the perplexities summed from every log-likelihood, are the same numbers."""
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
     run_dir = llama["single"].run_dir
-    _scored(run_dir, "--tasks", "tinycode_mc", "--limit", "60", "--batch-size", "8")
+    _scored(run_dir, "--tasks", "tinycode_mc,tinycode_ppl", "--limit", "60", "--batch-size", "8")
     ours = json.loads(RunDir(run_dir).eval_result(10).read_text())
     assert ours["source"] == "checkpoint" and ours["step"] == 10
     tok = tmp_path / "bytes"
     byte_tokenizer().save_pretrained(tok)
     export = RunDir(run_dir).export("hf", 10)
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-           f"pretrained={export},tokenizer={tok},dtype=float32", "--tasks", "tinycode_mc", "--include_path",
+           f"pretrained={export},tokenizer={tok},dtype=float32,max_length=64", "--tasks", "tinycode_mc,tinycode_ppl",
+           "--include_path",
            str(SHIPPED), "--device", "cpu", "--batch_size", "8", "--limit", "60", "--output_path", str(tmp_path / "out")]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **OFFLINE}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (results,) = (tmp_path / "out").rglob("results_*.json")
-    theirs = json.loads(results.read_text())["results"]["tinycode_mc"]
-    mine = ours["tasks"]["tinycode_mc"]["metrics"]
-    assert (mine["acc"], mine["acc_norm"]) == (theirs["acc,none"], theirs["acc_norm,none"])
+    theirs = json.loads(results.read_text())["results"]
+    for task, metrics in (("tinycode_mc", ("acc", "acc_norm")), ("tinycode_ppl", ("word_perplexity", "byte_perplexity"))):
+        mine = ours["tasks"][task]["metrics"]
+        assert [mine[m] for m in metrics] == [theirs[task][f"{m},none"] for m in metrics], (task, mine, theirs[task])
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])

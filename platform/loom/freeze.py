@@ -24,9 +24,9 @@ from loom.strategies.world import check_elastic_range, derive_accumulation, worl
 
 # Keys that do not change what a run computes: changing them resumes the same run.
 # Activation checkpointing recomputes the same values, profiling only observes, async checkpoints write the same bytes,
-# and the export dtype and format only shape final/; so a run can also resume with
-# checkpointing switched on to fit, and run ids frozen before these keys existed still hold.
-VOLATILE = ("run", "tracking", "sweep", "kubernetes", "hardware.max_restarts", "hardware.rdzv_endpoint",
+# the export dtype and format only shape final/, benchmark evaluation (eval) only reads the model; so a run can also
+# resume with checkpointing switched on to fit, and run ids frozen before these keys existed still hold.
+VOLATILE = ("run", "tracking", "sweep", "kubernetes", "eval", "hardware.max_restarts", "hardware.rdzv_endpoint",
             "hardware.rdzv_keep_alive_s", "hardware.rdzv_last_call_s",
             "trainer.log_every_n_steps", "trainer.activation_checkpointing", "trainer.profile", "checkpoint.async",
             "checkpoint.export_dtype", "checkpoint.export_format", "checkpoint.export_shard_gb")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from loom.errors import require
-from loom.eval.schema import SCHEMAS, EvalConfig
+from loom.eval.schema import SCHEMAS, EvalConfig, eval_length, model_context
 from loom.layout import ParallelLayout
 from loom.packages import Need
 
@@ -21,17 +21,6 @@ NEEDS: tuple[Need, ...] = (
     Need("eval.tasks=[...] (non-empty)", lambda cfg: bool(cfg.eval.tasks), "lm_eval",
          example=("eval.tasks=[tinycode_mc]",)),
 )
-
-
-def model_context(cfg: DictConfig) -> int:
-    """The longest input the run's model takes: a GPT's block_size, else what it trained on."""
-    block = cfg.model.get("block_size") if isinstance(cfg.model, DictConfig) else None
-    return int(block or cfg.dataset.seq_len)
-
-
-def eval_length(cfg: DictConfig) -> int:
-    """The tokens of context lm-eval gives the model: eval.max_length, else what it trained on."""
-    return int(cfg.eval.max_length or cfg.dataset.seq_len)
 
 
 def normalize(cfg: DictConfig) -> None:
@@ -46,9 +35,10 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
             "must be a positive number of documents per task, or null for all")
     require(ev.num_fewshot is None or ev.num_fewshot >= 0, "eval.num_fewshot", ev.num_fewshot,
             "must be >= 0, or null for each task's own")
-    context = model_context(cfg)
-    require(ev.max_length is None or 1 <= ev.max_length <= context, "eval.max_length", ev.max_length,
-            f"must be between 1 and the model's context of {context} tokens (null: the model's context)")
+    if ev.max_length is not None:
+        context = model_context(cfg)
+        require(1 <= ev.max_length <= context, "eval.max_length", ev.max_length,
+                f"must be between 1 and the model's context of {context} tokens (null: dataset.seq_len)")
     if ev.tasks:
         from loom.eval.checks import check_tasks
 

@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.errors import ConfigError
-from loom.eval import eval_length
 from loom.eval.registry import is_path, manager_for
+from loom.eval.schema import eval_length
 
 # Datasets whose text is UTF-8 bytes when dataset.tokenizer is null (conf/dataset/*.yaml says so);
 # the engine reads them with loom.eval.engine.byte_tokenizer.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omegaconf import DictConfig
+
 
 @dataclass
 class EvalConfig:
@@ -19,3 +21,14 @@ class EvalConfig:
 
 
 SCHEMAS: dict[str, type] = {"*": EvalConfig}
+
+
+def model_context(cfg: DictConfig) -> int:
+    """The longest input the run's model takes: a GPT's block_size, else what it trained on."""
+    block = cfg.model.get("block_size") if isinstance(cfg.model, DictConfig) else None
+    return int(block or cfg.dataset.seq_len)
+
+
+def eval_length(cfg: DictConfig) -> int:
+    """The tokens of context lm-eval gives the model: eval.max_length, else what it trained on."""
+    return int(cfg.eval.max_length or cfg.dataset.seq_len)

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from loom.errors import ConfigError
-from loom.eval import eval_length
 from loom.eval.checks import check_tasks, text_encoding
-from loom.eval.schema import EvalConfig
+from loom.eval.schema import EvalConfig, eval_length
 from loom.export import Request
 from loom.export import request as export_request
 from loom.export.select import run_dir_of
