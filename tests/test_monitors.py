@@ -21,17 +21,25 @@ def _cfg(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides, on, off", [
-    ((), ["stragglers", "garbage_collection", "hang_watchdog"], ["profiler", "user"]),
+    ((), ["stragglers", "garbage_collection", "hang_watchdog"], ["profiler", "user", "evaluation"]),
     (("tracking=csv", "tracking.stragglers=false"), [], ["stragglers"]),
     (("trainer.gc_every_n_steps=0",), ["stragglers"], ["garbage_collection"]),
     (("hardware.hang_timeout_s=0",), [], ["hang_watchdog"]),
     (("hardware.hang_timeout_s=30",), ["hang_watchdog"], []),
     (("trainer.profile.steps=[1,2]",), ["profiler"], []),
+    (("eval.tasks=[tinycode_mc]",), ["evaluation"], []),
 ])
 def test_each_monitor_is_on_where_the_config_turns_it_on(overrides, on, off):
     enabled = monitors.enabled_monitors(_cfg(*overrides))
     assert set(ALWAYS) | set(on) <= set(enabled) and not set(off) & set(enabled), enabled
     assert enabled == [name for name in monitors.MONITORS if name in enabled]  # the table's order
+
+
+def test_the_evaluation_follows_the_recorder_the_saver_and_the_train_timeout():
+    """loom.worker.monitors' docstring: the step is timed and saved first, and the wait group the
+    evaluation makes keeps its timeout (the train timeout shortens the groups that exist)."""
+    order = list(monitors.MONITORS)
+    assert max(order.index(n) for n in ("recorder", "checkpoints", "train_timeout")) < order.index("evaluation")
 
 
 def test_the_straggler_rule_is_the_schemas_and_settable_from_every_tracking_option():

@@ -31,11 +31,14 @@ SENTINELS = {"WANDB_API_KEY": "sentinel-1234567890abcdef", "LOOM_TEST_SERVICE_TO
 STEPS, CKPT_EVERY = 12, 5     # the last checkpoint (step 10) is not the last step: see the stopwatch
 MICRO_BATCH, SEQ_LEN = 16, 128
 PROFILED = (3, 5)             # trainer.profile.steps: steps 3 and 4 (tests/test_profile.py)
+EVAL_EVERY = 8                # eval.tasks=[tinycode_mc] at steps 8 and 12 (tests/test_eval_loop.py)
 BASE = [o for o in FAST if not o.startswith(("tracking=", "checkpoint."))]
-# The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step.
+# The default job (ddp, 2 ranks, gpt_tiny on tinycode) with every metric logged at every step, and
+# benchmark evaluation in the loop.
 DDP_ARGS = (*BASE, "tracking=offline", f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={CKPT_EVERY}",
             "trainer.limit_val_batches=2", "tracking.tensorboard=true", "tracking.mlflow.enabled=true",
-            f"trainer.profile.steps=[{PROFILED[0]},{PROFILED[1]}]", "trainer.profile.memory=true")
+            f"trainer.profile.steps=[{PROFILED[0]},{PROFILED[1]}]", "trainer.profile.memory=true",
+            "eval.tasks=[tinycode_mc]", f"eval.every_n_steps={EVAL_EVERY}", "eval.limit=20")
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -196,7 +199,7 @@ def test_ddp_run_measures_every_metric(ddp_run):
              "perf/data_wait_ms", "perf/samples_per_sec", "perf/tokens_per_sec", "perf/tflops_per_device",
              "sys/cpu_percent", "sys/rss_gb", "sys/rss_gb_max"}
     assert names <= set(rows[0]), set(rows[0])
-    last = rows[-1] if rows[-1].get("perf/step_time_ms") else rows[-2]
+    last = [r for r in rows if r.get("perf/step_time_ms")][-1]  # the validation's and evaluation's rows follow it
     assert float(last["perf/step_time_ms_min"]) <= float(last["perf/step_time_ms"]) <= float(
         last["perf/step_time_ms_max"])
     assert "perf/mfu" not in rows[0] or not rows[0]["perf/mfu"]  # CPU profile: peak unknown
@@ -310,6 +313,8 @@ def test_first_loss_on_resume_is_the_runs_not_the_resumed_parts(resumed_run, ddp
     assert s["first_loss"] == pytest.approx(ddp_run.result.losses()[1])
     assert s["first_loss"] == pytest.approx(ddp_run.result.summary()["first_loss"])
     assert s["validation"]["step"] == STEPS
+    # the evaluations: step 8's from the first attempt, step 12's from the resumed one (loom.worker.evaluation)
+    assert [e["step"] for e in s["eval"]] == [EVAL_EVERY, STEPS] and all("tasks" in e for e in s["eval"])
 
 
 def test_no_secret_in_any_file_of_the_run_dir(ddp_run, resumed_run):

@@ -151,7 +151,7 @@ def time_text(s: dict[str, Any]) -> str:
     inside = [f"{label} {_fmt(t.get(k), ',.1f', ' s')}" for k, label in
               (("compile_s", "compile"), ("first_step_s", "first step")) if t.get(k)]
     text = f"{_fmt(s['train_time_s'], ',.1f', ' s')} training" + (f" ({', '.join(inside)})" if inside else "")
-    for key, label in (("validation_s", "validation"), ("checkpoint_s", "checkpoints")):
+    for key, label in (("validation_s", "validation"), ("checkpoint_s", "checkpoints"), ("eval_s", "evaluation")):
         if t.get(key):
             text += f", {_fmt(t[key], ',.1f', ' s')} {label}"
     return text + f", {_fmt(s['wall_time_s'], ',.1f', ' s')} wall"

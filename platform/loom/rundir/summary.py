@@ -47,7 +47,7 @@ def empty_summary(cfg: DictConfig, run_id: str, layout: ParallelLayout) -> dict[
         # after a restart count; `train_time_s` is time.train_s
         "steps_trained": 0,
         "time": {"compile_s": None, "first_step_s": None, "validation_s": None, "checkpoint_s": None,
-                 "train_s": None, "wall_s": None},
+                 "eval_s": None, "train_s": None, "wall_s": None},
         # steady state (the log windows after tracking.warmup_steps / the first one, less any window
         # in which a rank compiled),
         # the whole run's average in `overall` (loom.tracking.clock)

@@ -65,7 +65,7 @@ def update_attempt(run_dir: Path, span: dict[str, Any]) -> None:
     atomic_write_text(RunDir(run_dir).world_history, json.dumps(history, indent=1) + "\n")
 
 
-TIME_PARTS = ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "train_s")
+TIME_PARTS = ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "eval_s", "train_s")
 
 
 def run_totals(history: list[dict[str, Any]]) -> dict[str, Any]:

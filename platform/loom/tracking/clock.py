@@ -1,7 +1,8 @@
 """Where an attempt's time went, and which part of it is steady state.
 
 The training loop's time (`on_train_start` to `on_train_end`) splits into validation, the
-synchronous part of checkpoint saves, and training (`train_s`, the rest). `first_step_s` (the
+synchronous part of checkpoint saves, benchmark evaluation (`eval_s`: loom.worker.evaluation),
+and training (`train_s`, the rest). `first_step_s` (the
 first optimizer step, with any compile in it) and `compile_s` (the seconds torch spent compiling
 during training steps, as its compile hooks timed them: loom.tracking.compiles) are parts of
 training reported apart. The steady rates add up the log windows (from one log step to the next)
@@ -38,6 +39,7 @@ class Clock:
     loop_start: float = 0.0
     validation_s: float = 0.0
     checkpoint_s: float = 0.0
+    eval_s: float = 0.0                 # benchmark evaluation (eval.tasks) inside the loop
     compile_s: float = 0.0              # this rank's compile seconds during training steps
     first_step_s: float | None = None
     steady_step: int | None = None      # the log step the first steady window starts at
@@ -59,11 +61,11 @@ class Clock:
         self._window_step, self._window_train_s = step, 0.0
 
     def train_s(self, now: float | None = None) -> float:
-        """Loop time so far less validation and checkpoint saves."""
+        """Loop time so far less validation, checkpoint saves and evaluation."""
         if not self.loop_start:  # the loop never started (a failure in setup)
             return 0.0
         now = (self.loop_end or time.perf_counter()) if now is None else now
-        return max(0.0, now - self.loop_start - self.validation_s - self.checkpoint_s)
+        return max(0.0, now - self.loop_start - self.validation_s - self.checkpoint_s - self.eval_s)
 
     def stop(self) -> None:
         """The loop ended: later reads (the summary, written after the final weights) keep its time."""
@@ -127,6 +129,7 @@ class Clock:
             "first_step_s": None if self.first_step_s is None else round(self.first_step_s, 4),
             "validation_s": round(self.validation_s, 4),
             "checkpoint_s": round(self.checkpoint_s, 4),
+            "eval_s": round(self.eval_s, 4),
             "recompiles": list(self.recompiles),
             **self.step_stats(),
         }

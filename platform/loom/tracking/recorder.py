@@ -10,7 +10,7 @@ peak, and summary.json has `throughput.mfu: null` with the reason in `throughput
 
 Training time (`train_s`, the denominator of every rate) is the wall time of the training
 loop, from `on_train_start` to `on_train_end`, minus the time spent in validation (as
-Lightning's ThroughputMonitor also does) and in checkpoint saves (`loom.tracking.clock`):
+Lightning's ThroughputMonitor also does), in checkpoint saves and in evaluation (`loom.tracking.clock`):
 tokens/s counts the tokens trained per second of training. The steady rates leave out the
 first logged window (or `tracking.warmup_steps`) and every window in which any rank compiled
 (torch's compile hooks: loom.tracking.compiles); a recompile after the first window is one
@@ -83,7 +83,7 @@ class Recorder(pl.Callback):
         self.checkpointing = None       # the saver (its `seconds`: time in checkpoint saves)
         self.on_log = on_log
         self.loop_time = 0.0            # training time so far (clock.train_s at the last log step)
-        self.val_window = 0.0           # validation and checkpoint time in the current logging window
+        self.val_window = 0.0           # validation and evaluation time in the current logging window
         self.window_compile_s = 0.0     # the slowest rank's compile seconds in the last log window
         self.ckpt_at_log = 0.0
         self.val_start: float | None = None
@@ -179,11 +179,14 @@ class Recorder(pl.Callback):
         if self.val_start is None:
             return
         self._sync(pl_module)
-        now = time.perf_counter()
-        self.clock.validation_s += now - self.val_start
-        self.val_window += now - self.val_start
+        self.clock.validation_s += self.apart(time.perf_counter() - self.val_start)
         self.val_start = None
-        self.batch_end, self.ckpt_at_batch_end = now, self._ckpt_seconds()  # not before validation
+
+    def apart(self, seconds: float) -> float:
+        """Seconds after a step not training (validation, evaluation): out of its window and data wait."""
+        self.val_window += seconds
+        self.batch_end, self.ckpt_at_batch_end = time.perf_counter(), self._ckpt_seconds()
+        return seconds
 
     # ---------------------------------------------------------------- log steps
     def _sync(self, pl_module: pl.LightningModule) -> None:

@@ -7,6 +7,10 @@ Order matters where two callbacks act on the same hook, and Lightning calls them
   batches counted up to that step (`DataPosition.on_train_batch_end` first);
 - the recorder before the saver: the step's time is measured before a save starts, and a save
   is not training time (`recorder.checkpointing`);
+- the evaluation after the recorder, the saver and the train timeout: it scores the step the
+  recorder has timed, a save due at the same step is written first (`recorder.apart`: neither
+  is training time), and the gloo group its other ranks wait on, made at the first evaluation,
+  keeps its long timeout (the train timeout shortens every group that exists after step 1);
 - the user's callbacks after Loom's, so their hooks see Loom's done (`trainer.callbacks`);
 - the final results last: `on_train_end` gathers weights and figures after every other
   callback's end (the recorder's last window, the garbage collector given back).
@@ -107,8 +111,25 @@ def hang_timeout(cfg: DictConfig) -> float:
 def _watchdog(w: Wiring) -> list[Any]:
     from loom.worker.hang import HangWatchdog
 
-    saver = w.saver
-    return [HangWatchdog(w.run_dir, w.rank, hang_timeout(w.cfg), w.progress, busy=lambda: saver.writing)]
+    saver, progress = w.saver, w.progress  # a save being written, or an evaluation (rank 0's, awaited): busy
+    return [HangWatchdog(w.run_dir, w.rank, hang_timeout(w.cfg), w.progress,
+                         busy=lambda: saver.writing or progress.phase == "evaluating")]
+
+
+def _evaluation_on(cfg: DictConfig) -> bool:
+    """eval.tasks set (an older config without the eval group: off)."""
+    return bool((cfg.get("eval") or {}).get("tasks"))
+
+
+def _evaluation(w: Wiring) -> list[Any]:
+    """eval.tasks: lm-eval's tasks on the model in memory at its steps (loom.worker.evaluation);
+    rank 0's results go to summary.json through `run`."""
+    from loom.worker.evaluation import Evaluation
+
+    cb = Evaluation(w.cfg, w.run_dir, w.rank, w.progress, w.recorder, w.saver)
+    if w.run is not None:
+        w.run.evaluation = cb
+    return [cb]
 
 
 def _user_callbacks(w: Wiring) -> list[Any]:
@@ -125,6 +146,7 @@ MONITORS: dict[str, Monitor] = {
     "checkpoints": Monitor(_always, lambda w: [w.saver]),
     "garbage_collection": Monitor(lambda cfg: cfg.trainer.gc_every_n_steps > 0, _garbage_collection),
     "train_timeout": Monitor(_always, _train_timeout),
+    "evaluation": Monitor(_evaluation_on, _evaluation),
     "phase": Monitor(_always, lambda w: [_phase_callback(w.progress)]),
     "profiler": Monitor(_profile_on, _profiling),
     "hang_watchdog": Monitor(lambda cfg: hang_timeout(cfg) > 0, _watchdog),

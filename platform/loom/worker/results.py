@@ -34,6 +34,7 @@ class RunResults:
         self.recorder, self.plan, self.spec = recorder, plan, spec
         self.status = "failed"
         self.collected = False  # final weights and memory figures taken (`collect`)
+        self.evaluation = None  # eval.tasks: the loop's Evaluation callback (loom.worker.evaluation)
         self.summary = empty_summary(cfg, str(cfg.run.id), layout)
         self.previous = read_summary(run_dir) or {}  # an earlier attempt's, when this one resumes
         recorder.data_watch.carry(self.previous.get("data_wait"))  # the data wait warning is said once per run
@@ -144,7 +145,7 @@ class RunResults:
         tokens, times and rates are the whole run's: every attempt's span added up."""
         if self.rank != 0:
             return
-        from loom.rundir.world_history import read_history, run_totals, update_attempt
+        from loom.rundir.world_history import TIME_PARTS, read_history, run_totals, update_attempt
 
         step, rec = trainer.global_step, self.recorder
         attempt = rec.attempt()
@@ -161,8 +162,7 @@ class RunResults:
             tokens=total["tokens"],
             wall_time_s=wall_s,
             train_time_s=round(total["train_s"], 3),
-            time={**{k: total[k] for k in ("compile_s", "first_step_s", "validation_s", "checkpoint_s", "train_s")},
-                  "wall_s": wall_s},
+            time={**{k: total[k] for k in TIME_PARTS}, "wall_s": wall_s},
             final_loss=rec.final_loss,
             first_loss=self._first_loss(),
             validation=validation_field(rec.validation) or self._earlier("validation"),
@@ -175,6 +175,8 @@ class RunResults:
             recompiles=compiles.summary_field(history),
             data_wait=rec.data_watch.summary(),
         )
+        if self.evaluation is not None:
+            self.summary["eval"] = self._eval_field()
         data = data_field(trainer) or self._earlier("data")  # a mixture's samples and tokens per source
         if data is not None:
             self.summary["data"] = data
@@ -194,6 +196,13 @@ class RunResults:
             write_plots(self.run_dir)
         except Exception as e:  # plots are a convenience: never fail (or mask a failure of) a run
             log.warning(f"plots not written: {type(e).__name__}: {e}")
+
+    def _eval_field(self) -> list[dict]:
+        """summary.json `eval`: every evaluation in step order, a RESULT or {"step", "error"}; a
+        resumed run keeps the earlier attempts' up to the step it resumed from."""
+        start = self.summary.get("resumed_from_step")
+        earlier = [e for e in (self._earlier("eval") or []) if start is not None and int(e["step"]) <= int(start)]
+        return sorted([*earlier, *self.evaluation.results], key=lambda e: int(e["step"]))
 
     def _stragglers(self) -> list[dict]:
         """Ranks named stragglers (loom.tracking.stragglers): earlier attempts' and this one's."""
