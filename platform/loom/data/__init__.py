@@ -47,6 +47,14 @@ def is_token_data(ds: DictConfig) -> bool:
     return DATASETS[ds.name].tokens(ds)
 
 
+def text_encoding(ds: DictConfig) -> str | None:
+    """How the dataset's text became ids: its tokenizer (a path or cached name), "bytes" (a text
+    front end with no tokenizer reads UTF-8 bytes), or None (its ids are not text)."""
+    if ds.get("tokenizer"):
+        return str(ds.tokenizer)
+    return "bytes" if DATASETS[ds.name].tokenized else None
+
+
 def items_per_sample(cfg: DictConfig) -> int:
     """What "tokens" counts per sample: seq_len for token data, 1 for a classified sample."""
     return int(cfg.dataset.seq_len) if is_token_data(cfg.dataset) else 1

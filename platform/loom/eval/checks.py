@@ -18,20 +18,17 @@ from loom.errors import ConfigError
 from loom.eval.registry import is_path, manager_for
 from loom.eval.schema import eval_length
 
-# Datasets whose text is UTF-8 bytes when dataset.tokenizer is null (conf/dataset/*.yaml says so);
-# the engine reads them with loom.eval.engine.byte_tokenizer.
-BYTE_TEXT = ("tinycode", "hf", "text_files")
 # datasets' builders that read local files (dataset_kwargs.data_files), not a Hub repository.
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
 LMEVAL_MAX_GEN_TOKS = 256  # HFLM's budget of new tokens where a task names none
 
 
 def text_encoding(cfg: DictConfig) -> str | None:
-    """How the run's text becomes ids: its tokenizer (a path or cached name), "bytes", or None."""
-    ds = cfg.dataset
-    if ds.get("tokenizer"):
-        return str(ds.tokenizer)
-    return "bytes" if ds.name in BYTE_TEXT else None
+    """How the run's text becomes ids (the dataset option says): its tokenizer, "bytes" (read with
+    loom.eval.engine.byte_tokenizer), or None."""
+    from loom.data import text_encoding as dataset_encoding
+
+    return dataset_encoding(cfg.dataset)
 
 
 def check_tasks(cfg: DictConfig) -> None:
@@ -51,7 +48,7 @@ def check_tasks(cfg: DictConfig) -> None:
     if text_encoding(cfg) is None:
         raise ConfigError(f"Invalid config: eval.tasks={list(ev.tasks)} needs text, but dataset={cfg.dataset.name} "
                           "has no tokenizer (its ids are not text): set dataset.tokenizer=<a local Hugging Face "
-                          "tokenizer>, or train on text (dataset=tinycode, hf or text_files: bytes).")
+                          "tokenizer>, or train on a text dataset (without a tokenizer its text is UTF-8 bytes).")
     if ev.apply_chat_template and text_encoding(cfg) == "bytes":
         raise ConfigError("Invalid config: eval.apply_chat_template=true renders each request with the tokenizer's chat "
                           "template, and this run has none (dataset.tokenizer=null: its text is UTF-8 bytes); drop it.")
