@@ -215,10 +215,13 @@ PARITY = [*FAST, "hardware=cpu", "model=gpt_tiny", f"trainer.max_steps={STEPS}",
 # gathered parameters from forward to backward (reshard_after_forward=false: the same values, one
 # all-gather fewer); zero3 recomputes its blocks' activations (activation checkpointing: the same
 # math) and exports bf16 final weights; zero3_offload also offloads its parameter partitions.
-PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2"],
+# fsdp_tp and zero3 also score `tinycode_mc` in the loop at steps 5 and 10 (rank 0 gathers the sharded
+# weights into a whole copy; tests/test_eval_loop.py), which their parity with `single` holds unchanged.
+LOOP_EVAL = ["eval.tasks=[tinycode_mc]", "eval.every_n_steps=5", "eval.limit=8"]
+PROCS = {"fsdp_tp": ["hardware.devices=4", "strategy.tensor_parallel=2", *LOOP_EVAL],
          "ddp": ["strategy.comm_hook=bf16_compress"],
          "fsdp": ["strategy.reshard_after_forward=false"],
-         "zero3": ["trainer.activation_checkpointing=full", "checkpoint.export_dtype=bf16"],
+         "zero3": ["trainer.activation_checkpointing=full", "checkpoint.export_dtype=bf16", *LOOP_EVAL],
          "zero3_offload": ["strategy.offload_params=true"],
          "zero1": ["tracking.stragglers=false"]}  # its check: tests/test_stragglers.py
 STRATEGIES = ["ddp", "fsdp", "fsdp_tp", "zero1", "zero2", "zero3", "zero3_offload"]

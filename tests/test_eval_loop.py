@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import launching_fixture
+from conftest import STEPS as PARITY_STEPS
+from conftest import launching_fixture, strategy_args
 from test_tracking import DDP_ARGS, EVAL_EVERY, SENTINELS, STEPS
 
 from loom.pipeline import resolve
@@ -257,3 +258,28 @@ def test_evaluation_time_is_apart_from_every_step_and_the_steady_rate(ddp_run):
     rows = {int(r["step"]): float(r["perf/step_time_ms"]) for r in ddp_run.metrics() if r.get("perf/step_time_ms")}
     assert sum(rows.values()) / 1000 <= s["train_time_s"] + 0.001
     assert s["throughput"]["steady"] and span["steady_train_s"] <= s["train_time_s"]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp_tp"])
+def test_sharded_parity_runs_score_a_gathered_copy_in_the_loop(shared, strategy, tmp_path):
+    """The zero3 and fsdp_tp parity runs (tests/conftest.py LOOP_EVAL) score tinycode_mc at steps 5
+    and 10 through the gathered whole copy, mid-training and at the end, with no error (their parity
+    tests hold the curves unchanged by it). fsdp_tp's step-10 score is the one `loom eval` gives its
+    final weights (fp32, read by Loom's network) on a copy of the run: the gather lost nothing."""
+    r = shared.get(*strategy_args(strategy))
+    assert r.rc == 0, r.err[-3000:]
+    s = r.summary()
+    assert [e["step"] for e in s["eval"]] == [5, PARITY_STEPS] and not any("error" in e for e in s["eval"])
+    assert all(e["tasks"]["tinycode_mc"]["samples"] == 8 for e in s["eval"]) and s["time"]["eval_s"] > 0
+    if strategy != "fsdp_tp":  # zero3 exports bf16 final weights: not the loop's fp32 copy
+        return
+    import shutil
+
+    from test_eval import _loom
+
+    copy = tmp_path / "run"
+    shutil.copytree(r.run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "eval"))
+    rc, _, err = _loom("eval", str(copy), "--tasks", "tinycode_mc", "--limit", "8")
+    assert rc == 0, err[-3000:]
+    after = json.loads((copy / "eval" / f"step-{PARITY_STEPS:07d}.json").read_text())["tasks"]["tinycode_mc"]
+    assert after["metrics"] == s["eval"][-1]["tasks"]["tinycode_mc"]["metrics"]
