@@ -514,8 +514,10 @@ def test_redact_is_a_deep_copy_without_secrets():
 
 
 def test_worker_writes_plots_at_the_end_of_a_run(ddp_run):
-    # `loom report` on this shared run (another file's test may come first) adds its ranks.png
-    assert set(ddp_run.plots_after_train) - {"ranks.png"} == {"loss.png", "throughput.png", "utilization.png"}
+    # `loom report` on this shared run (another file's test may come first) adds its ranks.png; the run
+    # evaluates tinycode_mc in the loop (DDP_ARGS), so the worker draws its scores too (eval.png)
+    assert set(ddp_run.plots_after_train) - {"ranks.png"} == {"loss.png", "throughput.png", "utilization.png",
+                                                              "eval.png"}
 
 
 def test_write_plots_makes_valid_pngs(ddp_run, tmp_path):
