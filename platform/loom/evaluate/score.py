@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from loom.atomic import atomic_write_text
-from loom.errors import EXIT_OK, ConfigError
+from loom.errors import EXIT_OK
 from loom.eval.engine import byte_tokenizer, evaluate
 from loom.evaluate.request import EvalRequest
-from loom.export.write import export as write_export
-from loom.generate.text import load_model
+from loom.generate.text import exported_once, load_model, run_tokenizer
 from loom.rundir.paths import RunDir
 
 
@@ -26,26 +25,7 @@ def tokenizer_of(req: EvalRequest) -> Any:
     """The run's tokenizer (local files only), or UTF-8 bytes for a byte-level run."""
     if req.tokenizer == "bytes":
         return byte_tokenizer()
-    from loom.data.tokenizer import TokenizerUnavailable, load_tokenizer
-
-    try:
-        return load_tokenizer(req.tokenizer)
-    except TokenizerUnavailable as e:
-        raise ConfigError(f"Invalid usage: loom eval {req.export.run_dir}: the run's tokenizer "
-                          f"dataset.tokenizer={req.tokenizer} is not available here ({e}); put it back at that "
-                          "path or in the Hugging Face cache.") from None
-
-
-def exported(req: EvalRequest, log: TextIO) -> Path:
-    """The export directory of the chosen weights: reused when complete, else written."""
-    exp = req.export
-    what = f"{exp.source.describe(exp.run_dir)} of run {exp.cfg.run.id}"
-    if exp.done():
-        print(f"loom eval: {what}, exported in {exp.out}", file=log)
-    else:
-        print(f"loom eval: exporting {what} to {exp.out} (--format {exp.fmt})", file=log)
-        write_export(exp)
-    return exp.out
+    return run_tokenizer(req.tokenizer, "eval", req.export.run_dir)
 
 
 def load_network(req: EvalRequest, path: Path) -> tuple[Callable, Any]:
@@ -85,7 +65,7 @@ def run(req: EvalRequest, log: TextIO = sys.stderr) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = tokenizer_of(req)
-    network, device = load_network(req, exported(req, log))
+    network, device = load_network(req, exported_once(req.export, "eval", log))
     step = req.export.source.step
     result = evaluate(network, tokenizer, req.ev, max_length=req.max_length, device=device, step=step)
     result["source"] = "checkpoint"

@@ -19,6 +19,7 @@ from typing import TextIO
 import torch
 
 from loom.errors import EXIT_OK, ConfigError
+from loom.export.select import Request
 from loom.export.write import export as write_export
 from loom.generate.request import GenerateRequest, Settings
 
@@ -61,24 +62,28 @@ class TokenizerCodec:
 def load_codec(req: GenerateRequest) -> ByteCodec | TokenizerCodec:
     if req.tokenizer is None:
         return ByteCodec()
+    return TokenizerCodec(run_tokenizer(req.tokenizer, "generate", req.export.run_dir))
+
+
+def run_tokenizer(path: str, verb: str, run_dir: Path):
+    """The run's tokenizer from local files (`loom generate` and `loom eval`); gone: exit 2 saying where."""
     from loom.data.tokenizer import TokenizerUnavailable, load_tokenizer
 
     try:
-        return TokenizerCodec(load_tokenizer(req.tokenizer))
+        return load_tokenizer(path)
     except TokenizerUnavailable as e:
-        raise ConfigError(f"Invalid usage: loom generate {req.export.run_dir}: the run's tokenizer "
-                          f"dataset.tokenizer={req.tokenizer} is not available here ({e}); put it back at that "
+        raise ConfigError(f"Invalid usage: loom {verb} {run_dir}: the run's tokenizer "
+                          f"dataset.tokenizer={path} is not available here ({e}); put it back at that "
                           "path or in the Hugging Face cache.") from None
 
 
-def exported(req: GenerateRequest, log: TextIO) -> Path:
-    """The Hugging Face directory of the chosen weights: reused when complete, else written."""
-    exp = req.export
+def exported_once(exp: Request, verb: str, log: TextIO) -> Path:
+    """The export of the chosen weights (`loom generate`, `loom eval`): reused when complete, else written."""
     what = f"{exp.source.describe(exp.run_dir)} of run {exp.cfg.run.id}"
     if exp.done():
-        print(f"loom generate: {what}, exported in {exp.out}", file=log)
+        print(f"loom {verb}: {what}, exported in {exp.out}", file=log)
     else:
-        print(f"loom generate: exporting {what} to {exp.out} (--format hf)", file=log)
+        print(f"loom {verb}: exporting {what} to {exp.out} (--format {exp.fmt})", file=log)
         write_export(exp)
     return exp.out
 
@@ -151,7 +156,7 @@ def run(req: GenerateRequest) -> int:
         raise ConfigError(f"Invalid usage: loom generate {req.export.run_dir} --chat: the run's tokenizer "
                           f"dataset.tokenizer={req.tokenizer} has no chat template and the run sets no "
                           "dataset.chat_template; use --prompt TEXT.")
-    model = load_model(exported(req, sys.stderr))
+    model = load_model(exported_once(req.export, "generate", sys.stderr))
     torch.manual_seed(req.settings.seed)
     if req.prompt is None:
         chat(model, codec, req.settings, template, sys.stdin, sys.stdout)
