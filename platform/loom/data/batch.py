@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 IGNORE_INDEX = -100  # a target the loss leaves out (torch's cross_entropy ignore_index)
-TENSORS = ("inputs", "targets", "positions", "loss_scale")  # the fields `collate` stacks
+TENSORS = ("inputs", "targets", "positions", "loss_scale", "reference")  # the fields `collate` stacks
 
 
 @dataclass
@@ -32,8 +32,13 @@ class Batch:
     positions: Any = None      # (B, T) int64 position in its document (dataset.packing=documents): the mask
     loss_scale: Any = None     # (B,) float32: chat's factor making the loss the global batch's token mean
     #                            (loom.data.sampler); NaN: the micro batch's own token mean (validation)
+    reference: Any = None      # (B, 2) float32: a preference pair's precomputed reference log-probs of
+    #                            (chosen, rejected), summed over the completion's targets; NaN: not precomputed
     masked: bool = False       # targets hold IGNORE_INDEX (prompts, padding, document boundaries): the
     #                            trained tokens differ from the tokens processed (loom.tracking.trained)
+    pairs: bool = False        # preference pairs (dataset=preference): inputs and targets are (B, 2, T),
+    #                            [:, 0] the chosen and [:, 1] the rejected completion of each pair, so the
+    #                            two always share a micro batch and a rank
 
     def __iter__(self) -> Iterator[Any]:
         """`x, y = batch`: (inputs, targets), for a user's own LightningModule. Loom reads fields."""
