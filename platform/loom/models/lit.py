@@ -10,6 +10,7 @@ LightningModule (`model=custom`) is used as it is (it receives the same Batch; `
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -39,6 +40,7 @@ class LoomModule(pl.LightningModule):
 
     sharding_units: tuple[type, ...] = ()
     tensor_parallel_plan: dict[type, dict[str, str]] = {}
+    pair_step: Any = None  # a pair objective's step (loom.objectives.step.PairStep), handed over by the worker
 
     def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
@@ -69,11 +71,24 @@ class LoomModule(pl.LightningModule):
             return
         from loom.models.construct import construct
 
-        construct(self, self._trainer.strategy if self._trainer is not None else None)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        construct(self, strategy)
+        if self.pair_step is not None and self.pair_step.mode == "online":
+            self.pair_step.build_online(self, strategy)  # the frozen reference, built like the policy
         self._built = True
 
+    def on_fit_start(self) -> None:
+        """A pair objective's reference log-probs, precomputed before the first step where asked."""
+        if self.pair_step is not None:
+            self.pair_step.before_training(self, self.trainer)
+
+    def logits(self, x: torch.Tensor, network: nn.Module | None = None) -> torch.Tensor:
+        """The logits of `network` (default: the trained model) for token ids `x`: a pair objective
+        scores its reference with it too."""
+        return (network if network is not None else self.model)(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+        return self.logits(x)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -86,9 +101,17 @@ class LoomModule(pl.LightningModule):
         """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
         return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
 
+    def _step_loss(self, batch: Batch) -> torch.Tensor:
+        """The loss the batch declares: preference pairs go to the run's pair objective."""
+        if not batch.pairs:
+            return self._loss(batch)
+        if self.pair_step is None:
+            raise RuntimeError("a batch of preference pairs needs a pair objective (objective=dpo|ipo|simpo|reward)")
+        return self.pair_step.loss(self, batch)
+
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         pipe = self._pipeline()
-        return self._loss(batch) if pipe is None else self._pipeline_step(pipe, batch)
+        return self._step_loss(batch) if pipe is None else self._pipeline_step(pipe, batch)
 
     def _pipeline_step(self, pipe, batch: Batch) -> torch.Tensor:
         """Manual optimization: the schedule runs every microbatch's forward and backward, then
@@ -118,7 +141,7 @@ class LoomModule(pl.LightningModule):
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()
-        loss = (self._loss(batch) if pipe is None
+        loss = (self._step_loss(batch) if pipe is None
                 else pipe.run(self.model, self._lm_loss, batch.inputs, batch.targets, train=False))
         names = self._val_names()
         if len(names) <= 1:

@@ -31,7 +31,8 @@ The contract other parts build on (`loom export --format peft|hf`, `loom generat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,25 @@ def apply(module: Any, model: nn.Module, on_meta: bool) -> None:
             for name, p in model.named_parameters():
                 if is_adapter(name):
                     init.fill_flat(p.view(-1), clean_name(name), tuple(p.shape), 0)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model alone (a preference objective's reference under LoRA: no second copy), as
+    peft's `PeftModel.disable_adapter()` gives it, on injected adapters. The layers' `_disable_adapters`
+    flag is set directly: peft's `enable_adapters(False)` also flips the adapters' requires_grad, which
+    FSDP2's sharded parameters must not see change in the middle of a step."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, saved, strict=True):
+            m._disable_adapters = was
 
 
 def wrap_init(init: NamedInit | None, seed: int) -> NamedInit | None:

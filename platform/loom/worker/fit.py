@@ -52,6 +52,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         datamodule = data.build_datamodule(cfg, layout, rank)
         progress.phase = "building the model"
         module = models.build_module(cfg)
+        module.pair_step = objective_step(cfg)  # a preference objective's step and reference, else None
         # a resume restores the checkpoint's weights; a LoRA checkpoint holds the adapter alone: the base is read again
         if cfg.model.get("init_from") and (resume is None or lora_on(cfg.model)):
             module.init_source = cfg.model.init_from
@@ -94,6 +95,13 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         finally:
             run.write(trainer)
     return 0
+
+
+def objective_step(cfg: DictConfig):
+    """The run's pair objective's step (loom.objectives.step, torch), or None: the loss is the model's own."""
+    from loom.objectives.step import for_run
+
+    return for_run(cfg)
 
 
 def formed_layout(cfg: DictConfig) -> ParallelLayout:

@@ -56,8 +56,8 @@ class HFCausalLMModule(LoomModule):
         net.pipeline_split = PipelineSplit(*parallel.pipeline_split(net))
         return parallel.pipeline_chunks(net, stages, n_stages)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, use_cache=False).logits
+    def logits(self, x: torch.Tensor, network: nn.Module | None = None) -> torch.Tensor:
+        return (network if network is not None else self.model)(input_ids=x, use_cache=False).logits
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         """Tokens only: checks refuse documents packing (positions) for a transformers model."""
