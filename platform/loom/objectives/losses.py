@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
@@ -44,10 +43,10 @@ def sequence_logps(logits: Tensor, targets: Tensor, used: int | None = None) -> 
     as models/lit.py's _lm_loss does), and the count of those targets (float)."""
     if used is not None and used < logits.shape[-1]:
         logits = logits[..., :used]
-    trained = targets != IGNORE_INDEX
-    safe = targets.masked_fill(~trained, 0)
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return (logps * trained).sum(-1), trained.sum(-1).float()
+    n, t, v = logits.shape
+    # cross-entropy per target is -log_softmax at it (0 at IGNORE_INDEX): the fused kernel _lm_loss uses
+    nll = F.cross_entropy(logits.reshape(n * t, v).float(), targets.reshape(n * t), reduction="none")
+    return -nll.view(n, t).sum(-1), (targets != IGNORE_INDEX).sum(-1).float()
 
 
 def _references(terms: PairTerms) -> tuple[Tensor, Tensor]:
@@ -81,9 +80,11 @@ def ipo(o: DictConfig, t: PairTerms) -> Terms:
 
 def simpo(o: DictConfig, t: PairTerms) -> Terms:
     """-(1-e) logsig(b (pc/nc - pr/nr) - g) - e logsig(-(b (pc/nc - pr/nr) - g)); rewards b p/n
-    (TRL CPOTrainer, loss_type="simpo": its simpo_gamma is g)."""
+    (TRL CPOTrainer, loss_type="simpo": its simpo_gamma is g). Counts clamped to >= 1 as IPO's (a pair
+    whose completion was cut away entirely scores 0, not NaN; TRL divides by the count as it is)."""
     b, g, e = float(o.beta), float(o.gamma), float(o.label_smoothing)
-    chosen_mean, rejected_mean = t.chosen / t.chosen_tokens, t.rejected / t.rejected_tokens
+    chosen_mean = t.chosen / t.chosen_tokens.clamp(min=1.0)
+    rejected_mean = t.rejected / t.rejected_tokens.clamp(min=1.0)
     return _smoothed(b * (chosen_mean - rejected_mean) - g, e), b * chosen_mean, b * rejected_mean
 
 
