@@ -209,6 +209,7 @@ def test_dpo_at_policy_equal_to_reference_is_ln_2(tiny, smoothing):
     loss, metrics = pair_loss(cfg, loom_terms(tiny["policy"], PAIRS, reference=copy.deepcopy(tiny["policy"])))
     assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
     assert metrics["rewards/margin"].item() == 0 and metrics["rewards/accuracy"].item() == 0
+    assert loss.requires_grad and not any(m.requires_grad for m in metrics.values())  # metrics are detached
 
 
 def test_sequence_logps_sums_the_trained_targets_over_the_used_vocabulary():
