@@ -43,6 +43,8 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
     for key in ("init_from", "init_from_fingerprint", "vocab_used"):  # null: as frozen before the key existed
         if key in data.get("model", {}) and data["model"][key] is None:
             data["model"].pop(key)
+    if data.get("objective") == {"name": "lm"}:  # the default objective: as frozen before the group existed
+        data.pop("objective")
     if data.get("trainer", {}).get("global_batch_size", 0) is None:  # null: the run's own (adopt_run_batch)
         data["trainer"].pop("global_batch_size")
     return data

@@ -1,6 +1,6 @@
 """The typed schema of the run config's own sections, and the merge that types any node.
 
-Config groups (hardware/, strategies/, data/, models/, optim/, tracking/, eval/) each hold the
+Config groups (hardware/, strategies/, data/, models/, optim/, tracking/, eval/, objectives/) each hold the
 schemas of their options beside their checks; this module holds what is not a group (run,
 trainer, checkpoint, security, sweep, and the top-level keys) and `typed`, which every
 schema goes through. No torch, no Hydra: the CLI's first second depends on it.
@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from loom.errors import ConfigError
 
 # The config groups of conf/ (the `group=option` choices), in the order they are checked.
-GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking", "eval")
+GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking", "eval", "objective")
 
 
 @dataclass

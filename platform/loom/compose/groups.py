@@ -8,14 +8,14 @@ import typing
 from types import ModuleType
 from typing import Any
 
-from loom import data, eval, hardware, models, optim, strategies, tracking
+from loom import data, eval, hardware, models, objectives, optim, strategies, tracking
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names
 
 # The package of each config group (conf/<group>/ -> loom/<package>/): each has SCHEMAS (option
 # name -> schema; "*" when every option shares one), normalize(cfg) and check(cfg, layout).
 GROUP_PACKAGES: dict[str, ModuleType] = {
     "hardware": hardware, "strategy": strategies, "dataset": data,
-    "model": models, "optim": optim, "tracking": tracking, "eval": eval,
+    "model": models, "optim": optim, "tracking": tracking, "eval": eval, "objective": objectives,
 }
 
 

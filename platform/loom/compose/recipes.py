@@ -17,6 +17,7 @@ from pathlib import Path
 
 from loom.compose.paths import bundled
 from loom.errors import ConfigError
+from loom.schema import GROUPS
 
 SEARCHPATH_KEY = "hydra.searchpath"
 
@@ -128,7 +129,7 @@ def groups_table() -> str:
         if isinstance(entry, dict):
             defaults.update({str(k).replace("optional ", ""): str(v) for k, v in entry.items()})
     rows = ["| group | options | default |", "|---|---|---|"]
-    for group in ("hardware", "strategy", "dataset", "model", "optim", "tracking", "eval"):
+    for group in GROUPS:
         rows.append(f"| {group} | {', '.join(group_options(group))} | {defaults.get(group, 'none')} |")
     recipes = sorted(p.stem for p in builtin_dir().glob("*.yaml"))
     rows.append(f"| recipe | {', '.join(recipes)} (recipes/) | none |")

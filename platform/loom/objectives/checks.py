@@ -1,0 +1,88 @@
+"""The objective's checks at validation (exit 2 before anything launches): its ranges, then what it
+asks of the rest of the run: a score head (reward), a layout that keeps a pair on one rank, a
+reference DeepSpeed can shard, and data that is (or is not) preference pairs."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from loom.data.registry import DATASETS
+from loom.errors import ConfigError, require
+from loom.layout import ParallelLayout
+from loom.objectives.registry import OBJECTIVES, ObjectiveOption
+from loom.objectives.schema import REFERENCES
+from loom.strategies.deepspeed_config import zero_stage
+
+
+def dataset_pairs(cfg: DictConfig) -> bool:
+    """Whether the run's dataset yields preference pairs (its DatasetOption says; never its name)."""
+    return bool(getattr(DATASETS.get(cfg.dataset.name), "pairs", False))
+
+
+def check_ranges(o: DictConfig) -> None:
+    """The keys an option has, in their ranges (each option's schema holds only its own keys)."""
+    if "beta" in o:
+        require(o.beta > 0, "objective.beta", o.beta, "must be > 0")
+    if "label_smoothing" in o:
+        require(0 <= o.label_smoothing < 0.5, "objective.label_smoothing", o.label_smoothing,
+                "must be in [0, 0.5): the chance a pair's preference is flipped (0: plain "
+                f"{o.name.upper()})")
+    if "gamma" in o:
+        require(o.gamma >= 0, "objective.gamma", o.gamma, "must be >= 0 (the target reward margin)")
+    if "reference" in o:
+        require(o.reference in REFERENCES, "objective.reference", o.reference,
+                f"valid choices: {', '.join(REFERENCES)} (auto: the base with adapters disabled under LoRA, "
+                "else precompute)")
+    coef = o.get("center_rewards_coefficient")
+    require(coef is None or coef >= 0, "objective.center_rewards_coefficient", coef, "must be >= 0, or null for none")
+
+
+def check_head(cfg: DictConfig, option: ObjectiveOption) -> None:
+    """A reward model scores with a scalar head: hf_causal_lm's model.head=score."""
+    if not option.score_head or cfg.model.get("head") == "score":
+        return
+    head = cfg.model.get("head")
+    has = f"model.head={head}" if head is not None else f"model={cfg.model.name} has no score head"
+    raise ConfigError(f"Invalid config: objective={option.name} trains a scalar score head on each sequence, and "
+                      f"{has}. Use model=hf_causal_lm model.head=score (a transformers "
+                      "...ForSequenceClassification with one label).")
+
+
+def check_layout(cfg: DictConfig, option: ObjectiveOption, layout: ParallelLayout) -> None:
+    """A pair's loss needs both completions' whole log-probs on one rank: no tensor or pipeline split."""
+    if option.pairs and (layout.tp > 1 or layout.pp > 1):
+        raise ConfigError(
+            f"Invalid config: objective={option.name} scores the chosen and rejected completions of a pair "
+            f"together, and strategy={cfg.strategy.name} splits the model (tp={layout.tp}, pp={layout.pp}). "
+            "Preference objectives run under data parallelism and sharding only: strategy=ddp, fsdp, zero1, "
+            "zero2 or zero3 (or tp=1 and pp=1).")
+
+
+def check_reference(cfg: DictConfig, option: ObjectiveOption) -> None:
+    """reference=online under ZeRO-3: a frozen copy built outside DeepSpeed's engine would not be
+    partitioned (every rank would hold all of it), so the precomputed log-probs are the way there."""
+    o = cfg.objective
+    if option.reference and o.reference == "online" and zero_stage(cfg.strategy.name) == 3:
+        raise ConfigError(
+            f"Invalid config: objective.reference=online under strategy={cfg.strategy.name}: the frozen reference "
+            "copy would live outside DeepSpeed's engine, unpartitioned (the whole model on every rank). Use "
+            "objective.reference=precompute (its log-probs computed once before training), or train LoRA "
+            "adapters (model.lora.r > 0), where reference=auto is the base with the adapters disabled.")
+
+
+def check_data(cfg: DictConfig, option: ObjectiveOption) -> None:
+    """A pair objective reads preference pairs; pairs are refused by an objective that is not one."""
+    pairs = dataset_pairs(cfg)
+    named = [name for name, d in DATASETS.items() if getattr(d, "pairs", False)]
+    if option.pairs and not pairs:
+        where = f"dataset={named[0]}" if named else "a preference-pair dataset"
+        raise ConfigError(
+            f"Invalid config: objective={option.name} trains on preference pairs (prompt, chosen, rejected), and "
+            f"dataset={cfg.dataset.name} yields none. Use {where} (dataset.path=<prompt/chosen/rejected JSONL>), "
+            "or objective=lm.")
+    if pairs and not option.pairs:
+        choices = ", ".join(name for name, o in OBJECTIVES.items() if o.pairs)
+        raise ConfigError(
+            f"Invalid config: dataset={cfg.dataset.name} yields preference pairs, which objective={option.name} "
+            f"does not train on. Choose a preference objective: objective=<{choices.replace(', ', '|')}> "
+            "(e.g. objective=dpo), or a dataset of single sequences.")
