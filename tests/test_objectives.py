@@ -290,4 +290,6 @@ def test_reference_auto_is_the_base_under_lora_else_precompute():
                                               "model": {"lora": {"r": r}}}))
 
     assert run("dpo", "auto", 8) == "adapters" and run("ipo", "auto", 0) == "precompute"
-    assert run("dpo", "online", 8) == "online" and run("lm", "auto", 8) is None
+    assert run("dpo", "online", 8) == "adapters"  # under LoRA the online reference is the base, adapters off
+    assert run("dpo", "precompute", 8) == "precompute" and run("dpo", "online", 0) == "online"
+    assert run("lm", "auto", 8) is None

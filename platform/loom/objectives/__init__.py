@@ -43,10 +43,10 @@ def reference_of(cfg: DictConfig) -> str | None:
     if not option.reference:
         return None
     ref = str(cfg.objective.reference)
-    if ref != "auto":
-        return ref
     lora = cfg.model.get("lora")
-    return "adapters" if lora and int(lora.get("r") or 0) > 0 else "precompute"
+    if lora and int(lora.get("r") or 0) > 0:  # the base without its adapters is the online reference, at no cost
+        return "precompute" if ref == "precompute" else "adapters"
+    return "precompute" if ref == "auto" else ref
 
 
 def normalize(cfg: DictConfig) -> None:

@@ -4,7 +4,7 @@ DPO and IPO score the policy against a fixed reference: the weights training sta
 second full model beside the policy doubles the memory and a forward per step, so Loom offers
 three ways to have it, `objective.reference`:
 
-- `adapters` (what `auto` means under LoRA): the base with the adapters switched off is the
+- `adapters` (what `auto` and `online` mean under LoRA): the base with the adapters switched off is the
   reference (peft's `disable_adapter`, without a second copy: loom.models.lora.adapters_off).
 - `precompute` (what `auto` means otherwise): before the first step the policy, still equal to the
   reference, scores every pair of the train and validation splits once (a forward, no backward); the
@@ -15,7 +15,7 @@ three ways to have it, `objective.reference`:
   the same way; DDP and ZeRO-1/2 keep a whole copy per rank, as they keep the policy); one more forward per
   step, nothing stored. Refused under ZeRO-3 (a copy outside DeepSpeed's engine would not be partitioned).
 
-Torch-free: the launcher and the plan ask `reference_mode` before launch.
+Which way a run takes is `loom.objectives.reference_of` (torch-free, asked by the checks and the plan).
 """
 
 from __future__ import annotations
@@ -27,27 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-MODES = ("auto", "precompute", "online")  # objective.reference
 FILE = "reference-{model}-{data}.npy"    # beside the rendered split: (pairs, 2) float32 (chosen, rejected)
-
-
-def uses_reference(cfg: DictConfig) -> bool:
-    """Whether the run's objective scores the policy against a reference model (dpo, ipo)."""
-    obj = cfg.get("objective")
-    return obj is not None and obj.get("reference") is not None
-
-
-def reference_mode(cfg: DictConfig) -> str | None:
-    """How this run gets its reference: adapters | precompute | online, or None (no reference).
-    Under LoRA the base without adapters is the reference unless `precompute` is asked."""
-    if not uses_reference(cfg):
-        return None
-    from loom.models.lora_checks import lora_on
-
-    chosen = str(cfg.objective.reference)
-    if lora_on(cfg.get("model")):
-        return "precompute" if chosen == "precompute" else "adapters"
-    return "precompute" if chosen == "auto" else chosen
 
 
 def model_key(cfg: DictConfig) -> str:

@@ -21,8 +21,9 @@ import torch
 from omegaconf import DictConfig
 
 from loom.data.batch import Batch, collate
+from loom.objectives import option_of, reference_of
 from loom.objectives.losses import PairTerms, pair_loss, sequence_logps
-from loom.objectives.reference import reference_mode, reference_path
+from loom.objectives.reference import reference_path
 
 log = logging.getLogger("loom")
 LOGGED = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy")
@@ -30,10 +31,7 @@ LOGGED = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accur
 
 def for_run(cfg: DictConfig) -> PairStep | None:
     """A PairStep when the run's objective trains on preference pairs, else None."""
-    from loom.objectives import OBJECTIVES
-
-    obj = cfg.get("objective")
-    return PairStep(cfg) if obj is not None and OBJECTIVES[str(obj.name)].pairs else None
+    return PairStep(cfg) if option_of(cfg).pairs else None
 
 
 class PairStep:
@@ -41,8 +39,8 @@ class PairStep:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg, self.objective = cfg, cfg.objective
-        self.mode = reference_mode(cfg)          # adapters | precompute | online | None
-        self.scores = self.objective.name == "reward"  # a scalar head's scores instead of log-probs
+        self.mode = reference_of(cfg)          # adapters | precompute | online | None
+        self.scores = option_of(cfg).score_head  # a scalar head's scores instead of log-probs
         self.online: list[torch.nn.Module] = []  # the frozen copy (a list: not a submodule of the module)
         self.last: dict[str, torch.Tensor] = {}  # this rank's figures of the last training step
         self.precomputed: dict[str, str] = {}    # split -> "computed" | "read" (summary.json)

@@ -40,6 +40,7 @@ from loom.plan.memory import (
 )
 from loom.plan.messages import comm_messages
 from loom.plan.pipeline import p2p_bytes, pipeline_summary
+from loom.plan.reference import reference_cost
 from loom.strategies.deepspeed_config import resolve_deepspeed, resolved_deepspeed_config, zero_stage
 from loom.strategies.registry import cheapest_first
 
@@ -117,6 +118,9 @@ class Plan:
     # eval.tasks: {evaluations, requests_per_evaluation, tokens_per_evaluation, seconds_per_evaluation,
     # seconds, rate_flops, rate_source, tasks: {task: {documents, requests, tokens, assumed}}} (plan/evaluation.py)
     evaluation: dict[str, Any] | None = None
+    # a preference objective's reference model: {mode, bytes_per_device, flops_per_step, flops_once, options,
+    # pairs, recommended, why} (plan/reference.py); online's copy is in memory_per_device_bytes.params
+    reference: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +145,10 @@ def make_plan(cfg: DictConfig) -> Plan:
     if pipe:  # a device holds its stages only: the plan's memory is the fullest stage's
         mem = _fullest_stage(pipe, mem)
     cap, where = capacity(hw)
+    reference = reference_cost(cfg, layout, params, spec.flops_per_token, tokens, data.pair_count(cfg),
+                               None if cap is None else cap - mem.total)
+    if reference is not None and reference["mode"] == "online":  # the frozen copy beside the policy
+        mem.params += reference["bytes_per_device"]
     comm = comm_bytes(cfg, s.name, params, layout) if layout.world > 1 else {}
     if layout.pp > 1:
         comm["pipeline_send"] = p2p_bytes(cfg, layout)
@@ -177,6 +185,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
     )
     plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
+    plan.reference = reference
     if not plan.fits:
         fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
         if fix is not None:

@@ -7,6 +7,7 @@ from typing import Any
 from loom.plan.assumptions import phrase
 from loom.plan.evaluation import cost_line
 from loom.plan.memory import GB, HOST_USABLE
+from loom.plan.reference import cost_line as reference_line
 
 
 def render(plan: dict[str, Any]) -> None:
@@ -69,6 +70,8 @@ def render(plan: dict[str, Any]) -> None:
                  else "unknown (MFU will be null)"))
     if plan.get("evaluation"):
         rows.append(("evaluation", cost_line(plan["evaluation"])))
+    if plan.get("reference"):
+        rows.append(("reference", reference_line(plan["reference"])))
     verdict = "[green]fits[/green]" if plan["fits"] else "[red]does not fit[/red]"
     if not plan["fits"]:
         fix = _fix(plan)
