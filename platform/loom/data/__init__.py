@@ -60,6 +60,13 @@ def items_per_sample(cfg: DictConfig) -> int:
     return int(cfg.dataset.seq_len) if is_token_data(cfg.dataset) else 1
 
 
+def pair_count(cfg: DictConfig) -> int | None:
+    """Preference pairs in the train and validation splits, once rendered (the plan's reference cost);
+    None: not pairs, or not rendered yet."""
+    count = getattr(DATASETS[cfg.dataset.name], "pair_count", None)
+    return None if count is None else count(cfg)
+
+
 def data_vocab_size(cfg: DictConfig) -> int | None:
     """The token ids the data can hold (None: not token data)."""
     ds = cfg.dataset
