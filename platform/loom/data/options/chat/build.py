@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from loom.data.conversation.render import FORMATS, TRAIN_ON, RowError, conversation, render
+from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
 from loom.data.fingerprint import DataInputs
-from loom.data.options.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
 from loom.data.options.chat.rows import CONVERSATIONS, fit
-from loom.data.options.chat.template import ChatTemplate, TemplateError, load_template
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.data.options.chat.template import ChatTemplate, TemplateError
+from loom.data.conversation.template import ChatTemplate, TemplateError
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 TRAIN_ON = ("assistant", "all", "last")
