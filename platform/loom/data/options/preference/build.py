@@ -106,7 +106,7 @@ def inputs(ds: DictConfig) -> DataInputs:
 
 
 def source(ds: DictConfig) -> str:
-    return f"{ds.path or ds.hub} (preference pairs, identical={ds.identical})"
+    return f"{ds.path or ds.hub} ({'/'.join(_columns(ds))})"
 
 
 def _key(ds: DictConfig, template: ChatTemplate) -> str:
@@ -199,7 +199,7 @@ def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTem
                           "written). " + "; ".join(bad) + ("; ..." if n_bad > len(bad) else ""))
     if same:
         rows = ", ".join(map(str, same[:SHOWN])) + (", ..." if len(same) > SHOWN else "")
-        log.warning(f"warning: {where}: {len(same):,} of {n_rows:,} rows have identical chosen and rejected: dropped "
+        log.warning(f"warning: {where}: {len(same):,} of {n_rows:,} rows with identical chosen and rejected dropped "
                     f"(rows {rows}; dataset.identical=refuse refuses them)")
     if out["train"].n == 0:
         gone = f" ({len(same):,} with identical chosen and rejected dropped)" if same else ""

@@ -50,8 +50,8 @@ def _completion(value: Any, column: str) -> list[dict]:
         return [{"role": "assistant", "content": value}]
     if isinstance(value, list) and value:
         return checked(value, f"'{column}' message")
-    raise RowError(f"its '{column}' is {'missing' if value is None else f'a {type(value).__name__}'}: give a string "
-                   "or a list of {role, content} messages")
+    raise RowError(f"its '{column}' is neither a string nor a list of {{role, content}} messages (got "
+                   f"{type(value).__name__}: {str(value)[:30]!r})")
 
 
 def _split(chosen: Any, rejected: Any, columns: tuple[str, str]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -81,7 +81,8 @@ def pair_of(row: dict, prompt_column: str, chosen_column: str, rejected_column: 
         elif isinstance(prompt, list) and prompt:
             prompt = checked(prompt, f"'{prompt_column}' message")
         else:
-            raise RowError(f"its '{prompt_column}' is a {type(prompt).__name__}: give a string or a list of messages")
+            raise RowError(f"its '{prompt_column}' is neither a string nor a list of {{role, content}} messages (got "
+                           f"{type(prompt).__name__}: {str(prompt)[:30]!r})")
         chosen, rejected = _completion(row[chosen_column], chosen_column), _completion(row[rejected_column],
                                                                                       rejected_column)
     return Pair(prompt, chosen, rejected, row_tools(row))
