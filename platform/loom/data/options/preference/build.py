@@ -27,7 +27,7 @@ from loom.data.conversation.source import write_whole
 from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
 from loom.data.fingerprint import DataInputs
 from loom.data.options.preference.fit import LEN_C, LEN_R, PAIRS, fit
-from loom.data.options.preference.pairs import Pair, pair_of, render_pair
+from loom.data.options.preference.pairs import RenderedPair, pair_of, render_pair
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 
@@ -160,51 +160,52 @@ def _render_rows(ds: DictConfig, root: Path) -> None:
         w.finish(ds, template, s, identical)
 
 
-def _pair(ds: DictConfig, row: dict, template: ChatTemplate, tokenizer: Any) -> tuple[Pair, Any]:
-    """(the row's pair, its rendering or None when chosen and rejected are identical)."""
+def _pair(ds: DictConfig, row: dict, template: ChatTemplate, tokenizer: Any) -> RenderedPair | None:
+    """The row's pair rendered, or None when its chosen and rejected are identical (and dropped)."""
     prompt, chosen, rejected = _columns(ds)
     pair = pair_of(row, prompt, chosen, rejected)
     if pair.identical:
         if ds.identical == "refuse":
             raise RowError(f"its '{chosen}' and '{rejected}' are identical: the pair prefers nothing "
                            "(dataset.identical=drop drops such rows, counted)")
-        return pair, None
-    return pair, render_pair(template, tokenizer, pair, (chosen, rejected))
+        return None
+    return render_pair(template, tokenizer, pair, (chosen, rejected))
 
 
 def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTemplate, tokenizer: Any) -> int:
     """Every row into its split's writer (row i is validation when i % val_every == val_every-1);
     returns the rows dropped as identical (ConfigError: rows that cannot be trained, or none to train)."""
     bad: list[str] = []
-    same: list[int] = []
-    n_bad = n_rows = 0
+    same: list[int] = []  # the first identical rows, for the warning
+    n_bad = n_rows = n_same = 0
     every = int(ds.val_every or 0)
     log.info(f"dataset preference: rendering {ds.path or ds.hub} with {template.source} (once)")
     for i, row in source_rows(ds):
         n_rows += 1
         try:
-            _, rendered = _pair(ds, row, template, tokenizer)
+            rendered = _pair(ds, row, template, tokenizer)
         except (RowError, TemplateError) as e:
             n_bad += 1
             if len(bad) < SHOWN:
                 bad.append(f"row {i}: {e}")
             continue
         if rendered is None:
-            same.append(i)
+            n_same += 1
+            same += [i] if len(same) < SHOWN else []
             continue
         out["val" if every > 1 and i % every == every - 1 else "train"].add(rendered, i)
     where = f"dataset.path={ds.path or ds.hub}"
     if n_bad:
         raise ConfigError(f"Invalid config: {where}: {n_bad:,} of {n_rows:,} rows cannot be trained (nothing was "
                           "written). " + "; ".join(bad) + ("; ..." if n_bad > len(bad) else ""))
-    if same:
-        rows = ", ".join(map(str, same[:SHOWN])) + (", ..." if len(same) > SHOWN else "")
-        log.warning(f"warning: {where}: {len(same):,} of {n_rows:,} rows with identical chosen and rejected dropped "
+    if n_same:
+        rows = ", ".join(map(str, same)) + (", ..." if n_same > len(same) else "")
+        log.warning(f"warning: {where}: {n_same:,} of {n_rows:,} rows with identical chosen and rejected dropped "
                     f"(rows {rows}; dataset.identical=refuse refuses them)")
     if out["train"].n == 0:
-        gone = f" ({len(same):,} with identical chosen and rejected dropped)" if same else ""
+        gone = f" ({n_same:,} with identical chosen and rejected dropped)" if n_same else ""
         raise ConfigError(f"Invalid config: {where}: no pair to train on: {n_rows:,} rows{gone} (nothing was written)")
-    return len(same)
+    return n_same
 
 
 class _SplitWriter:
@@ -228,7 +229,7 @@ class _SplitWriter:
     def abort(self) -> None:
         self.tokens.abort()
 
-    def add(self, r: Any, row: int) -> None:
+    def add(self, r: RenderedPair, row: int) -> None:
         self.tokens.add_document(r.chosen)
         self.tokens.add_document(r.rejected)
         c, n_c, n_r = self.offset, len(r.chosen), len(r.rejected)
