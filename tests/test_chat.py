@@ -10,8 +10,8 @@ import pytest
 from chat_helpers import CHATML, CONVERSATIONS, LLAMA3, MISTRAL, REWRITING, make_chat_tokenizer, write_chats
 from conftest import refused
 
-from loom.data.options.chat.render import RowError, conversation, render
-from loom.data.options.chat.template import load_template
+from loom.data.conversation.render import RowError, conversation, render
+from loom.data.conversation.template import load_template
 
 TWO_TURNS = CONVERSATIONS[2]["messages"]
 

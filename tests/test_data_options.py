@@ -4,7 +4,7 @@ option's folder (the registry's one line aside) names the option or reads one of
 keys. Docstrings and comments may talk about options; code may not.
 
 An option's own keys are those of its schema that no other option's schema has (`paths`,
-`text_column`, `mix`, `chat_template`, `kind`...); a key several options have (`seq_len`, `path`,
+`text_column`, `mix`, `empty_replies`, `kind`...); a key several options have (`seq_len`, `path`,
 `tokenizer`) is shared, read by what lies below them. Option names are matched as whole string
 constants where code tells options apart (compared with a dataset's name, a key of DATASETS), and
 anywhere when the name is no ordinary word of the code ("tokens" counts summaries, "hf" is an export
@@ -176,7 +176,7 @@ def test_no_module_outside_an_option_folder_names_it_or_reads_its_keys():
     ('if ds.get("name") == "hf": pass', True),
     ('if spec.kind == "tokens": pass', False),
     ('NAME = "text_files"', True),
-    ("template = cfg.dataset.get('chat_template')", True),
+    ("replies = cfg.dataset.get('empty_replies')", True),
     ("paths = ds.paths", True),
     ('if "vocab_size" in ds: pass', True),
     ("column = cfg.dataset['text_column']", True),

@@ -8,7 +8,7 @@ below them lie what options share (`checks.py`, `cache.py`, `files.py`, `fingerp
 `sampler.py`), which names no option. This module asks the registry on everyone else's behalf.
 
 This package's top level stays free of torch: the schemas, checks and the questions other
-groups ask (`is_token_data`, `items_per_sample`, `data_vocab_size`, `data_features`) run in
+groups ask (`is_token_data`, `is_pairs`, `items_per_sample`, `data_vocab_size`, `data_features`) run in
 the launcher before torch is imported.
 """
 
@@ -55,9 +55,17 @@ def text_encoding(ds: DictConfig) -> str | None:
     return "bytes" if DATASETS[ds.name].tokenized else None
 
 
+def is_pairs(ds: DictConfig) -> bool:
+    """Its samples are preference pairs: (chosen, rejected) sequences of seq_len tokens each."""
+    return DATASETS[ds.name].pairs
+
+
 def items_per_sample(cfg: DictConfig) -> int:
-    """What "tokens" counts per sample: seq_len for token data, 1 for a classified sample."""
-    return int(cfg.dataset.seq_len) if is_token_data(cfg.dataset) else 1
+    """What "tokens" counts per sample: seq_len for token data (2 x seq_len for a preference pair:
+    the model processes both sequences), 1 for a classified sample."""
+    if not is_token_data(cfg.dataset):
+        return 1
+    return int(cfg.dataset.seq_len) * (2 if is_pairs(cfg.dataset) else 1)
 
 
 def pair_count(cfg: DictConfig) -> int | None:

@@ -4,7 +4,7 @@
 Everything outside an option's folder asks this object, never the option's name or its own
 config keys: the launcher asks `tokens`, `vocab`, `features`, `val_size`, `check`, `stores`;
 the run id asks `inputs`; the console `source`; `loom report` `where`; `loom generate`
-`template_file`. The torch half is named by `datasets` ("module:function", imported in the worker
+`template_file`; the objectives and the token count `pairs`. The torch half is named by `datasets` ("module:function", imported in the worker
 only, inside the option's folder). The option's name is its schema's `name` default (one owner).
 """
 
@@ -58,6 +58,9 @@ class DatasetOption:
     where: Callable[[DictConfig], str | None] = lambda ds: None
     # the chat template file it renders with, over the tokenizer's own (`loom generate --chat`)
     template_file: Callable[[DictConfig], str | None] = lambda ds: None
+    # yields preference pairs (loom.data.batch.Batch.pairs): a sample is a (chosen, rejected) pair of
+    # sequences, (2, seq_len) tokens, that share a micro batch and a rank (objectives, the token count)
+    pairs: bool = False
 
     @property
     def name(self) -> str:

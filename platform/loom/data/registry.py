@@ -9,7 +9,7 @@ conf/dataset/, and one line here. Nothing else names it (tests/test_data_options
 from __future__ import annotations
 
 from loom.data.option import DatasetOption
-from loom.data.options import chat, digits, hf, synthetic, text_files, tinycode, tokens
+from loom.data.options import chat, digits, hf, preference, synthetic, text_files, tinycode, tokens
 
 OPTIONS: tuple[DatasetOption, ...] = (
     tokens.OPTION,
@@ -17,6 +17,7 @@ OPTIONS: tuple[DatasetOption, ...] = (
     text_files.OPTION,
     hf.OPTION,
     chat.OPTION,
+    preference.OPTION,
     digits.OPTION,
     synthetic.OPTION,
 )

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from loom.data import items_per_sample
 from loom.errors import fail
 from loom.layout import ParallelLayout
 from loom.models import checks, init_from, lora_checks
@@ -36,8 +37,9 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
     """Parameter count and training FLOPs per item of the configured model. With LoRA the frozen
     weights get no gradient: of their 6 FLOPs per weight per token (forward 2, backward 4) the 2
     of the weight gradient are not done, and each adapter weight costs the usual 6, so MFU counts
-    the work the step does: 6N - 2N + 6 * adapters (+ attention)."""
-    spec = MODELS[cfg.model.name].spec(cfg)
+    the work the step does: 6N - 2N + 6 * adapters (+ attention). The items per sample are the
+    data's to say (loom.data.items_per_sample: a preference pair is two sequences)."""
+    spec = dataclasses.replace(MODELS[cfg.model.name].spec(cfg), items_per_sample=items_per_sample(cfg))
     adapters = trainable_params(cfg)
     if adapters is None or spec.flops_per_token is None or spec.matmul_params is None:
         return spec

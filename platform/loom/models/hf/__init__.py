@@ -148,7 +148,8 @@ def spec(cfg: DictConfig) -> ModelSpec:
     params, embedding, L, d, tied = hf.count(cfg.model)
     non_embedding = params - embedding
     head = hf.config_dict(cfg.model).get("vocab_size", 0) * d if tied else 0  # tied: a matmul, no params
-    q, spans = hf.attention_spans(cfg.model, T)  # each layer's window where it has one (hf.attention_spans)
+    # each layer's window where it has one (hf.attention_spans); a sequence's keys, not a sample's items
+    q, spans = hf.attention_spans(cfg.model, int(cfg.dataset.seq_len))
     flops = 6 * (non_embedding + head) + 12 * q * sum(spans) if L and d else None
     return ModelSpec(params, non_embedding, float(flops) if flops else None, L, d, T, non_embedding + head)
 

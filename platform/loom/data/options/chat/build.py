@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from loom.data.conversation.render import FORMATS, TRAIN_ON, RowError, conversation, render
+from loom.data.conversation.source import rows as source_rows
+from loom.data.conversation.source import write_whole
+from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
 from loom.data.fingerprint import DataInputs
-from loom.data.options.chat.render import FORMATS, TRAIN_ON, RowError, conversation, render
 from loom.data.options.chat.rows import CONVERSATIONS, fit
-from loom.data.options.chat.template import ChatTemplate, TemplateError, load_template
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 
@@ -139,20 +141,6 @@ def _complete(root: Path) -> bool:
     return all((root / s / "tokens" / SIDECAR).is_file() for s in SPLITS)
 
 
-def _rows(ds: DictConfig):
-    from loom.data.prepare.hf_source import load
-
-    dataset = load(ds)  # a file it cannot read: ConfigError naming the file, the row and the error
-    i = 0
-    for batch in dataset.iter(batch_size=256):
-        keys = list(batch)
-        for j in range(len(batch[keys[0]]) if keys else 0):
-            if ds.get("max_docs") is not None and i >= ds.max_docs:
-                return
-            yield i, {k: batch[k][j] for k in keys}
-            i += 1
-
-
 def _empty_reply(messages: list[dict]) -> int | None:
     """The index of the first assistant message with an empty reply (no text, no tool call)."""
     return next((k for k, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")
@@ -162,19 +150,7 @@ def _empty_reply(messages: list[dict]) -> int | None:
 def _write(ds: DictConfig, root: Path) -> None:
     """Render every row into a directory beside `root`, renamed to it when whole (row i is
     validation when i % val_every == val_every-1); a failure removes it."""
-    import os
-    import shutil
-
-    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _render_rows(ds, tmp)
-        if root.exists() and not _complete(root):  # left by an older Loom's interrupted render
-            shutil.rmtree(root, ignore_errors=True)
-        if not root.exists():  # else another process finished the same entry first
-            os.replace(tmp, root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_whole(root, _complete, lambda tmp: _render_rows(ds, tmp))
 
 
 def _render_rows(ds: DictConfig, root: Path) -> None:
@@ -202,7 +178,7 @@ def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTem
     every = int(ds.val_every or 0)
     column = ds.get("messages_column") or "messages"
     log.info(f"dataset chat: rendering {ds.path or ds.hub} with {template.source} (once)")
-    for i, row in _rows(ds):
+    for i, row in source_rows(ds):
         rows += 1
         try:
             messages, tools = conversation(row, ds.format, column)

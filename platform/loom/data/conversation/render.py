@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.data.options.chat.template import ChatTemplate, TemplateError
+from loom.data.conversation.template import ChatTemplate, TemplateError
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 TRAIN_ON = ("assistant", "all", "last")
@@ -59,18 +59,29 @@ def conversation(row: dict, fmt: str, column: str) -> tuple[list[dict], list | N
     if not isinstance(messages, list) or not messages:
         raise RowError(f"has no '{column}' list of messages (columns: {sorted(row)}); dataset.format="
                        "prompt_completion reads 'prompt'/'completion' pairs")
+    return checked(messages), row_tools(row)
+
+
+def checked(messages: list, what: str = "message") -> list[dict]:
+    """The messages, checked (RowError naming `what` k: not a {role, content} dict, an unknown role,
+    a non-string content where no tool call stands for it), their None fields left out."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise RowError(f"message {i} is a {type(m).__name__}, not {{role, content}}")
+            raise RowError(f"{what} {i} is a {type(m).__name__}, not {{role, content}}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            raise RowError(f"message {i} has role {role!r}; known roles: {', '.join(ROLES)}")
+            raise RowError(f"{what} {i} has role {role!r}; known roles: {', '.join(ROLES)}")
         if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-            raise RowError(f"message {i} ({role}) has a {type(content).__name__} content, not a string")
+            raise RowError(f"{what} {i} ({role}) has a {type(content).__name__} content, not a string")
         out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def row_tools(row: dict) -> list | None:
+    """A row's tool definitions (a non-empty `tools` list), for the template."""
     tools = row.get("tools")
-    return out, tools if isinstance(tools, list) and tools else None
+    return tools if isinstance(tools, list) and tools else None
 
 
 def _render(template: ChatTemplate, messages: list[dict], tools: list | None, gen: bool = False) -> str:

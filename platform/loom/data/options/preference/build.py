@@ -1,0 +1,253 @@
+"""`dataset=preference`: pairs rendered with the chat template into one token store (each pair's
+chosen then rejected side) plus `pairs.npy` (offsets, lengths, the shared prompt's length, the source
+row), once, cached by inputs, template and tokenizer as dataset=chat's stores are. Every row is
+rendered when the config is checked, before the run dir exists, so a row that cannot be trained (no
+chosen or rejected, a side that is neither a string nor messages, a template that cannot render the
+pair) stops the launch with exit 2, naming the rows; so do identical chosen and rejected under
+`dataset.identical=refuse` (`drop`: a warning, counted in the dataset line), and a split left with
+nothing to train. How a pair longer than seq_len+1 is cut or dropped: loom.data.options.preference.fit.
+No torch here.
+
+    loom train recipe=dpo dataset.path=/data/prefs.jsonl dataset.tokenizer=/models/Qwen2.5-0.5B-Instruct
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from loom.data.conversation.render import RowError
+from loom.data.conversation.source import rows as source_rows
+from loom.data.conversation.source import write_whole
+from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
+from loom.data.fingerprint import DataInputs
+from loom.data.options.preference.fit import LEN_C, LEN_R, PAIRS, fit
+from loom.data.options.preference.pairs import RenderedPair, pair_of, render_pair
+from loom.errors import ConfigError, fail
+from loom.layout import ParallelLayout
+
+log = logging.getLogger("loom")
+OVERLONG = ("truncate", "drop")
+IDENTICAL = ("drop", "refuse")  # chosen == rejected: dropped (warned, counted) | refused (named)
+SPLITS = ("train", "val")
+SHOWN = 5  # bad rows named in the error
+
+
+def template_of(ds: DictConfig) -> ChatTemplate:
+    try:
+        return load_template(ds.get("tokenizer"), ds.get("chat_template"))
+    except TemplateError as e:
+        raise ConfigError(f"Invalid config: dataset.chat_template={ds.get('chat_template')!r}: {e}") from None
+
+
+def normalize_preference(cfg: DictConfig) -> None:
+    from loom.data.checks import absolute
+
+    ds = cfg.dataset
+    for key in ("path", "chat_template"):
+        if ds.get(key):
+            ds[key] = absolute(str(ds[key]))
+
+
+def _columns(ds: DictConfig) -> tuple[str, str, str]:
+    return str(ds.prompt_column), str(ds.chosen_column), str(ds.rejected_column)
+
+
+def check_preference(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """The fields, the tokenizer and its template, then every row rendered (once, cached)."""
+    ds = cfg.dataset
+    for key, value, choices in (("overlong", ds.overlong, OVERLONG), ("identical", ds.identical, IDENTICAL)):
+        if value not in choices:
+            fail(f"dataset.{key}", value, f"valid choices: {', '.join(choices)}")
+    if not ds.path and not ds.hub:
+        fail("dataset.path", ds.path, "give the pairs: JSON lines / parquet files (a glob works) or a save_to_disk "
+             "directory, each row with prompt, chosen and rejected (strings or lists of messages), or chosen and "
+             "rejected as whole conversations sharing the prompt")
+    if not ds.get("tokenizer"):
+        fail("dataset.tokenizer", None, "preference data needs the model's tokenizer (a local Hugging Face "
+             "tokenizer directory): its chat template and ids")
+    if layout.pp > 1:
+        fail("strategy.pp", layout.pp, "dataset=preference trains a loss over each pair's two sequences, which the "
+             "pipeline schedules do not compute: use fsdp, ddp, zero* or fsdp_tp")
+    template = template_of(ds)
+    try:
+        template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+    except TemplateError as e:
+        fail("dataset.chat_template" if ds.get("chat_template") else "dataset.tokenizer",
+             ds.get("chat_template") or ds.tokenizer, str(e))
+    dirs = stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
+    check_trainable(ds, dirs["train"])
+
+
+def check_trainable(ds: DictConfig, train_dir: Path) -> None:
+    """A train split with no pair left at dataset.seq_len is refused, counted per reason."""
+    pairs = fit(train_dir, ds.seq_len, ds.overlong)
+    if len(pairs.pairs):
+        return
+    raw = np.load(train_dir / PAIRS)
+    longest = int(raw[:, [LEN_C, LEN_R]].max(initial=0))
+    fail("dataset.seq_len", ds.seq_len, f"no pair of the {pairs.total:,} in the train split fits seq_len+1 tokens "
+         f"({pairs.reasons() or 'the split is empty'}); the longest side is {longest:,} tokens: raise "
+         "dataset.seq_len" + (" or set dataset.overlong=truncate" if pairs.dropped and pairs.overlong else ""))
+
+
+def inputs(ds: DictConfig) -> DataInputs:
+    from loom.data.prepare.hf_source import source_files
+
+    files = source_files(ds.path) if ds.path else []
+    extra = [Path(ds.chat_template)] if ds.get("chat_template") else []
+    return DataInputs(files=list(files) + extra)
+
+
+def source(ds: DictConfig) -> str:
+    return f"{ds.path or ds.hub} ({'/'.join(_columns(ds))})"
+
+
+def _key(ds: DictConfig, template: ChatTemplate) -> str:
+    from loom.data.cache import fingerprint
+    from loom.data.prepare.hf_source import source_key
+
+    spec = ("pairs", *_columns(ds), ds.val_every, ds.get("max_docs"), ds.identical,
+            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()))
+    files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
+    return fingerprint(files, *spec, None if ds.path else source_key(ds, None))
+
+
+def store_root(ds: DictConfig) -> Path:
+    """The cache entry of the rendered pairs (its train/ and val/ are the samples' split dirs)."""
+    from loom.data.cache import cache_root
+    from loom.data.prepare import tokenizer_fingerprint
+
+    tok = tokenizer_fingerprint(str(ds.tokenizer))[:12]
+    return cache_root(ds.get("cache_dir")) / f"preference-{_key(ds, template_of(ds))}-{tok}"
+
+
+def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
+    """{split: its directory}, rendered into the cache where missing (ConfigError: bad rows)."""
+    ds = cfg.dataset
+    root = store_root(ds)
+    if not _complete(root):
+        write_whole(root, _complete, lambda tmp: _render_rows(ds, tmp))
+    return {s: root / s for s in SPLITS}
+
+
+def _complete(root: Path) -> bool:
+    from loom.data.store import SIDECAR
+
+    return all((root / s / "tokens" / SIDECAR).is_file() for s in SPLITS)
+
+
+def _render_rows(ds: DictConfig, root: Path) -> None:
+    from loom.data.prepare import token_spec
+    from loom.data.prepare.encoding import load_backend
+
+    template, spec = template_of(ds), token_spec(str(ds.tokenizer))
+    tokenizer, _ = load_backend(str(ds.tokenizer))
+    out = {s: _SplitWriter(root / s, spec) for s in SPLITS}
+    try:
+        identical = _render_into(ds, out, template, tokenizer)
+    except BaseException:
+        for w in out.values():
+            w.abort()
+        raise
+    for s, w in out.items():
+        w.finish(ds, template, s, identical)
+
+
+def _pair(ds: DictConfig, row: dict, template: ChatTemplate, tokenizer: Any) -> RenderedPair | None:
+    """The row's pair rendered, or None when its chosen and rejected are identical (and dropped)."""
+    prompt, chosen, rejected = _columns(ds)
+    pair = pair_of(row, prompt, chosen, rejected)
+    if pair.identical:
+        if ds.identical == "refuse":
+            raise RowError(f"its '{chosen}' and '{rejected}' are identical: the pair prefers nothing "
+                           "(dataset.identical=drop drops such rows, counted)")
+        return None
+    return render_pair(template, tokenizer, pair, (chosen, rejected))
+
+
+def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTemplate, tokenizer: Any) -> int:
+    """Every row into its split's writer (row i is validation when i % val_every == val_every-1);
+    returns the rows dropped as identical (ConfigError: rows that cannot be trained, or none to train)."""
+    bad: list[str] = []
+    same: list[int] = []  # the first identical rows, for the warning
+    n_bad = n_rows = n_same = 0
+    every = int(ds.val_every or 0)
+    log.info(f"dataset preference: rendering {ds.path or ds.hub} with {template.source} (once)")
+    for i, row in source_rows(ds):
+        n_rows += 1
+        try:
+            rendered = _pair(ds, row, template, tokenizer)
+        except (RowError, TemplateError) as e:
+            n_bad += 1
+            if len(bad) < SHOWN:
+                bad.append(f"row {i}: {e}")
+            continue
+        if rendered is None:
+            n_same += 1
+            same += [i] if len(same) < SHOWN else []
+            continue
+        out["val" if every > 1 and i % every == every - 1 else "train"].add(rendered, i)
+    where = f"dataset.path={ds.path or ds.hub}"
+    if n_bad:
+        raise ConfigError(f"Invalid config: {where}: {n_bad:,} of {n_rows:,} rows cannot be trained (nothing was "
+                          "written). " + "; ".join(bad) + ("; ..." if n_bad > len(bad) else ""))
+    if n_same:
+        rows = ", ".join(map(str, same)) + (", ..." if n_same > len(same) else "")
+        log.warning(f"warning: {where}: {n_same:,} of {n_rows:,} rows with identical chosen and rejected dropped "
+                    f"(rows {rows}; dataset.identical=refuse refuses them)")
+    if out["train"].n == 0:
+        gone = f" ({n_same:,} with identical chosen and rejected dropped)" if n_same else ""
+        raise ConfigError(f"Invalid config: {where}: no pair to train on: {n_rows:,} rows{gone} (nothing was written)")
+    return n_same
+
+
+class _SplitWriter:
+    """The tokens store of one split (each pair's chosen, then rejected, side) and its pairs array."""
+
+    def __init__(self, d: Path, spec: Any) -> None:
+        import shutil
+
+        from loom.data.store import ShardWriter
+
+        shutil.rmtree(d, ignore_errors=True)
+        self.d, self.spec = d, spec
+        self.tokens = ShardWriter(d / "tokens" / "part-00000", spec.dtype)
+        self.rows: list[tuple[int, ...]] = []
+        self.offset = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def abort(self) -> None:
+        self.tokens.abort()
+
+    def add(self, r: RenderedPair, row: int) -> None:
+        self.tokens.add_document(r.chosen)
+        self.tokens.add_document(r.rejected)
+        c, n_c, n_r = self.offset, len(r.chosen), len(r.rejected)
+        self.rows.append((c, n_c, c + n_c, n_r, r.prompt, row))
+        self.offset += n_c + n_r
+
+    def finish(self, ds: DictConfig, template: ChatTemplate, split: str, identical: int) -> None:
+        from loom.atomic import atomic_path
+        from loom.data.store import write_sidecar
+
+        self.tokens.finish()
+        with atomic_path(self.d / PAIRS) as tmp, open(tmp, "wb") as f:
+            np.save(f, np.asarray(self.rows, dtype=np.int64).reshape(-1, 6))
+        s = self.spec
+        info = {"template": template.source, "pairs": self.n, "split": split,
+                "dropped_identical": identical}  # of the whole source (rows are dropped before the split)
+        write_sidecar(self.d / "tokens", {
+            "format": "loom-token-store", "version": 1, "shards": ["part-00000"], "documents": 2 * self.n,
+            "tokens": self.offset, "sources": [{"path": str(ds.path or ds.hub)}], "preference": info,
+            "tokenizer": s.name, "tokenizer_fingerprint": s.fingerprint, "vocab_size": s.vocab_size,
+            "eos_id": s.eos_id, "dtype": s.dtype})
