@@ -71,8 +71,7 @@ def items_per_sample(cfg: DictConfig) -> int:
 def pair_count(cfg: DictConfig) -> int | None:
     """Preference pairs in the train and validation splits, once rendered (the plan's reference cost);
     None: not pairs, or not rendered yet."""
-    count = getattr(DATASETS[cfg.dataset.name], "pair_count", None)
-    return None if count is None else count(cfg)
+    return DATASETS[cfg.dataset.name].pair_count(cfg)
 
 
 def data_vocab_size(cfg: DictConfig) -> int | None:

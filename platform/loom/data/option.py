@@ -61,6 +61,8 @@ class DatasetOption:
     # yields preference pairs (loom.data.batch.Batch.pairs): a sample is a (chosen, rejected) pair of
     # sequences, (2, seq_len) tokens, that share a micro batch and a rank (objectives, the token count)
     pairs: bool = False
+    # pairs in the train and validation splits once rendered, None before (the plan's reference cost)
+    pair_count: Callable[[DictConfig], int | None] = lambda cfg: None
 
     @property
     def name(self) -> str:

@@ -42,4 +42,4 @@ OPTION = DatasetOption(PreferenceDatasetConfig, "loom.data.options.preference.sa
                        check=build.check_preference, normalize=build.normalize_preference, packings=(),
                        packages=("transformers",),  # the chat template's renderer
                        where=lambda ds: ds.hub or ds.path, template_file=lambda ds: ds.get("chat_template") or None,
-                       pairs=True)
+                       pairs=True, pair_count=build.pair_count)

@@ -137,6 +137,15 @@ def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
     return {s: root / s for s in SPLITS}
 
 
+def pair_count(cfg: DictConfig) -> int | None:
+    """Pairs of the train and validation splits at dataset.seq_len, once rendered (None: not yet)."""
+    ds = cfg.dataset
+    root = store_root(ds)
+    if not _complete(root):
+        return None
+    return sum(len(fit(root / s, ds.seq_len, ds.overlong).pairs) for s in SPLITS)
+
+
 def _complete(root: Path) -> bool:
     from loom.data.store import SIDECAR
 
