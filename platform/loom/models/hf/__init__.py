@@ -19,7 +19,6 @@ from loom.errors import fail, require
 from loom.layout import ParallelLayout
 from loom.models import checks as shared_checks
 from loom.models.family import ModelFamily, Shapes, Targets
-from loom.models.heads import head_of
 from loom.models.hf import checks as hf_checks
 from loom.models.hf import config as hf
 from loom.models.init_from import state_shapes
@@ -157,10 +156,12 @@ def spec(cfg: DictConfig) -> ModelSpec:
 
 
 def shapes(cfg: DictConfig) -> Shapes:
-    """A transformers architecture's state dict, built on the meta device (imports torch), less a
-    `model.head=score` head: model.init_from is a causal LM's weights, the head is drawn."""
-    head = head_of(cfg.model)
-    return {k: v for k, v in state_shapes(hf.meta_model(cfg.model)).items() if not head.owns(k)}
+    """A transformers architecture's state dict, built on the meta device (imports torch): the
+    causal LM's whatever `model.head`, as model.init_from holds a causal LM's weights (under
+    model.head=score its base's names map, its lm_head is unused and the score head is drawn)."""
+    m = OmegaConf.create(OmegaConf.to_container(cfg.model))
+    m.head = "lm"
+    return state_shapes(hf.meta_model(m))
 
 
 

@@ -227,10 +227,11 @@ def check_head(cfg: DictConfig, data: dict[str, Any], layout: Any) -> None:
         _fail("model.head", head, f"transformers has no {HEADS[head].auto_class.removeprefix('AutoModel')} class "
               f"for model.config={m.config} (model_type {model_type!r}); choose an architecture that has one "
               "(Llama, Qwen2, Mistral, GPT-2, ...) or model.head=lm")
-    for key, size in (("tp", layout.tp), ("pp", layout.pp)):
+    tp_key = "strategy.tp" if "tp" in cfg.strategy else "strategy.tensor_parallel"
+    for key, what, size in ((tp_key, "tensor", layout.tp), ("strategy.pp", "pipeline", layout.pp)):
         if size > 1:
-            _fail(f"strategy.{key}", size, f"model.head={head} trains with data parallelism only (single, ddp, "
-                  f"fsdp, zero*): its head is outside the architecture's {key} plan; set strategy.{key}=1")
+            _fail(key, size, f"model.head={head} trains with data parallelism only (single, ddp, fsdp, zero*): "
+                  f"its head is outside the architecture's {what}-parallel plan; set {key}=1")
 
 
 def pad_token_id(cfg: DictConfig, data: dict[str, Any]) -> int | None:
