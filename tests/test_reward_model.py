@@ -215,7 +215,7 @@ def test_a_lora_reward_model_trains_and_exports_its_adapters_and_score_head(dirs
     assert "score.weight" in trained and all(n == "score.weight" or ".lora_" in n for n in trained), trained
     torch.manual_seed(5)
     with torch.no_grad():
-        for name, p in module.model.named_parameters():
+        for p in module.model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn_like(p) * 0.2)
     module.model.eval()

@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from loom.data.batch import IGNORE_INDEX, Batch
-from loom.models.hf import config as hf
 from loom.models.heads import head_of
+from loom.models.hf import config as hf
 from loom.models.init import Derive, FileInit, NamedInit, own_constants, std_rule
 from loom.models.lit import LoomModule, batch_loss
 
