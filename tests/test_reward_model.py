@@ -200,6 +200,19 @@ def test_export_hf_is_a_sequence_classifier_with_the_same_scores(dirs, tmp_path)
     assert (_hf_scores(exported, padded) - wants).abs().max().item() < 1e-5
 
 
+def _final_adapter(run: Path, cfg, module) -> None:
+    """final/ and summary.json as a completed single-process LoRA run writes them (loom.models.lora.export_adapter
+    on Loom's own strategy base: each entry whole on rank 0)."""
+    from types import SimpleNamespace
+
+    from loom.models.lora import export_adapter
+    from loom.strategies.base import LoomStrategy
+
+    trainer = SimpleNamespace(strategy=LoomStrategy(), global_step=3, is_global_zero=True)
+    assert export_adapter(run / "final", cfg, trainer, module, 0) == "final/"
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "global_step": 3, "final_weights": "final/"}))
+
+
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft asks transformers
 def test_a_lora_reward_model_trains_and_exports_its_adapters_and_score_head(dirs, tmp_path):
     """LoRA: adapters and the score head train (requires_grad), the checkpoint holds both, `--format peft`
@@ -225,19 +238,20 @@ def test_a_lora_reward_model_trains_and_exports_its_adapters_and_score_head(dirs
     x = _conversation(dirs)
     want = _loom_scores(module, x)
 
-    rc, out, err = _loom("export", str(run), "--format", "peft")
+    _final_adapter(run, cfg, module)  # final/ as the worker writes it at the end of the run
+    rc, out, err = _loom("export", str(run), "--format", "peft", "--step", "3")  # the checkpoint's
     assert rc == 0, err
-    adapter = _wrote(out)
-    assert "base_model.model.score.weight" in load_file(adapter / "adapter_model.safetensors")
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"], config
-    base = AutoModelForSequenceClassification.from_pretrained(dirs["base"], num_labels=1, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, adapter).eval()
-    with torch.no_grad():
-        assert (peft_model(x).logits[:, 0] - want).abs().max().item() < 1e-5
+    for adapter in (run / "final", _wrote(out)):
+        assert "base_model.model.score.weight" in load_file(adapter / "adapter_model.safetensors")
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"], config
+        base = AutoModelForSequenceClassification.from_pretrained(dirs["base"], num_labels=1, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, adapter).eval()
+        with torch.no_grad():
+            assert (peft_model(x).logits[:, 0] - want).abs().max().item() < 1e-5
 
-    rc, out, err = _loom("export", str(run), "--format", "hf")
-    assert rc == 0, err
+    rc, out, err = _loom("export", str(run), "--format", "hf")  # final/'s, merged
+    assert rc == 0 and "final (step 3)" in out, err
     merged = _wrote(out)
     assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
     assert not any("lora" in k for k in load_file(merged / "model.safetensors"))

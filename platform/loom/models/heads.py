@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+PEFT_PREFIX = "base_model.model."  # a PeftModel's prefix before the wrapped model's names
+
 
 @dataclass(frozen=True)
 class Head:
@@ -22,8 +24,10 @@ class Head:
     summary: str = ""
 
     def owns(self, name: str) -> bool:
-        """Whether parameter `name` (the network's, or peft's / a checkpoint's with a prefix) is the head's own."""
-        return any(name == m or name.startswith(f"{m}.") or f".{m}." in f".{name}" for m in self.own)
+        """Whether parameter `name` is the head's own: the network's name (`score.weight`), a
+        LightningModule's or checkpoint's (`model.score.weight`) or peft's (`base_model.model.score.weight`)."""
+        names = {name, name.removeprefix("model."), name.removeprefix(PEFT_PREFIX)}
+        return any(n == m or n.startswith(f"{m}.") for n in names for m in self.own)
 
     def class_name(self, model_type: str | None) -> str | None:
         """transformers' class of this head for an architecture (config.json's model_type), None: none."""

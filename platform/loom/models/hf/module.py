@@ -131,9 +131,13 @@ def last_token(targets: torch.Tensor) -> torch.Tensor:
 
 
 def _score_tap(model: nn.Module) -> list[torch.Tensor]:
-    """A list the score head's output lands in at each forward (a hook on transformers' `score`)."""
+    """A list holding the score head's output of the latest forward (a hook on transformers' `score`)."""
     held: list[torch.Tensor] = []
-    model.get_submodule("score").register_forward_hook(lambda _m, _a, out: held.append(out))
+
+    def tap(_m: nn.Module, _args: Any, out: torch.Tensor) -> None:
+        held[:] = [out]  # the latest only: a forward that does not read it holds no more than one
+
+    model.get_submodule("score").register_forward_hook(tap)
     if model.config.get_text_config().pad_token_id is None:  # transformers' pooling raises without one; its
         model.config.get_text_config().pad_token_id = 0  # result is unused here (export sets the tokenizer's)
     return held
