@@ -85,11 +85,15 @@ def _completion_targets(x: torch.Tensor, start: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("how", ["model.config", "model.init_from"])
-def test_the_score_head_is_drawn_and_the_base_reads_the_causal_lms_weights(dirs, how):
+def test_the_score_head_is_drawn_and_the_base_reads_the_causal_lms_weights(dirs, how, caplog):
     """Mutations caught: the causal LM built (lm_head, no score); score.weight read from the file
     (KeyError) or left at zero; the base not read (random); the drawn head not seeded by name."""
     more = ("llama", f"model.init_from={dirs['base']}") if how == "model.init_from" else ("base",)
-    cfg, module = _module(dirs, *more)
+    with caplog.at_level("INFO", logger="loom"):
+        cfg, module = _module(dirs, *more)
+    said = [r.getMessage() for r in caplog.records if "model.head=score" in r.getMessage()]
+    source = f"model.init_from={dirs['base']}" if how == "model.init_from" else f"model.config={dirs['base']}"
+    assert len(said) == 1 and "score.weight drawn by the std rule" in said[0] and source in said[0], said
     model = module.model
     assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
     assert not any("lm_head" in n for n, _ in model.named_parameters())

@@ -15,6 +15,11 @@ The merge is peft's own (`PeftModel.from_pretrained(base).merge_and_unload()`, t
 select.merge_base): the base is read whole by transformers, which this path accepts, so the merged
 weights are exactly what peft users get, with no second implementation of LoRA's scaling rules
 (alpha / r, rsLoRA, DoRA) to keep in step with peft's.
+
+A reward model (`model.head=score`, loom.models.heads) trains its score head beside the adapters: the
+adapter file holds it too (peft's modules_to_save key `base_model.model.score.weight`, task SEQ_CLS), and
+the merge starts from the base read as `...ForSequenceClassification` (num_labels=1), whose fresh head
+peft replaces with the run's.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ log = logging.getLogger("loom")
 
 
 class HFCausalLMModule(LoomModule):
-    """A transformers AutoModelForCausalLM. FSDP units: the classes the model names in
-    `_no_split_modules` (its decoder layers)."""
+    """A transformers AutoModelForCausalLM (model.head=score: AutoModelForSequenceClassification). FSDP
+    units: the classes the model names in `_no_split_modules` (its decoder layers)."""
 
     head_shapes: dict[str, tuple[int, ...]] = {}  # model.head=score: the head's parameters (set by build_model)
     _scores: list[torch.Tensor] | None = None  # model.head=score: where the head's output lands (_score_tap)
@@ -37,7 +37,6 @@ class HFCausalLMModule(LoomModule):
         self.sharding_units = tuple({type(mod) for mod in model.modules() if type(mod).__name__ in names})
         head = head_of(self.cfg.model)
         self.head_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if head.owns(n)}
-        self.lora_also_trains = head.own  # model.lora: the head trains beside the adapters (loom.models.lora)
         self.std = float(getattr(model.config, "initializer_range", 0.02))
         self._scores = _score_tap(model) if head.own else None
         return model
@@ -66,11 +65,15 @@ class HFCausalLMModule(LoomModule):
         return derive
 
     def _say_head(self, weights: Any) -> None:
+        """One log line: where a score head's base comes from, and that the head is drawn."""
         if not self.head_shapes:
             return
         m, source = self.cfg.model, getattr(self, "init_source", None)
-        base = (f"model.init_from={source}" if source is not None else f"model.config={m.config}" if weights
-                is not None else None)
+        if source is None and weights is None and hf.loads_whole(m):
+            log.info(f"model.head={m.head}: the base from model.config={m.config}'s .bin weights through transformers' "
+                     f"from_pretrained, which draws {', '.join(self.head_shapes)} by its own init")
+            return
+        base = f"model.init_from={source}" if source is not None else f"model.config={m.config}" if weights else None
         log.info(f"model.head={m.head}: {', '.join(self.head_shapes)} drawn by the std rule (normal(0, {self.std}), "
                  "seeded by name); " + (f"the base from {base} (a causal LM's weights: its lm_head unused)" if base
                                        else "the base drawn too (no causal LM's weights)"))
