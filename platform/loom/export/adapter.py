@@ -15,21 +15,29 @@ The merge is peft's own (`PeftModel.from_pretrained(base).merge_and_unload()`, t
 select.merge_base): the base is read whole by transformers, which this path accepts, so the merged
 weights are exactly what peft users get, with no second implementation of LoRA's scaling rules
 (alpha / r, rsLoRA, DoRA) to keep in step with peft's.
+
+A reward model (`model.head=score`, loom.models.heads) trains its score head beside the adapters: the
+adapter file holds it too (peft's modules_to_save key `base_model.model.score.weight`, task SEQ_CLS), and
+the merge starts from the base read as `...ForSequenceClassification` (num_labels=1), whose fresh head
+peft replaces with the run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from loom.errors import ConfigError
 from loom.export.select import ADAPTER_CONFIG, Request, merge_base
 from loom.export.sources import WeightsSource, open_source, unwrapped
+from loom.models.heads import head_of
 from loom.rundir.paths import RunDir
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -44,12 +52,14 @@ def peft_key(name: str) -> str:
     return PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}", "")
 
 
-def adapter_tensors(source: WeightsSource, dtype: torch.dtype, where: str) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor of `source` under peft's saved keys, floating ones cast to `dtype`."""
-    out = {}
+def adapter_tensors(source: WeightsSource, cfg: DictConfig, dtype: torch.dtype, where: str
+                    ) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor of `source` under peft's saved keys, and a `model.head=score` head's (peft's
+    modules_to_save), floating ones cast to `dtype`."""
+    out, head = {}, head_of(cfg.model)
     for raw in source.entries():
         name = unwrapped(raw).removeprefix(source.prefix)
-        if "lora_" in name:
+        if "lora_" in name or head.owns(name):  # a score head trains beside the adapters (loom.models.heads)
             t = source.get(raw)
             out[peft_key(name)] = t.to(dtype) if t.is_floating_point() else t
     if not out:
@@ -71,12 +81,27 @@ def adapter_config(req: Request, keys: list[str]) -> dict:
         return json.loads(own.read_text())
     from peft import LoraConfig
 
-    lora = OmegaConf.to_container(req.cfg.model.lora, resolve=True)
-    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys})
+    lora, head = OmegaConf.to_container(req.cfg.model.lora, resolve=True), head_of(req.cfg.model)
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_" in k})
     config = LoraConfig(r=int(lora["r"]), lora_alpha=lora.get("alpha") or int(lora["r"]),
                         lora_dropout=float(lora.get("dropout") or 0.0), target_modules=targets,
-                        base_model_name_or_path=_base_name(req.cfg), task_type="CAUSAL_LM")
+                        base_model_name_or_path=_base_name(req.cfg), task_type=head.task_type,
+                        modules_to_save=list(head.own) or None)
     return config.to_dict()
+
+
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    """transformers' 'newly initialized: score.weight' notice silenced where the run's head replaces it."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    if on:
+        hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _base_name(cfg) -> str | None:
@@ -95,7 +120,7 @@ def write_adapter(req: Request, out: Path, dtype: torch.dtype) -> list[Path]:
 
     source = open_source(_source_path(req.source.path))
     try:
-        tensors = adapter_tensors(source, dtype, req.source.describe(req.run_dir))
+        tensors = adapter_tensors(source, req.cfg, dtype, req.source.describe(req.run_dir))
     finally:
         source.close()
     out.mkdir(parents=True, exist_ok=True)
@@ -108,19 +133,25 @@ def write_adapter(req: Request, out: Path, dtype: torch.dtype) -> list[Path]:
 def write_merged(req: Request, dtype: torch.dtype) -> list[Path]:
     """The base (model.init_from) with the adapter merged in, by peft, saved by transformers
     into `req.out`, with the run's tokenizer files beside as the hf export writes them."""
+    import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from loom.models import hf_export_config
     from loom.rundir.hf_export import INDEX, SINGLE, copy_tokenizer
 
     hf_logging.disable_progress_bar()  # loading and writing shards: the verb prints its own lines
+    head = head_of(req.cfg.model)
     with tempfile.TemporaryDirectory(prefix="loom-adapter-") as tmp, warnings.catch_warnings():
         # peft asks transformers' deprecated is_gradient_checkpointing: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         write_adapter(req, Path(tmp), torch.float32)  # merged in fp32, cast after
-        base = AutoModelForCausalLM.from_pretrained(str(merge_base(req.cfg)[0]), dtype=torch.float32)
+        auto, own = getattr(transformers, head.auto_class), dict(head.config)  # a score head: num_labels=1
+        with _quiet(bool(head.own)):  # the base holds no score head: peft loads the run's over the fresh one
+            base = auto.from_pretrained(str(merge_base(req.cfg)[0]), dtype=torch.float32, **own)
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
+    if head.own:  # what the hf export's config.json says of the head (pad_token_id for transformers' pooling)
+        merged.config.pad_token_id = hf_export_config(req.cfg).get("pad_token_id")
     for stale in [*req.out.glob("model-*-of-*.safetensors"), req.out / INDEX, req.out / SINGLE]:
         stale.unlink(missing_ok=True)  # a re-export: no shard of the last one may stay
     merged.to(dtype).save_pretrained(req.out, max_shard_size=int(float(req.cfg.checkpoint.export_shard_gb) * 1e9))

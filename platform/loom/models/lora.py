@@ -26,10 +26,15 @@ The contract other parts build on (`loom export --format peft|hf`, `loom generat
   `adapter_config.json` (LoraConfig.save_pretrained: task_type CAUSAL_LM, base_model_name_or_path =
   model.init_from, else model.config, else null for a base Loom initialized from the seed); and the
   tokenizer's files when the run used one. `PeftModel.from_pretrained(base, final/)` loads it.
+- **A score head** (`model.head=score`, loom.models.heads) trains beside the adapters: its parameters
+  keep requires_grad, so checkpoints hold them (trainable_keys), and final/ holds them under peft's
+  modules_to_save keys (`base_model.model.score.weight`; task_type SEQ_CLS), which
+  `PeftModel.from_pretrained(AutoModelForSequenceClassification...(base, num_labels=1), final/)` loads.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -41,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from loom.models.activation_checkpointing import clean_name
+from loom.models.heads import head_of
 from loom.models.init import CHUNK, NamedInit, param_seed
 
 ADAPTER = "default"  # peft's adapter name
@@ -50,14 +56,16 @@ _PARTS = ("lora_A", "lora_B")
 
 
 def peft_config(m: DictConfig) -> Any:
-    """peft's LoraConfig of `model.lora` (its base: model.init_from, else model.config)."""
+    """peft's LoraConfig of `model.lora` (its base: model.init_from, else model.config); a
+    `model.head=score` head is saved whole beside the adapters (peft's modules_to_save, task SEQ_CLS)."""
     from peft import LoraConfig
 
-    lora = m.lora
+    lora, head = m.lora, head_of(m)
     base = m.get("init_from") or m.get("config")
     return LoraConfig(r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
                       target_modules=list(OmegaConf.to_container(lora.target_modules)), bias="none",
-                      task_type="CAUSAL_LM", base_model_name_or_path=str(base) if base else None)
+                      task_type=head.task_type, modules_to_save=list(head.own) or None,
+                      base_model_name_or_path=str(base) if base else None)
 
 
 def is_adapter(name: str) -> bool:
@@ -75,14 +83,17 @@ def adapter_only(module: Any) -> bool:
 
 
 def apply(module: Any, model: nn.Module, on_meta: bool) -> None:
-    """Wrap the targeted Linears of `model` with peft's LoRA layers and freeze the rest (see the
-    module docstring). Adapters built for real (not on meta) are initialized here, by name."""
+    """Wrap the targeted Linears of `model` with peft's LoRA layers and freeze the rest but a
+    `model.head=score` head, which trains beside them (see the module docstring). Adapters built for real (not on meta) are initialized here, by name."""
     from peft import inject_adapter_in_model
 
     config = peft_config(module.cfg.model)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=on_meta)
+    injected = copy.copy(config)
+    injected.modules_to_save = None  # peft would wrap the head (score.modules_to_save.default...): kept by name
+    inject_adapter_in_model(injected, model, adapter_name=ADAPTER, low_cpu_mem_usage=on_meta)
+    head = head_of(module.cfg.model)
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name))
+        p.requires_grad_(is_adapter(name) or head.owns(name))
     module.lora_config = config
     module.strict_loading = False  # the base is not in the checkpoint; `check_keys` is strict for the adapters
     if not on_meta:
@@ -198,7 +209,8 @@ def export_adapter(out: Path, cfg: DictConfig, trainer: Any, module: Any, rank: 
 
     strategy = trainer.strategy
     dtype = getattr(torch, EXPORT_DTYPES[cfg.checkpoint.export_dtype])
-    entries = [(k, t) for k, t in strategy.model_state_entries(trainer, module) if is_adapter(k)]
+    head = head_of(cfg.model)  # a score head trains beside the adapters: final/ holds it (peft's modules_to_save)
+    entries = [(k, t) for k, t in strategy.model_state_entries(trainer, module) if is_adapter(k) or head.owns(k)]
     specs = [(peft_key(k), strategy.full_shape(t), dtype_name(dtype)) for k, t in entries]
     tensors = ((peft_key(k), strategy.gather_full_tensor(trainer, t)) for k, t in entries)
     if rank != 0:

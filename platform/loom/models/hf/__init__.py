@@ -36,6 +36,7 @@ class HFCausalLMModelConfig:
     random_init: bool = False         # false: load the weights when they are local, else random
     init_from: str | None = None      # a run dir (its final weights) or a .safetensors file
     init_from_fingerprint: str | None = None  # set by Loom: the file's size and mtime
+    head: str = "lm"                  # lm: the causal LM | score: a scalar per sequence (loom.models.heads)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -66,6 +67,7 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
               "cache); Loom does not download models: save one with "
               "transformers.AutoConfig...save_pretrained(dir) and pass the directory")
     shared_checks.needs_tokens(cfg)
+    hf_checks.check_head(cfg, data, layout)
     loaded = not m.random_init and not m.get("init_from") and hf.has_local_weights(str(m.config))
     _hf_context(cfg, data, loaded)
     vocab = data.get("vocab_size")
@@ -155,12 +157,12 @@ def spec(cfg: DictConfig) -> ModelSpec:
 
 
 def shapes(cfg: DictConfig) -> Shapes:
-    """A transformers architecture's state dict, built on the meta device (imports torch)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return state_shapes(AutoModelForCausalLM.from_config(hf.auto_config(cfg.model)))
+    """A transformers architecture's state dict, built on the meta device (imports torch): the
+    causal LM's whatever `model.head`, as model.init_from holds a causal LM's weights (under
+    model.head=score its base's names map, its lm_head is unused and the score head is drawn)."""
+    m = OmegaConf.create(OmegaConf.to_container(cfg.model))
+    m.head = "lm"
+    return state_shapes(hf.meta_model(m))
 
 
 
@@ -174,11 +176,8 @@ def lora_targets(cfg: DictConfig) -> Targets:
 @functools.lru_cache(maxsize=8)
 def _hf_targets(key: str) -> tuple[tuple[str, tuple[int, int]], ...]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf.auto_config(OmegaConf.create(json.loads(key))))
+    model = hf.meta_model(OmegaConf.create(json.loads(key)))
     out = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -243,6 +242,6 @@ FAMILY = ModelFamily(
     keys={"layers": "model.overrides.num_hidden_layers", "heads": "model.overrides.num_attention_heads"},
     vocab=lambda cfg: int(hf.config_dict(cfg.model).get("vocab_size") or 0),
     width=lambda cfg: int(getattr(hf.auto_config(cfg.model), "hidden_size", 0) or 0),
-    hf_config=lambda cfg: hf.config_dict(cfg.model), largest=largest, parts=parts,
+    hf_config=lambda cfg: hf_checks.export_config(cfg), largest=largest, parts=parts,
     built_on_host=lambda cfg: hf.loads_whole(cfg.model), zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
     lora_targets=lora_targets, weights_dir=weights_dir, packages=("transformers",))

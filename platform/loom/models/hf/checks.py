@@ -208,3 +208,61 @@ def check_architecture(cfg: DictConfig) -> None:
     m = cfg.model
     check_overrides(m, base_config(m))
     check_weights(cfg, model_shapes(m))
+
+
+def check_head(cfg: DictConfig, data: dict[str, Any], layout: Any) -> None:
+    """`model.head`: a head Loom knows, that transformers has for this architecture (score:
+    a `...ForSequenceClassification`), on a layout it trains under (score: no tp, no pp, as its
+    head sits outside the architecture's tensor- and pipeline-parallel plans)."""
+    from loom.models.heads import HEADS
+
+    m = cfg.model
+    head = str(m.get("head") or "lm")
+    if head not in HEADS:
+        _fail("model.head", head, "valid choices: " + "; ".join(f"{k}: {h.summary}" for k, h in HEADS.items()))
+    if not HEADS[head].own:  # the causal LM's own head
+        return
+    model_type = data.get("model_type")
+    if HEADS[head].class_name(model_type) is None:
+        _fail("model.head", head, f"transformers has no {HEADS[head].auto_class.removeprefix('AutoModel')} class "
+              f"for model.config={m.config} (model_type {model_type!r}); choose an architecture that has one "
+              "(Llama, Qwen2, Mistral, GPT-2, ...) or model.head=lm")
+    tp_key = "strategy.tp" if "tp" in cfg.strategy else "strategy.tensor_parallel"
+    for key, what, size in ((tp_key, "tensor", layout.tp), ("strategy.pp", "pipeline", layout.pp)):
+        if size > 1:
+            _fail(key, size, f"model.head={head} trains with data parallelism only (single, ddp, fsdp, zero*): "
+                  f"its head is outside the architecture's {what}-parallel plan; set {key}=1")
+
+
+def pad_token_id(cfg: DictConfig, data: dict[str, Any]) -> int | None:
+    """The id transformers' sequence-classification pooling skips as padding: the run's tokenizer's
+    pad token, else its eos (a rendered conversation ends in it, unpadded), else config.json's."""
+    from loom.data.tokenizer import TokenizerUnavailable, load_tokenizer
+
+    name = cfg.dataset.get("tokenizer")
+    ids: list[Any] = [data.get("pad_token_id"), data.get("eos_token_id")]
+    if name:
+        try:
+            tok = load_tokenizer(str(name))
+            ids = [tok.pad_token_id, tok.eos_token_id, *ids]
+        except TokenizerUnavailable:
+            pass
+    for i in ids:
+        i = i[0] if isinstance(i, list) and i else i
+        if isinstance(i, int):
+            return i
+    return None
+
+
+def export_config(cfg: DictConfig) -> dict[str, Any]:
+    """config.json of the run's Hugging Face export: model.config's with the overrides; a
+    `model.head=score` run's as transformers' `...ForSequenceClassification` (architectures,
+    num_labels=1, pad_token_id), which AutoModelForSequenceClassification loads."""
+    from loom.models.heads import head_of
+
+    data = hf.config_dict(cfg.model)
+    head = head_of(cfg.model)
+    if not head.own:
+        return data
+    return {**data, "architectures": [head.class_name(data.get("model_type"))], "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id(cfg, data)}

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from loom.models.heads import head_of
+
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -107,13 +109,29 @@ def base_config(m: DictConfig):
 
 
 def auto_config(m: DictConfig):
-    """The config the model is built from: `base_config` + `model.overrides` + `model.vocab_size`."""
+    """The config the model is built from: `base_config` + `model.overrides` + `model.vocab_size`
+    + what `model.head` sets (score: num_labels=1)."""
     config = base_config(m)
-    for k, v in overrides_of(m).items():
+    for k, v in {**overrides_of(m), **head_of(m).config}.items():
         setattr(config, k, v)
     if m.vocab_size is not None:
         config.vocab_size = int(m.vocab_size)
     return config
+
+
+def model_class(m: DictConfig):
+    """transformers' Auto class of `model.head` (AutoModelForCausalLM, AutoModelForSequenceClassification)."""
+    import transformers
+
+    return getattr(transformers, head_of(m).auto_class)
+
+
+def meta_model(m: DictConfig):
+    """The network built on the meta device (shapes and counts only)."""
+    import torch
+
+    with torch.device("meta"):
+        return model_class(m).from_config(auto_config(m))
 
 
 def config_keys(config: Any) -> tuple[list[str], dict[str, str]]:
@@ -125,13 +143,10 @@ def config_keys(config: Any) -> tuple[list[str], dict[str, str]]:
 
 def parameter_shapes(m: DictConfig) -> dict[str, tuple[int, ...]]:
     """Each parameter's shape (a tied one once, under its first name, as the weights are
-    filled), from the model built on the meta device (imports torch)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(auto_config(m))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    filled), from the model built on the meta device (imports torch): those a causal LM's weights
+    fill, so a `model.head=score` head (drawn, never read) is left out."""
+    head = head_of(m)
+    return {name: tuple(p.shape) for name, p in meta_model(m).named_parameters() if not head.owns(name)}
 
 
 def build(m: DictConfig):
@@ -142,13 +157,11 @@ def build(m: DictConfig):
     transformers' own init (`_init_weights`) is skipped: Loom overwrites every parameter, and
     under `deepspeed.zero.Init` the parameters are already partitioned (empty on this rank)
     when it runs, so `embed.weight[padding_idx] = 0` (Gemma 2, Phi-3) raised IndexError."""
-    from transformers import AutoModelForCausalLM
-
-    config = auto_config(m)
+    config, auto = auto_config(m), model_class(m)
     if loads_whole(m):
-        return AutoModelForCausalLM.from_pretrained(_source(m), config=config, local_files_only=True)
+        return auto.from_pretrained(_source(m), config=config, local_files_only=True)
     with _no_init_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     model.tie_weights()  # transformers 5 ties inside the init it skipped
     return model
 
@@ -184,12 +197,8 @@ def attention_spans(m: DictConfig, seq_len: int) -> tuple[int, list[int]]:
 
 def count(m: DictConfig) -> tuple[int, int, int, int, bool]:
     """(params, embedding params, layers, width, tied head) of the model, built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = auto_config(m)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(m)
     params = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight
     embedding = emb.numel() + sum(p.numel() for n, p in model.named_parameters()
@@ -211,14 +220,10 @@ def parts(m: DictConfig) -> dict[str, Any]:
     stage's modules), the last stage's (final norm, an untied head) and the largest parameter; and
     the widths Llama's measured activation coefficients take (hidden, key/value width, intermediate).
     A dict (models.spec.Parts' fields), so this module stays free of Loom's plan types."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from loom.models.hf import parallel
 
     config = auto_config(m)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(m)
     layers_path, _, last = parallel.pipeline_split(model)
     named = dict(model.named_parameters())  # a tied head once, under the embedding's name
     plan = parallel.expanded_tp_plan(model) if getattr(config, "base_model_tp_plan", None) else {}
