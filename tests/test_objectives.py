@@ -247,32 +247,6 @@ def test_the_checks_refuse_with_exit_2_naming_the_key(tmp_path, args, named):
     assert named in err, err
 
 
-class _Pairs:
-    """A dataset option that yields pairs (until dataset=preference is merged: DatasetOption.pairs)."""
-
-    pairs = True
-
-    def __init__(self, option) -> None:
-        self._option = option
-
-    def __getattr__(self, name):
-        return getattr(self._option, name)
-
-
-def test_a_pairs_dataset_needs_a_pair_objective(monkeypatch, tmp_path):
-    """objective=lm on preference pairs is refused naming the fix; a pair objective takes them (and
-    a reference=online that ZeRO-3 does not hold passes under ZeRO-2)."""
-    from loom.data.registry import DATASETS
-    from loom.pipeline import resolve
-
-    monkeypatch.setitem(DATASETS, "tinycode", _Pairs(DATASETS["tinycode"]))
-    err = refused(tmp_path, "hardware=cpu")
-    assert "objective=lm" in err and "objective=dpo" in err, err
-    assert resolve(["hardware=cpu", "objective=dpo", "objective.reference=online", "strategy=zero2"]).objective.beta == 0.1
-    with pytest.raises(ConfigError, match="model.head=score"):
-        resolve(["hardware=cpu", "objective=reward"])
-
-
 def test_the_default_objective_keeps_every_run_id():
     """objective=lm is every run's default and leaves the run identity as it was before the group."""
     from loom.freeze import identity

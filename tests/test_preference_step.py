@@ -15,6 +15,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from chat_helpers import CHATML, make_chat_tokenizer
+from conftest import refused
 from lora_helpers import make_hf_llama
 
 from loom.data.batch import collate
@@ -141,3 +142,26 @@ def test_the_plan_counts_the_reference_and_recommends_one(inputs):
         pre.memory_per_device_bytes["params"] + on.reference["bytes_per_device"])  # the copy is counted
     assert pre.reference["flops_per_step"] == 0 and pre.reference["bytes_per_device"] == 0
     assert lora.reference["mode"] == lora.reference["recommended"] == "adapters"
+
+
+def _args(inputs: dict[str, Path]) -> list[str]:
+    return ["hardware=cpu", "dataset=preference", f"dataset.path={inputs['data']}", f"dataset.tokenizer={inputs['tok']}",
+            f"dataset.cache_dir={inputs['cache']}", "dataset.seq_len=48"]
+
+
+def test_pairs_and_objectives_refuse_what_does_not_go_together(inputs, tmp_path):
+    import shutil
+
+    err = refused(tmp_path, *_args(inputs), f"model.init_from={inputs['base']}", "model=llama")  # objective=lm
+    assert "yields preference pairs" in err and "objective=dpo" in err, err
+    err = refused(tmp_path, *_args(inputs), "model=hf_causal_lm", f"model.config={inputs['base']}", "model.head=score",
+                  "objective=dpo")
+    assert "model.head=score gives one score per sequence" in err and "objective=reward" in err, err
+    other = tmp_path / "other-base"  # a checkpoint whose own tokenizer is not the pairs'
+    shutil.copytree(inputs["base"], other)
+    make_chat_tokenizer(other, CHATML, eos="<|im_end|>", vocab_size=280)
+    err = refused(tmp_path, *_args(inputs), "model=llama", f"model.init_from={other}", "objective=dpo")
+    assert "differs from dataset.tokenizer" in err and str(other) in err, err
+    ok = resolve([*_args(inputs), "model=llama", f"model.init_from={inputs['base']}", "objective=dpo", *LORA,
+                  "objective.reference=online", "strategy=zero3"])  # under LoRA online is the base, adapters off
+    assert ok.objective.reference == "online"

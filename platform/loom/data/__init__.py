@@ -60,12 +60,17 @@ def is_pairs(ds: DictConfig) -> bool:
     return DATASETS[ds.name].pairs
 
 
+def rows_per_sample(ds: DictConfig) -> int:
+    """Sequences the model runs per sample: 2 for a preference pair (chosen and rejected), else 1."""
+    return 2 if is_pairs(ds) else 1
+
+
 def items_per_sample(cfg: DictConfig) -> int:
     """What "tokens" counts per sample: seq_len for token data (2 x seq_len for a preference pair:
     the model processes both sequences), 1 for a classified sample."""
     if not is_token_data(cfg.dataset):
         return 1
-    return int(cfg.dataset.seq_len) * (2 if is_pairs(cfg.dataset) else 1)
+    return int(cfg.dataset.seq_len) * rows_per_sample(cfg.dataset)
 
 
 def pair_count(cfg: DictConfig) -> int | None:

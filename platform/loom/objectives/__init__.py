@@ -17,9 +17,11 @@ from loom.objectives.checks import (
     check_layout,
     check_ranges,
     check_reference,
+    check_reference_tokenizer,
     dataset_pairs,
 )
-from loom.objectives.registry import OBJECTIVES, ObjectiveOption
+from loom.objectives.reference import reference_of
+from loom.objectives.registry import OBJECTIVES, ObjectiveOption, option_of
 from loom.objectives.schema import REFERENCES
 from loom.packages import Need
 
@@ -28,25 +30,6 @@ __all__ = ["NEEDS", "OBJECTIVES", "REFERENCES", "SCHEMAS", "ObjectiveOption", "c
 
 SCHEMAS: dict[str, type] = {option.name: option.schema for option in OBJECTIVES.values()}
 NEEDS: tuple[Need, ...] = ()
-
-
-def option_of(cfg: DictConfig) -> ObjectiveOption:
-    """The run's objective option (a config frozen before objectives existed: lm)."""
-    node = cfg.get("objective")
-    return OBJECTIVES[str(node.name) if node is not None else "lm"]
-
-
-def reference_of(cfg: DictConfig) -> str | None:
-    """Where the run's reference log-probs come from: "adapters" (the base with LoRA's adapters
-    disabled), "precompute" or "online"; None for an objective without a reference."""
-    option = option_of(cfg)
-    if not option.reference:
-        return None
-    ref = str(cfg.objective.reference)
-    lora = cfg.model.get("lora")
-    if lora and int(lora.get("r") or 0) > 0:  # the base without its adapters is the online reference, at no cost
-        return "precompute" if ref == "precompute" else "adapters"
-    return "precompute" if ref == "auto" else ref
 
 
 def normalize(cfg: DictConfig) -> None:
@@ -60,3 +43,4 @@ def check(cfg: DictConfig, layout: ParallelLayout) -> None:
     check_layout(cfg, option, layout)
     check_reference(cfg, option)
     check_data(cfg, option)
+    check_reference_tokenizer(cfg, option)

@@ -4,11 +4,14 @@ reference DeepSpeed can shard, and data that is (or is not) preference pairs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig
 
 from loom.data.registry import DATASETS
 from loom.errors import ConfigError, require
 from loom.layout import ParallelLayout
+from loom.objectives.reference import reference_of
 from loom.objectives.registry import OBJECTIVES, ObjectiveOption
 from loom.objectives.schema import REFERENCES
 from loom.strategies.deepspeed_config import zero_stage
@@ -38,7 +41,13 @@ def check_ranges(o: DictConfig) -> None:
 
 
 def check_head(cfg: DictConfig, option: ObjectiveOption) -> None:
-    """A reward model scores with a scalar head: hf_causal_lm's model.head=score."""
+    """A reward model scores with a scalar head: hf_causal_lm's model.head=score; and only a reward
+    objective trains one (a score head has no token logits for a language-model or DPO loss)."""
+    if cfg.model.get("head") == "score" and not option.score_head:
+        scored = ", ".join(f"objective={name}" for name, o in OBJECTIVES.items() if o.score_head)
+        raise ConfigError(f"Invalid config: model.head=score gives one score per sequence, not token logits, and "
+                          f"objective={option.name} trains token log-probabilities. Use {scored} with "
+                          "dataset=preference, or model.head=lm.")
     if not option.score_head or cfg.model.get("head") == "score":
         return
     head = cfg.model.get("head")
@@ -61,8 +70,7 @@ def check_layout(cfg: DictConfig, option: ObjectiveOption, layout: ParallelLayou
 def check_reference(cfg: DictConfig, option: ObjectiveOption) -> None:
     """reference=online under ZeRO-3: a frozen copy built outside DeepSpeed's engine would not be
     partitioned (every rank would hold all of it), so the precomputed log-probs are the way there."""
-    o = cfg.objective
-    if option.reference and o.reference == "online" and zero_stage(cfg.strategy.name) == 3:
+    if reference_of(cfg) == "online" and zero_stage(cfg.strategy.name) == 3:
         raise ConfigError(
             f"Invalid config: objective.reference=online under strategy={cfg.strategy.name}: the frozen reference "
             "copy would live outside DeepSpeed's engine, unpartitioned (the whole model on every rank). Use "
@@ -86,3 +94,40 @@ def check_data(cfg: DictConfig, option: ObjectiveOption) -> None:
             f"Invalid config: dataset={cfg.dataset.name} yields preference pairs, which objective={option.name} "
             f"does not train on. Choose a preference objective: objective=<{choices.replace(', ', '|')}> "
             "(e.g. objective=dpo), or a dataset of single sequences.")
+
+
+def _reference_tokenizer(cfg: DictConfig) -> str | None:
+    """Where the starting weights' own tokenizer is: a run dir's frozen dataset.tokenizer, or tokenizer
+    files beside the weights (a Hugging Face directory, a run's final/); None: not known."""
+    from omegaconf import OmegaConf
+
+    m = cfg.model
+    for where in (m.get("init_from"), m.get("config")):
+        d = Path(str(where)).expanduser() if where else None
+        if d is None or not d.is_dir():
+            continue
+        if (d / "config.yaml").is_file():  # a Loom run dir
+            tok = (OmegaConf.load(d / "config.yaml").get("dataset") or {}).get("tokenizer")
+            return str(tok) if tok else None
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
+            return str(d)
+    return None
+
+
+def check_reference_tokenizer(cfg: DictConfig, option: ObjectiveOption) -> None:
+    """The reference (the starting weights) must read the ids the pairs are rendered with: a checkpoint
+    trained with another tokenizer would score other tokens, and the loss would be silently wrong."""
+    if not option.pairs or not cfg.dataset.get("tokenizer"):
+        return
+    theirs = _reference_tokenizer(cfg)
+    if theirs is None or not Path(theirs).expanduser().is_dir():
+        return
+    from loom.data.prepare import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(str(cfg.dataset.tokenizer)):
+        key = "model.init_from" if cfg.model.get("init_from") else "model.config"
+        raise ConfigError(
+            f"Invalid config: {key}={cfg.model.get('init_from') or cfg.model.get('config')} was trained with the "
+            f"tokenizer {theirs}, which differs from dataset.tokenizer={cfg.dataset.tokenizer}: the reference and "
+            "the policy would score other token ids than the pairs hold. Render the pairs with the model's own "
+            f"tokenizer (dataset.tokenizer={theirs}).")

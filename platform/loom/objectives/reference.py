@@ -27,7 +27,22 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from loom.objectives.registry import option_of
+
 FILE = "reference-{model}-{data}.npy"    # beside the rendered split: (pairs, 2) float32 (chosen, rejected)
+
+
+def reference_of(cfg: DictConfig) -> str | None:
+    """Where the run's reference log-probs come from: "adapters" (the base with LoRA's adapters
+    disabled), "precompute" or "online"; None for an objective without a reference."""
+    option = option_of(cfg)
+    if not option.reference:
+        return None
+    ref = str(cfg.objective.reference)
+    lora = cfg.model.get("lora")
+    if lora and int(lora.get("r") or 0) > 0:  # the base without its adapters is the online reference, at no cost
+        return "precompute" if ref == "precompute" else "adapters"
+    return "precompute" if ref == "auto" else ref
 
 
 def model_key(cfg: DictConfig) -> str:

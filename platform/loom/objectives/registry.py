@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omegaconf import DictConfig
+
 from loom.objectives.schema import DpoObjective, IpoObjective, LmObjective, RewardObjective, SimpoObjective
 
 
@@ -37,3 +39,9 @@ OPTIONS: tuple[ObjectiveOption, ...] = (
     ObjectiveOption(RewardObjective, pairs=True, reference=False, loss=f"{LOSSES}:reward", score_head=True),
 )
 OBJECTIVES: dict[str, ObjectiveOption] = {option.name: option for option in OPTIONS}
+
+
+def option_of(cfg: DictConfig) -> ObjectiveOption:
+    """The run's objective option (a config frozen before objectives existed: lm)."""
+    node = cfg.get("objective")
+    return OBJECTIVES[str(node.name) if node is not None else "lm"]

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom import strategies
 from loom.compose import conf_dir
+from loom.data import rows_per_sample
 from loom.layout import ParallelLayout
 from loom.models import MODELS, layer_count, model_parts, model_width, trainable_params, vocab_size
 from loom.optim import state_slots
@@ -186,7 +187,7 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     if not h or not L:
         return 0.0
     mode = mode or cfg.trainer.get("activation_checkpointing", "none")
-    b, s = cfg.dataset.batch_size, cfg.dataset.seq_len
+    b, s = cfg.dataset.batch_size * rows_per_sample(cfg.dataset), cfg.dataset.seq_len  # a pair: two rows
     parts = model_parts(cfg)
     full = parts.layer_activation_bytes(s * b, tp, mixed) if parts else layer_activation_bytes(s, b, h, tp, mixed)
     ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
@@ -298,7 +299,7 @@ def tp_bytes(cfg: DictConfig, layout: ParallelLayout) -> float:
         return 0.0
     tp = layout.tp
     act = 2.0 if cfg.hardware.precision != "32-true" else 4.0
-    volume = cfg.dataset.batch_size * cfg.dataset.seq_len * model_width(cfg) * act
+    volume = cfg.dataset.batch_size * rows_per_sample(cfg.dataset) * cfg.dataset.seq_len * model_width(cfg) * act
     return cfg.trainer.accumulate_grad_batches * 4 * (layer_count(cfg) / layout.pp) * 2 * (tp - 1) / tp * volume
 
 
