@@ -122,9 +122,12 @@ def check_reference_tokenizer(cfg: DictConfig, option: ObjectiveOption) -> None:
     theirs = _reference_tokenizer(cfg)
     if theirs is None or not Path(theirs).expanduser().is_dir():
         return
-    from loom.data.prepare import tokenizer_fingerprint
+    from loom.data.prepare.encoding import load_backend
 
-    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(str(cfg.dataset.tokenizer)):
+    def vocabulary(name: str) -> dict[str, int]:  # the ids, wherever the files lie (a copy is the same tokenizer)
+        return load_backend(name)[0].get_vocab(with_added_tokens=True)
+
+    if vocabulary(theirs) != vocabulary(str(cfg.dataset.tokenizer)):
         key = "model.init_from" if cfg.model.get("init_from") else "model.config"
         raise ConfigError(
             f"Invalid config: {key}={cfg.model.get('init_from') or cfg.model.get('config')} was trained with the "

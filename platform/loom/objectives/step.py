@@ -95,14 +95,16 @@ class PairStep:
 
     def _log(self, module: Any, figures: dict[str, torch.Tensor]) -> None:
         train = module.training
-        for name in LOGGED:
+        for name in LOGGED:  # the mean over the data-parallel ranks, as train/loss is
             value = figures[name].detach()
             if train:
-                module.log(f"train/{name}", value, on_step=True, on_epoch=False)
+                module.log(f"train/{name}", value, on_step=True, on_epoch=False, sync_dist=True)
             else:
                 module.log(f"val/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
         if train:
             self.last = {k: figures[k].detach() for k in LOGGED}
+            if module._trainer is not None:  # Lightning would write them at the step before (moe/module.py)
+                module.log("step", float(module.trainer.global_step + 1), on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ before training
     def build_online(self, module: Any, strategy: Any) -> None:

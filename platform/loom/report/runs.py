@@ -257,6 +257,8 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if moe:
         rows.append(("expert load (last step)", f"max {moe['expert_load_max']:.2f}x, min {moe['expert_load_min']:.2f}x "
                      f"the mean (worst max {moe['worst_expert_load_max']:.2f}x); {moe['dropped_tokens']} tokens dropped"))
+    if s.get("objective"):
+        rows.append(("objective", objective_text(s["objective"])))
     if s.get("resumed_from_step") is not None:
         rows.append(("resumed from step", str(s["resumed_from_step"])))
     history = s.get("world_history") or []
@@ -269,6 +271,17 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if s.get("final_weights"):
         rows.append(("final weights", str(s["final_weights"])))
     return rows
+
+
+def objective_text(o: dict[str, Any]) -> str:
+    """A preference objective (summary.json `objective`): its settings, reference and last step's figures."""
+    keys = ", ".join(f"{k} {v}" for k, v in o.items() if k not in ("name", "reference", "reference_log_probs",
+                                                                   "last_step") and v is not None)
+    ref = o.get("reference")
+    how = ", ".join(f"{split} {done}" for split, done in (o.get("reference_log_probs") or {}).items())
+    said = f"{o['name']} ({keys})" + (f", reference {ref}" + (f" ({how})" if how else "") if ref else "")
+    last = o.get("last_step") or {}
+    return said + ("; last step: " + ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in last.items()) if last else "")
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
