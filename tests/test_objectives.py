@@ -13,7 +13,6 @@ from chat_helpers import make_chat_tokenizer
 from conftest import refused
 from omegaconf import OmegaConf
 
-from loom.errors import ConfigError
 from loom.objectives.losses import PairTerms, pair_loss, sequence_logps
 
 # Two pairs of token ids (prompt, chosen, rejected) of different lengths, so padding and the

@@ -247,7 +247,7 @@ def test_a_loader_stacks_pairs_and_the_datamodule_applies_no_token_scale(tmp_pat
     from loom.pipeline import resolve
 
     args = _args(tmp_path, _rows("messages", 12))
-    cfg = resolve([*args, "hardware=cpu", "hardware.devices=1", "hardware.dataloader_workers=0",
+    cfg = resolve([*args, "objective=dpo", "hardware=cpu", "hardware.devices=1", "hardware.dataloader_workers=0",
                    "dataset.batch_size=3", f"run.root={tmp_path}"])
     assert is_pairs(cfg.dataset) and items_per_sample(cfg) == model_spec(cfg).items_per_sample == 2 * 64
     chat = resolve(["dataset=chat", f"dataset.path={_chats(tmp_path)}", f"dataset.tokenizer={_tokenizer(tmp_path)}",

@@ -165,3 +165,25 @@ def test_pairs_and_objectives_refuse_what_does_not_go_together(inputs, tmp_path)
     ok = resolve([*_args(inputs), "model=llama", f"model.init_from={inputs['base']}", "objective=dpo", *LORA,
                   "objective.reference=online", "strategy=zero3"])  # under LoRA online is the base, adapters off
     assert ok.objective.reference == "online"
+
+
+def test_a_reward_step_is_bradley_terry_on_the_score_head(inputs):
+    """objective=reward: the step scores both sides with model.head=score's scalar head (each row's last
+    completion token) and trains -log sigmoid(chosen - rejected); the score head gets gradients."""
+    cfg = resolve(["model=hf_causal_lm", f"model.config={inputs['base']}", "model.head=score", *ONE_CPU,
+                   "dataset=preference", f"dataset.path={inputs['data']}", f"dataset.tokenizer={inputs['tok']}",
+                   f"dataset.cache_dir={inputs['cache']}", "dataset.seq_len=48", "dataset.batch_size=4",
+                   "dataset.val_every=4", "objective=reward"])
+    module = build_module(cfg)
+    module.pair_step = PairStep(cfg)
+    module.configure_model()
+    assert module.pair_step.mode is None and module.pair_step.scores
+    batch = collate([_sets(cfg).train_set[i] for i in range(4)])
+    loss = module.pair_step.loss(module, batch)
+    with torch.no_grad():
+        s = module.sequence_scores(batch.inputs.reshape(8, 48), batch.targets.reshape(8, 48)).view(4, 2)
+    want = -torch.nn.functional.logsigmoid(s[:, 0] - s[:, 1]).mean()
+    assert float(loss) == pytest.approx(float(want), abs=1e-6)
+    loss.backward()
+    grads = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    assert "score.weight" in grads and float(grads["score.weight"].abs().sum()) > 0

@@ -16,6 +16,7 @@ from chat_helpers import CHATML, CONVERSATIONS, make_chat_tokenizer, write_chats
 from conftest import refused
 from safetensors.torch import load_file
 from test_export import _loom, _wrote
+from test_preference_step import write_pairs
 
 from loom.models import build_module
 from loom.pipeline import resolve
@@ -43,12 +44,13 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=400, n_positions=128).save_pretrained(d / "gpt2")
     CodeGenConfig(n_layer=1, n_head=2, n_embd=32, rotary_dim=8, vocab_size=400, n_positions=128).save_pretrained(d / "codegen")
     return {"root": d, "base": d / "base", "llama": d / "llama", "gpt2": d / "gpt2", "codegen": d / "codegen",
-            "tok": make_chat_tokenizer(d / "tok", CHATML, eos="<|im_end|>"), "chats": write_chats(d / "chats.jsonl", 12)}
+            "tok": make_chat_tokenizer(d / "tok", CHATML, eos="<|im_end|>"), "chats": write_chats(d / "chats.jsonl", 12),
+            "pairs": write_pairs(d / "pairs.jsonl", 12)}
 
 
 def _args(dirs, config: str, *more: str) -> list[str]:
-    return ["model=hf_causal_lm", f"model.config={dirs[config]}", "model.head=score", "dataset=chat",
-            f"dataset.path={dirs['chats']}", f"dataset.tokenizer={dirs['tok']}", "dataset.seq_len=64",
+    return ["model=hf_causal_lm", f"model.config={dirs[config]}", "model.head=score", "objective=reward",
+            "dataset=preference", f"dataset.path={dirs['pairs']}", f"dataset.tokenizer={dirs['tok']}", "dataset.seq_len=64",
             f"dataset.cache_dir={dirs['root'] / 'cache'}", *ONE_CPU, *more]
 
 

@@ -102,8 +102,9 @@ class LoomModule(pl.LightningModule):
         return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
 
     def _step_loss(self, batch: Batch) -> torch.Tensor:
-        """The loss the batch declares: preference pairs go to the run's pair objective."""
-        if not batch.pairs:
+        """The loss the batch declares: preference pairs go to the run's pair objective (a batch of
+        another type, a user module's own, is its `_loss`'s)."""
+        if not getattr(batch, "pairs", False):
             return self._loss(batch)
         if self.pair_step is None:
             raise RuntimeError("a batch of preference pairs needs a pair objective (objective=dpo|ipo|simpo|reward)")

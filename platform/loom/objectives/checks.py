@@ -101,13 +101,16 @@ def _reference_tokenizer(cfg: DictConfig) -> str | None:
     files beside the weights (a Hugging Face directory, a run's final/); None: not known."""
     from omegaconf import OmegaConf
 
+    from loom.rundir.paths import RunDir
+
     m = cfg.model
     for where in (m.get("init_from"), m.get("config")):
         d = Path(str(where)).expanduser() if where else None
         if d is None or not d.is_dir():
             continue
-        if (d / "config.yaml").is_file():  # a Loom run dir
-            tok = (OmegaConf.load(d / "config.yaml").get("dataset") or {}).get("tokenizer")
+        frozen = RunDir(d).config
+        if frozen.is_file():  # a Loom run dir
+            tok = (OmegaConf.load(frozen).get("dataset") or {}).get("tokenizer")
             return str(tok) if tok else None
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
             return str(d)
