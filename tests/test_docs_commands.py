@@ -116,6 +116,12 @@ def _pairs(f: Path, r: Resolver) -> None:
                          for i in range(24)))
 
 
+def _prefs(f: Path, r: Resolver) -> None:
+    from test_preference_step import write_pairs
+
+    write_pairs(f, 24)
+
+
 def _hub_cache(d: Path, r: Resolver) -> None:
     """`dataset.hub=wikitext dataset.config=wikitext-2-raw-v1` as the `datasets` library's cache holds
     it once downloaded (built by the library from a local corpus; no network)."""
@@ -221,6 +227,7 @@ PLACEHOLDERS: dict[str, Callable[[Path, Resolver], None]] = {
     "/data/evals": _eval_task,
     "/data/my_dataset": _saved_dataset,
     "/data/pairs.jsonl": _pairs,
+    "/data/prefs.jsonl": _prefs,
     "/data/owt/train.bin": _flat_uint16,
     "/data/tok/web": _prepared("/data/corpus/*.txt", "/models/Llama-3.2-1B"),
     "/data/tok/code": _prepared("/data/corpus/*.txt", "/models/Llama-3.2-1B"),
@@ -228,6 +235,7 @@ PLACEHOLDERS: dict[str, Callable[[Path, Resolver], None]] = {
     "/megatron/out/my_text_document": _megatron_prefix,
     "/models/Llama-3.2-1B": _tokenizer,
     "/models/Qwen2.5-0.5B-Instruct": _hf_llama_chat,
+    "/models/sft-hf": _hf_llama_chat,
     "/models/Qwen2.5-0.5B": _hf_llama,
     "/models/Meta-Llama-3-8B": _published("llama3_8b"),
     "/models/Qwen3-30B-A3B": _published("qwen3_moe_30b_a3b"),

@@ -280,3 +280,43 @@ def test_what_a_reward_model_cannot_be_is_refused_before_launch(dirs, args, name
             "hardware.devices=2" if any(a.startswith("strategy=") for a in args) else "hardware.devices=1"]
     err = refused(dirs["root"], *base, *args)
     assert named in err, err
+
+
+def _sharded_scores_rank(rank: int, dirs: dict, init: str, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
+    """One of 2 gloo ranks: the reward model's layers and root sharded by strategy=fsdp's own
+    `shard_roots` (the root resharded after forward too), its scores and the score head's whole
+    gradient after backward."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from loom.strategies.model_parallel import shard_roots
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        _, module = _module(dirs, "base")
+        shard_roots([module.model], module.sharding_units, init_device_mesh("cpu", (2,)), True)  # fsdp's own
+        scores = module.sequence_scores(x, y)
+        scores.sum().backward()
+        grad = module.model.score.weight.grad.full_tensor()
+        if rank == 0:
+            torch.save({"scores": scores.detach(), "grad": grad}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_scores_and_the_head_gradient_under_fsdp2_on_two_ranks_equal_one_process(dirs, tmp_path):
+    """The score head (1 x hidden) shards to nothing on rank 1: its gradient must still come back, from
+    the hook FSDP2 puts on the module's output (the tapped scores alone never reach it)."""
+    import torch.multiprocessing as mp
+
+    x = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    y = torch.full((2, 12), -100)
+    y[0, 4:9], y[1, 2:11] = x[0, 5:10], x[1, 3:12]
+    _, module = _module(dirs, "base")
+    want = module.sequence_scores(x, y)
+    want.sum().backward()
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_sharded_scores_rank, args=(dirs, f"file://{tmp_path / 'store'}", x, y, out), nprocs=2)
+    got = torch.load(out)
+    assert torch.allclose(got["scores"], want.detach(), atol=1e-5)
+    assert torch.allclose(got["grad"], module.model.score.weight.grad, atol=1e-5)

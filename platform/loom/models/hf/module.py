@@ -109,8 +109,11 @@ class HFCausalLMModule(LoomModule):
             raise RuntimeError(f"token and sequence scores need model.head=score; this run's model.head="
                                f"{self.cfg.model.get('head') or 'lm'} has no score head (it is a causal LM)")
         self._scores.clear()
-        self.model(input_ids=x, use_cache=False)
-        return self._scores.pop()[..., 0]
+        pooled = self.model(input_ids=x, use_cache=False).logits
+        # The pooled output joins at zero weight: FSDP2 unshards the root's parameters (the score head's
+        # among them) for backward from a hook on the module's output, which the tapped tensor alone
+        # would never reach (seen: "setStorage ... storage of size 0" in backward under fsdp, 2 ranks).
+        return self._scores.pop()[..., 0] + 0.0 * pooled.sum()
 
     def sequence_scores(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(N,): each row's score at its last real token (`last_token`): a reward model's Bradley-Terry
