@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.data.conversation.front import inputs, normalize_paths
 from loom.data.option import DatasetOption, always
 from loom.data.options.chat import build
 
@@ -38,8 +39,8 @@ class ChatDatasetConfig:
     cache_dir: str | None = None
 
 
-OPTION = DatasetOption(ChatDatasetConfig, "loom.data.options.chat.samples:datasets", always(True), build.inputs,
+OPTION = DatasetOption(ChatDatasetConfig, "loom.data.options.chat.samples:datasets", always(True), inputs,
                        build.source, tokenized=True, stores=build.stores, check=build.check_chat,
-                       normalize=build.normalize_chat, packings=build.PACKINGS,
+                       normalize=normalize_paths, packings=build.PACKINGS,
                        packages=("transformers",),  # the chat template's renderer
                        where=lambda ds: ds.hub or ds.path, template_file=lambda ds: ds.get("chat_template") or None)

@@ -15,7 +15,6 @@ interrupted render leaves nothing in the cache. No torch here.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,11 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from loom.data.conversation.front import cache_entry, check_front, render_splits
 from loom.data.conversation.render import FORMATS, TRAIN_ON, RowError, conversation, render
 from loom.data.conversation.source import rows as source_rows
 from loom.data.conversation.source import write_whole
-from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
-from loom.data.fingerprint import DataInputs
+from loom.data.conversation.template import ChatTemplate, TemplateError
 from loom.data.options.chat.rows import CONVERSATIONS, fit
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
@@ -40,22 +39,6 @@ SPLITS = ("train", "val")
 SHOWN = 5  # bad rows named in the error
 
 
-def template_of(ds: DictConfig) -> ChatTemplate:
-    try:
-        return load_template(ds.get("tokenizer"), ds.get("chat_template"))
-    except TemplateError as e:
-        raise ConfigError(f"Invalid config: dataset.chat_template={ds.get('chat_template')!r}: {e}") from None
-
-
-def normalize_chat(cfg: DictConfig) -> None:
-    from loom.data.checks import absolute
-
-    ds = cfg.dataset
-    for key in ("path", "chat_template"):
-        if ds.get(key):
-            ds[key] = absolute(str(ds[key]))
-
-
 def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
     """The fields, the tokenizer and its template (rendering the first row), in a second."""
     ds = cfg.dataset
@@ -64,22 +47,10 @@ def check_chat(cfg: DictConfig, layout: ParallelLayout) -> None:
                                 ("empty_replies", ds.empty_replies, EMPTY_REPLIES)):
         if value not in choices:
             fail(f"dataset.{key}", value, f"valid choices: {', '.join(choices)}")
-    if not ds.path and not ds.hub:
-        fail("dataset.path", ds.path, "give the conversations: JSON lines / parquet files (a glob works) or a "
-             "save_to_disk directory, each row with a 'messages' list (or prompt/completion with "
-             "dataset.format=prompt_completion)")
-    if not ds.get("tokenizer"):
-        fail("dataset.tokenizer", None, "chat data needs the model's tokenizer (a local Hugging Face "
-             "tokenizer directory): its chat template and ids")
-    if layout.pp > 1:
-        fail("strategy.pp", layout.pp, "dataset=chat trains with a loss over the global batch's trained tokens, "
-             "which the pipeline schedules do not compute yet: use fsdp, ddp, zero* or fsdp_tp")
-    template = template_of(ds)
-    try:
-        template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
-    except TemplateError as e:
-        fail("dataset.chat_template" if ds.get("chat_template") else "dataset.tokenizer",
-             ds.get("chat_template") or ds.tokenizer, str(e))
+    check_front(ds, layout, "conversations: JSON lines / parquet files (a glob works) or a save_to_disk directory, "
+                "each row with a 'messages' list (or prompt/completion with dataset.format=prompt_completion)",
+                "trains with a loss over the global batch's trained tokens, which the pipeline schedules do not "
+                "compute yet", [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]])
     dirs = stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
     check_trainable(ds, dirs["train"])
 
@@ -96,34 +67,13 @@ def check_trainable(ds: DictConfig, train_dir: Path) -> None:
          + (", or set dataset.overlong=truncate" if rows.dropped else ""))
 
 
-def inputs(ds: DictConfig) -> DataInputs:
-    from loom.data.prepare.hf_source import source_files
-
-    files = source_files(ds.path) if ds.path else []
-    extra = [Path(ds.chat_template)] if ds.get("chat_template") else []
-    return DataInputs(files=list(files) + extra)
-
-
 def source(ds: DictConfig) -> str:
     return f"{ds.path or ds.hub} ({ds.format}, train_on={ds.train_on})"
 
 
-def _key(ds: DictConfig, template: ChatTemplate) -> str:
-    from loom.data.cache import fingerprint
-    from loom.data.prepare.hf_source import source_key
-
-    spec = (ds.format, ds.get("messages_column"), ds.train_on, ds.val_every, ds.get("max_docs"),
-            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()), ds.empty_replies)
-    files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
-    return fingerprint(files, *spec, None if ds.path else source_key(ds, None))
-
-
 def store_root(ds: DictConfig) -> Path:
-    from loom.data.cache import cache_root
-    from loom.data.prepare import tokenizer_fingerprint
-
-    tok = tokenizer_fingerprint(str(ds.tokenizer))[:12]
-    return cache_root(ds.get("cache_dir")) / f"chat-{_key(ds, template_of(ds))}-{tok}"
+    return cache_entry(ds, "chat", (ds.format, ds.get("messages_column"), ds.train_on, ds.val_every,
+                                    ds.get("max_docs"), ds.empty_replies))
 
 
 def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
@@ -154,20 +104,7 @@ def _write(ds: DictConfig, root: Path) -> None:
 
 
 def _render_rows(ds: DictConfig, root: Path) -> None:
-    from loom.data.prepare import token_spec
-    from loom.data.prepare.encoding import load_backend
-
-    template, spec = template_of(ds), token_spec(str(ds.tokenizer))
-    tokenizer, _ = load_backend(str(ds.tokenizer))
-    out = {s: _SplitWriter(root / s, spec) for s in SPLITS}
-    try:
-        empty = _render_into(ds, out, template, tokenizer)
-    except BaseException:
-        for w in out.values():
-            w.abort()
-        raise
-    for s, w in out.items():
-        w.finish(ds, template, s, empty)
+    render_splits(ds, root, SPLITS, _SplitWriter, _render_into)
 
 
 def _render_into(ds: DictConfig, out: dict[str, _SplitWriter], template: ChatTemplate, tokenizer: Any) -> int:

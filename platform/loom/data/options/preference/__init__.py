@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.data.conversation.front import inputs, normalize_paths
 from loom.data.option import DatasetOption, always
 from loom.data.options.preference import build
 
@@ -38,8 +39,8 @@ class PreferenceDatasetConfig:
 
 
 OPTION = DatasetOption(PreferenceDatasetConfig, "loom.data.options.preference.samples:datasets", always(True),
-                       build.inputs, build.source, tokenized=True, stores=build.stores,
-                       check=build.check_preference, normalize=build.normalize_preference, packings=(),
+                       inputs, build.source, tokenized=True, stores=build.stores,
+                       check=build.check_preference, normalize=normalize_paths, packings=(),
                        packages=("transformers",),  # the chat template's renderer
                        where=lambda ds: ds.hub or ds.path, template_file=lambda ds: ds.get("chat_template") or None,
                        pairs=True, pair_count=build.pair_count)

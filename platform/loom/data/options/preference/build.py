@@ -13,7 +13,6 @@ No torch here.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from loom.data.conversation.front import cache_entry, check_front, render_splits
 from loom.data.conversation.render import RowError
 from loom.data.conversation.source import rows as source_rows
 from loom.data.conversation.source import write_whole
-from loom.data.conversation.template import ChatTemplate, TemplateError, load_template
-from loom.data.fingerprint import DataInputs
+from loom.data.conversation.template import ChatTemplate, TemplateError
 from loom.data.options.preference.fit import LEN_C, LEN_R, PAIRS, fit
 from loom.data.options.preference.pairs import RenderedPair, pair_of, render_pair
 from loom.errors import ConfigError, fail
@@ -38,22 +37,6 @@ SPLITS = ("train", "val")
 SHOWN = 5  # bad rows named in the error
 
 
-def template_of(ds: DictConfig) -> ChatTemplate:
-    try:
-        return load_template(ds.get("tokenizer"), ds.get("chat_template"))
-    except TemplateError as e:
-        raise ConfigError(f"Invalid config: dataset.chat_template={ds.get('chat_template')!r}: {e}") from None
-
-
-def normalize_preference(cfg: DictConfig) -> None:
-    from loom.data.checks import absolute
-
-    ds = cfg.dataset
-    for key in ("path", "chat_template"):
-        if ds.get(key):
-            ds[key] = absolute(str(ds[key]))
-
-
 def _columns(ds: DictConfig) -> tuple[str, str, str]:
     return str(ds.prompt_column), str(ds.chosen_column), str(ds.rejected_column)
 
@@ -64,23 +47,11 @@ def check_preference(cfg: DictConfig, layout: ParallelLayout) -> None:
     for key, value, choices in (("overlong", ds.overlong, OVERLONG), ("identical", ds.identical, IDENTICAL)):
         if value not in choices:
             fail(f"dataset.{key}", value, f"valid choices: {', '.join(choices)}")
-    if not ds.path and not ds.hub:
-        fail("dataset.path", ds.path, "give the pairs: JSON lines / parquet files (a glob works) or a save_to_disk "
-             "directory, each row with prompt, chosen and rejected (strings or lists of messages), or chosen and "
-             "rejected as whole conversations sharing the prompt")
-    if not ds.get("tokenizer"):
-        fail("dataset.tokenizer", None, "preference data needs the model's tokenizer (a local Hugging Face "
-             "tokenizer directory): its chat template and ids")
-    if layout.pp > 1:
-        fail("strategy.pp", layout.pp, "dataset=preference trains a loss over each pair's two sequences, which the "
-             "pipeline schedules do not compute: use fsdp, ddp, zero* or fsdp_tp")
-    template = template_of(ds)
-    try:
-        template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-        template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
-    except TemplateError as e:
-        fail("dataset.chat_template" if ds.get("chat_template") else "dataset.tokenizer",
-             ds.get("chat_template") or ds.tokenizer, str(e))
+    check_front(ds, layout, "pairs: JSON lines / parquet files (a glob works) or a save_to_disk directory, each row "
+                "with prompt, chosen and rejected (strings or lists of messages), or chosen and rejected as whole "
+                "conversations sharing the prompt", "trains a loss over each pair's two sequences, which the "
+                "pipeline schedules do not compute", [[{"role": "user", "content": "hi"}],
+                                                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]])
     dirs = stores(cfg)  # every row rendered (once, cached) before anything is written: bad rows exit 2 here
     check_trainable(ds, dirs["train"])
 
@@ -97,35 +68,13 @@ def check_trainable(ds: DictConfig, train_dir: Path) -> None:
          "dataset.seq_len" + (" or set dataset.overlong=truncate" if pairs.dropped and pairs.overlong else ""))
 
 
-def inputs(ds: DictConfig) -> DataInputs:
-    from loom.data.prepare.hf_source import source_files
-
-    files = source_files(ds.path) if ds.path else []
-    extra = [Path(ds.chat_template)] if ds.get("chat_template") else []
-    return DataInputs(files=list(files) + extra)
-
-
 def source(ds: DictConfig) -> str:
     return f"{ds.path or ds.hub} ({'/'.join(_columns(ds))})"
 
 
-def _key(ds: DictConfig, template: ChatTemplate) -> str:
-    from loom.data.cache import fingerprint
-    from loom.data.prepare.hf_source import source_key
-
-    spec = ("pairs", *_columns(ds), ds.val_every, ds.get("max_docs"), ds.identical,
-            hashlib.sha1(template.text.encode()).hexdigest(), sorted(template.special.items()))
-    files = [f for f in inputs(ds).files if f.is_file()] if ds.path else []
-    return fingerprint(files, *spec, None if ds.path else source_key(ds, None))
-
-
 def store_root(ds: DictConfig) -> Path:
     """The cache entry of the rendered pairs (its train/ and val/ are the samples' split dirs)."""
-    from loom.data.cache import cache_root
-    from loom.data.prepare import tokenizer_fingerprint
-
-    tok = tokenizer_fingerprint(str(ds.tokenizer))[:12]
-    return cache_root(ds.get("cache_dir")) / f"preference-{_key(ds, template_of(ds))}-{tok}"
+    return cache_entry(ds, "preference", ("pairs", *_columns(ds), ds.val_every, ds.get("max_docs"), ds.identical))
 
 
 def stores(cfg: DictConfig, workers: int | None = 1) -> dict[str, Path]:
@@ -153,20 +102,7 @@ def _complete(root: Path) -> bool:
 
 
 def _render_rows(ds: DictConfig, root: Path) -> None:
-    from loom.data.prepare import token_spec
-    from loom.data.prepare.encoding import load_backend
-
-    template, spec = template_of(ds), token_spec(str(ds.tokenizer))
-    tokenizer, _ = load_backend(str(ds.tokenizer))
-    out = {s: _SplitWriter(root / s, spec) for s in SPLITS}
-    try:
-        identical = _render_into(ds, out, template, tokenizer)
-    except BaseException:
-        for w in out.values():
-            w.abort()
-        raise
-    for s, w in out.items():
-        w.finish(ds, template, s, identical)
+    render_splits(ds, root, SPLITS, _SplitWriter, _render_into)
 
 
 def _pair(ds: DictConfig, row: dict, template: ChatTemplate, tokenizer: Any) -> RenderedPair | None:
