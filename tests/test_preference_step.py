@@ -187,3 +187,17 @@ def test_a_reward_step_is_bradley_terry_on_the_score_head(inputs):
     loss.backward()
     grads = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
     assert "score.weight" in grads and float(grads["score.weight"].abs().sum()) > 0
+
+
+def test_the_plan_counts_a_pair_as_two_rows_and_a_score_head_as_one_output(inputs):
+    """Activations hold both sequences of a pair; a reward model's score head writes one value per
+    token, not the vocabulary's logits."""
+    common = ["model=hf_causal_lm", f"model.config={inputs['base']}", *ONE_CPU[:2], "dataset=preference",
+              f"dataset.path={inputs['data']}", f"dataset.tokenizer={inputs['tok']}",
+              f"dataset.cache_dir={inputs['cache']}", "dataset.seq_len=48", "dataset.batch_size=2"]
+    lm = make_plan(resolve([*common, "objective=dpo"]))
+    score = make_plan(resolve([*common, "objective=reward", "model.head=score"]))
+    rows = 2 * 2  # dataset.batch_size pairs of two sequences
+    assert lm.tokens_per_step == rows * 48
+    logits = lm.memory_per_device_bytes["activations"] - score.memory_per_device_bytes["activations"]
+    assert logits == pytest.approx(2 * 4 * rows * 48 * (300 - 1))  # fp32 logits and grads: vocab -> 1

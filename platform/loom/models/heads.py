@@ -21,6 +21,7 @@ class Head:
     task_type: str           # peft's LoraConfig.task_type for a LoRA run's adapter
     config: dict[str, Any] = field(default_factory=dict)  # set on the architecture's config
     own: tuple[str, ...] = ()  # the head's modules: not in a causal LM's weights, drawn by the std rule
+    outputs: int | None = None  # values per token it writes (the plan's logits memory); None: the vocabulary
     summary: str = ""
 
     def owns(self, name: str) -> bool:
@@ -40,7 +41,7 @@ HEADS: dict[str, Head] = {
     "lm": Head("lm", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "CAUSAL_LM",
                summary="the causal LM (next-token logits over the vocabulary)"),
     "score": Head("score", "AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-                  "SEQ_CLS", config={"num_labels": 1}, own=("score",),
+                  "SEQ_CLS", config={"num_labels": 1}, own=("score",), outputs=1,
                   summary="a scalar score per token, read at the sequence's last token (a reward model)"),
 }
 

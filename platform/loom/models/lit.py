@@ -110,6 +110,10 @@ class LoomModule(pl.LightningModule):
             raise RuntimeError("a batch of preference pairs needs a pair objective (objective=dpo|ipo|simpo|reward)")
         return self.pair_step.loss(self, batch)
 
+    def with_auxiliary(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss plus what the family adds to every step's (a mixture of experts' balance loss)."""
+        return loss
+
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         pipe = self._pipeline()
         return self._step_loss(batch) if pipe is None else self._pipeline_step(pipe, batch)

@@ -49,18 +49,18 @@ class PairStep:
     def loss(self, module: Any, batch: Batch) -> torch.Tensor:
         b, _, t = batch.inputs.shape
         x, y = batch.inputs.reshape(2 * b, t), batch.targets.reshape(2 * b, t)
+        ref = self._reference(module, batch, x, y)  # first: what a forward leaves behind (MoE loads) is the policy's
         counts = (y != -100).sum(-1).to(torch.float32)
         if self.scores:
             own = module.sequence_scores(x, y).float()
         else:
             own, counts = sequence_logps(module.logits(x), y, module._vocab_used)
-        ref = self._reference(module, batch, x, y)
         own, counts = own.view(b, 2), counts.view(b, 2)
         terms = PairTerms(own[:, 0], own[:, 1], counts[:, 0], counts[:, 1],
                           None if ref is None else ref[:, 0], None if ref is None else ref[:, 1])
         loss, figures = pair_loss(self.objective, terms)
         self._log(module, figures)
-        return loss
+        return module.with_auxiliary(loss)
 
     def _reference(self, module: Any, batch: Batch, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """(B, 2) reference log-probs of the micro batch's pairs, or None (a reference-free objective)."""

@@ -33,6 +33,7 @@ from loom.compose import conf_dir
 from loom.data import rows_per_sample
 from loom.layout import ParallelLayout
 from loom.models import MODELS, layer_count, model_parts, model_width, trainable_params, vocab_size
+from loom.models.heads import head_of
 from loom.optim import state_slots
 from loom.plan.experts import all_to_all_bytes, expert_group_fraction, expert_share
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
@@ -193,7 +194,8 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
     kept_input = s * b * h * (2.0 if mixed else 4.0)
     stored = (L - ckpt) * full + ckpt * kept_input + (full if ckpt else 0.0)
-    logits = 2 * 4 * b * s * vocab_size(cfg) / tp  # fp32 logits and their gradient
+    outputs = head_of(cfg.model).outputs or vocab_size(cfg)  # a score head writes one value per token
+    logits = 2 * 4 * b * s * outputs / tp  # fp32 logits and their gradient
     return stored + logits
 
 

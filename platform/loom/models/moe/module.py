@@ -79,7 +79,11 @@ class MoEModule(DecoderModule):
         return read_per_expert
 
     def _loss(self, batch) -> torch.Tensor:
-        loss = super()._loss(batch)
+        return self.with_auxiliary(super()._loss(batch))
+
+    def with_auxiliary(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss plus the routers' balance loss, the experts' loads kept for the step's end
+        (a pair objective's step calls it too: its forward ran the same blocks)."""
         if not self.training or self._trainer is None:
             return loss
         loads = [b.load for b in self.model.moe_blocks()]
