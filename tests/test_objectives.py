@@ -25,6 +25,28 @@ PAIRS = [
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def one_process_trainers(monkeypatch):
+    """TRL's trainers build accelerate's state, which joins a process group when the environment names
+    one (an earlier in-process run of the suite leaves LOCAL_RANK and MASTER_ADDR behind; the fresh-clone
+    CI then failed later tests with "initialize the default process group twice"): none here, and no
+    group or accelerate state left for the tests after."""
+    import torch.distributed as dist
+
+    for key in DIST_ENV:
+        monkeypatch.delenv(key, raising=False)
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A byte-level BPE tokenizer and a tiny Llama (policy) saved with save_pretrained, loaded back
