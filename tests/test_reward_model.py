@@ -320,3 +320,12 @@ def test_scores_and_the_head_gradient_under_fsdp2_on_two_ranks_equal_one_process
     got = torch.load(out)
     assert torch.allclose(got["scores"], want.detach(), atol=1e-5)
     assert torch.allclose(got["grad"], module.model.score.weight.grad, atol=1e-5)
+
+
+def test_the_plan_counts_the_score_head_beside_the_adapters(dirs):
+    """Under LoRA a reward model trains its adapters and its score head (hidden x 1): the plan's count
+    is the module's own count of trainable parameters."""
+    from loom.models import trainable_params
+
+    cfg, module = _module(dirs, "base", "model.lora.r=4", "model.lora.alpha=8")
+    assert trainable_params(cfg) == sum(p.numel() for p in module.model.parameters() if p.requires_grad)

@@ -17,6 +17,7 @@ from loom.data import items_per_sample
 from loom.errors import fail
 from loom.layout import ParallelLayout
 from loom.models import checks, init_from, lora_checks
+from loom.models.heads import head_of
 from loom.models.registry import FAMILIES, MODELS
 from loom.models.spec import ModelSpec, Parts
 from loom.packages import Need
@@ -85,11 +86,12 @@ def _check_export_format(cfg: DictConfig) -> None:
 
 def trainable_params(cfg: DictConfig) -> int | None:
     """Parameters the optimizer updates when fewer than all: LoRA's adapters, r x (in + out) per
-    wrapped Linear (models.lora_checks); None when every parameter trains."""
+    wrapped Linear (models.lora_checks), and a score head's own weights; None when every parameter trains."""
     option = MODELS[cfg.model.name]
     if not lora_checks.lora_on(cfg.get("model")) or option.lora_targets is None:
         return None
-    return lora_checks.adapter_params(cfg, option.lora_targets(cfg))
+    head = head_of(cfg.model).own_params(model_width(cfg))  # a reward model's score head trains too
+    return lora_checks.adapter_params(cfg, option.lora_targets(cfg)) + head
 
 
 def module_classes(cfg: DictConfig) -> tuple[str, ...]:

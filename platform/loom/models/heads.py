@@ -30,6 +30,10 @@ class Head:
         names = {name, name.removeprefix("model."), name.removeprefix(PEFT_PREFIX)}
         return any(n == m or n.startswith(f"{m}.") for n in names for m in self.own)
 
+    def own_params(self, width: int) -> int:
+        """Parameters of the head's own modules (trained beside LoRA's adapters): width x outputs, no bias."""
+        return width * int(self.outputs or 0) if self.own else 0
+
     def class_name(self, model_type: str | None) -> str | None:
         """transformers' class of this head for an architecture (config.json's model_type), None: none."""
         from transformers.models.auto import modeling_auto
