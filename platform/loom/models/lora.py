@@ -104,15 +104,19 @@ def apply(module: Any, model: nn.Module, on_meta: bool) -> None:
                     init.fill_flat(p.view(-1), clean_name(name), tuple(p.shape), 0)
 
 
-@contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The base model alone (a preference objective's reference under LoRA: no second copy), as
-    peft's `PeftModel.disable_adapter()` gives it, on injected adapters. The layers' `_disable_adapters`
-    flag is set directly: peft's `enable_adapters(False)` also flips the adapters' requires_grad, which
-    FSDP2's sharded parameters must not see change in the middle of a step."""
+def tuner_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules peft injected adapters into (what `adapters_off` switches)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextmanager
+def adapters_off(layers: list[nn.Module]) -> Iterator[None]:
+    """The base model alone (a preference objective's reference under LoRA: no second copy), as
+    peft's `PeftModel.disable_adapter()` gives it, on injected adapters (`tuner_layers`). The layers'
+    `_disable_adapters` flag is set directly: peft's `enable_adapters(False)` also flips the adapters'
+    requires_grad, which FSDP2's sharded parameters must not see change in the middle of a step."""
     saved = [m._disable_adapters for m in layers]
     for m in layers:
         m._disable_adapters = True

@@ -18,15 +18,13 @@ from loom.objectives.checks import (
     check_ranges,
     check_reference,
     check_reference_tokenizer,
-    dataset_pairs,
 )
 from loom.objectives.reference import reference_of
 from loom.objectives.registry import OBJECTIVES, ObjectiveOption, option_of
 from loom.objectives.schema import REFERENCES
 from loom.packages import Need
 
-__all__ = ["NEEDS", "OBJECTIVES", "REFERENCES", "SCHEMAS", "ObjectiveOption", "check", "dataset_pairs",
-           "normalize", "option_of", "reference_of"]
+__all__ = ["NEEDS", "OBJECTIVES", "REFERENCES", "SCHEMAS", "ObjectiveOption", "check", "normalize", "option_of", "reference_of"]
 
 SCHEMAS: dict[str, type] = {option.name: option.schema for option in OBJECTIVES.values()}
 NEEDS: tuple[Need, ...] = ()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from loom.data import is_pairs
 from loom.data.registry import DATASETS
 from loom.errors import ConfigError, require
 from loom.layout import ParallelLayout
@@ -15,11 +16,6 @@ from loom.objectives.reference import reference_of
 from loom.objectives.registry import OBJECTIVES, ObjectiveOption
 from loom.objectives.schema import REFERENCES
 from loom.strategies.deepspeed_config import zero_stage
-
-
-def dataset_pairs(cfg: DictConfig) -> bool:
-    """Whether the run's dataset yields preference pairs (its DatasetOption says; never its name)."""
-    return bool(getattr(DATASETS.get(cfg.dataset.name), "pairs", False))
 
 
 def check_ranges(o: DictConfig) -> None:
@@ -80,8 +76,8 @@ def check_reference(cfg: DictConfig, option: ObjectiveOption) -> None:
 
 def check_data(cfg: DictConfig, option: ObjectiveOption) -> None:
     """A pair objective reads preference pairs; pairs are refused by an objective that is not one."""
-    pairs = dataset_pairs(cfg)
-    named = [name for name, d in DATASETS.items() if getattr(d, "pairs", False)]
+    pairs = is_pairs(cfg.dataset)
+    named = [name for name, d in DATASETS.items() if d.pairs]
     if option.pairs and not pairs:
         where = f"dataset={named[0]}" if named else "a preference-pair dataset"
         raise ConfigError(
@@ -122,15 +118,15 @@ def check_reference_tokenizer(cfg: DictConfig, option: ObjectiveOption) -> None:
     trained with another tokenizer would score other tokens, and the loss would be silently wrong."""
     if not option.pairs or not cfg.dataset.get("tokenizer"):
         return
-    theirs = _reference_tokenizer(cfg)
-    if theirs is None or not Path(theirs).expanduser().is_dir():
+    theirs, ours = _reference_tokenizer(cfg), str(cfg.dataset.tokenizer)
+    if theirs is None or not Path(theirs).expanduser().is_dir() or Path(theirs).resolve() == Path(ours).resolve():
         return
     from loom.data.prepare.encoding import load_backend
 
     def vocabulary(name: str) -> dict[str, int]:  # the ids, wherever the files lie (a copy is the same tokenizer)
         return load_backend(name)[0].get_vocab(with_added_tokens=True)
 
-    if vocabulary(theirs) != vocabulary(str(cfg.dataset.tokenizer)):
+    if vocabulary(theirs) != vocabulary(ours):
         key = "model.init_from" if cfg.model.get("init_from") else "model.config"
         raise ConfigError(
             f"Invalid config: {key}={cfg.model.get('init_from') or cfg.model.get('config')} was trained with the "

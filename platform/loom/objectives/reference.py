@@ -38,9 +38,10 @@ def reference_of(cfg: DictConfig) -> str | None:
     option = option_of(cfg)
     if not option.reference:
         return None
+    from loom.models.lora_checks import lora_on
+
     ref = str(cfg.objective.reference)
-    lora = cfg.model.get("lora")
-    if lora and int(lora.get("r") or 0) > 0:  # the base without its adapters is the online reference, at no cost
+    if lora_on(cfg.get("model")):  # the base without its adapters is the online reference, at no cost
         return "precompute" if ref == "precompute" else "adapters"
     return "precompute" if ref == "auto" else ref
 

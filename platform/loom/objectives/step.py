@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from loom.data.batch import Batch, collate
+from loom.data.batch import IGNORE_INDEX, Batch, collate
 from loom.objectives import option_of, reference_of
 from loom.objectives.losses import PairTerms, pair_loss, sequence_logps
 from loom.objectives.reference import reference_path
@@ -42,17 +42,18 @@ class PairStep:
         self.mode = reference_of(cfg)          # adapters | precompute | online | None
         self.scores = option_of(cfg).score_head  # a scalar head's scores instead of log-probs
         self.online: list[torch.nn.Module] = []  # the frozen copy (a list: not a submodule of the module)
-        self.last: dict[str, torch.Tensor] = {}  # this rank's figures of the last training step
+        self.last: torch.Tensor | None = None    # the last training step's LOGGED figures, mean over the ranks
         self.precomputed: dict[str, str] = {}    # split -> "computed" | "read" (summary.json)
+        self.checked: set[bool] = set()          # phases (module.training) whose batches held their reference
+        self.tuners: list | None = None          # the LoRA layers the adapters-off reference switches
 
     # ------------------------------------------------------------------ the step
     def loss(self, module: Any, batch: Batch) -> torch.Tensor:
         b, _, t = batch.inputs.shape
         x, y = batch.inputs.reshape(2 * b, t), batch.targets.reshape(2 * b, t)
         ref = self._reference(module, batch, x, y)  # first: what a forward leaves behind (MoE loads) is the policy's
-        counts = (y != -100).sum(-1).to(torch.float32)
         if self.scores:
-            own = module.sequence_scores(x, y).float()
+            own, counts = module.sequence_scores(x, y).float(), (y != IGNORE_INDEX).sum(-1).float()
         else:
             own, counts = sequence_logps(module.logits(x), y, module._vocab_used)
         own, counts = own.view(b, 2), counts.view(b, 2)
@@ -68,9 +69,11 @@ class PairStep:
             return None
         if self.mode == "precompute":
             ref = batch.reference
-            if ref is None or bool(ref.isnan().any()):
-                raise RuntimeError("objective.reference=precompute: a batch reached the step without its reference "
-                                   "log-probs (the pass before training did not set them on the dataset)")
+            if module.training not in self.checked:  # the first batch of each phase (a host sync: not every step)
+                if ref is None or bool(ref.isnan().any()):
+                    raise RuntimeError("objective.reference=precompute: a batch reached the step without its "
+                                       "reference log-probs (the pass before training did not set them on the dataset)")
+                self.checked.add(module.training)
             return ref.to(torch.float32)
         return self.reference_logps(module, x, y).view(-1, 2)
 
@@ -78,14 +81,16 @@ class PairStep:
     def reference_logps(self, module: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Per-row reference log-probs: the frozen copy, or the base with its adapters off, in eval
         mode (the reference is a fixed function: no dropout)."""
-        from loom.models.lora import adapters_off
+        from loom.models.lora import adapters_off, tuner_layers
 
         net = self.online[0] if self.mode == "online" else module.model
         was = net.training
         net.eval()
         try:
             if self.mode == "adapters":
-                with adapters_off(net):
+                if self.tuners is None:  # found once: a walk over every module per step would cost the step
+                    self.tuners = tuner_layers(net)
+                with adapters_off(self.tuners):
                     logits = module.logits(x, net)
             else:
                 logits = module.logits(x, net)
@@ -94,17 +99,20 @@ class PairStep:
         return sequence_logps(logits, y, module._vocab_used)[0]
 
     def _log(self, module: Any, figures: dict[str, torch.Tensor]) -> None:
-        train = module.training
-        for name in LOGGED:  # the mean over the data-parallel ranks, as train/loss is
-            value = figures[name].detach()
-            if train:
-                module.log(f"train/{name}", value, on_step=True, on_epoch=False, sync_dist=True)
-            else:
+        """Training: the step's figures averaged over the data-parallel ranks in one all-reduce (no host
+        sync), as train/loss is; validation: Lightning's mean over the epoch and the ranks."""
+        values = torch.stack([figures[k] for k in LOGGED])
+        if not module.training:
+            for name, value in zip(LOGGED, values, strict=True):
                 module.log(f"val/{name}", value, on_step=False, on_epoch=True, sync_dist=True)
-        if train:
-            self.last = {k: figures[k].detach() for k in LOGGED}
-            if module._trainer is not None:  # Lightning would write them at the step before (moe/module.py)
-                module.log("step", float(module.trainer.global_step + 1), on_step=True, on_epoch=False)
+            return
+        if module._trainer is not None:
+            values = module.trainer.strategy.reduce(values, reduce_op="mean")
+            module.log("step", float(module.trainer.global_step + 1), on_step=True, on_epoch=False)  # not the step
+            # before, where Lightning would write them (moe/module.py)
+        for name, value in zip(LOGGED, values, strict=True):
+            module.log(f"train/{name}", value, on_step=True, on_epoch=False)
+        self.last = values
 
     # ------------------------------------------------------------------ before training
     def build_online(self, module: Any, strategy: Any) -> None:
@@ -187,17 +195,15 @@ class PairStep:
         return ordered.cpu().numpy().astype(np.float32)
 
     # ------------------------------------------------------------------ the summary
-    def summary(self, trainer: Any) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """summary.json `objective`: what was optimized, against which reference, and the last step's
         figures (mean over the data-parallel ranks); the validation's are in `validation`."""
         out: dict[str, Any] = {"name": str(self.objective.name), "reference": self.mode,
                                **{k: v for k, v in self.objective.items() if k not in ("name", "reference")}}
         if self.precomputed:
             out["reference_log_probs"] = dict(self.precomputed)
-        if self.last:
-            stacked = torch.stack([self.last[k].float() for k in LOGGED])
-            mean = trainer.strategy.reduce(stacked, reduce_op="mean")
-            out["last_step"] = {k: round(float(v), 6) for k, v in zip(LOGGED, mean, strict=True)}
+        if self.last is not None:
+            out["last_step"] = {k: round(float(v), 6) for k, v in zip(LOGGED, self.last, strict=True)}
         return out
 
 

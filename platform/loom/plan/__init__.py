@@ -145,7 +145,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     if pipe:  # a device holds its stages only: the plan's memory is the fullest stage's
         mem = _fullest_stage(pipe, mem)
     cap, where = capacity(hw)
-    reference = reference_cost(cfg, layout, params, spec.flops_per_token, tokens, data.pair_count(cfg),
+    reference = reference_cost(cfg, layout, params, spec.flops_per_token, global_batch, data.pair_count(cfg),
                                None if cap is None else cap - mem.total)
     if reference is not None and reference["mode"] == "online":  # the frozen copy beside the policy
         mem.params += reference["bytes_per_device"]

@@ -25,9 +25,10 @@ from loom.plan.evaluation import FORWARD_SHARE
 
 
 def reference_cost(cfg: DictConfig, layout: ParallelLayout, params: float, flops_per_token: float | None,
-                   tokens_per_step: int, pairs: int | None, room: float | None) -> dict[str, Any] | None:
+                   global_batch: int, pairs: int | None, room: float | None) -> dict[str, Any] | None:
     """plan.json `reference`: the run's mode, each mode's bytes per device, FLOPs per step and FLOPs
-    once, and the recommendation with its reason (None: the objective has no reference). `pairs`: the
+    once, and the recommendation with its reason (None: the objective has no reference). `global_batch`:
+    the pairs of one step; `pairs`: the
     train and validation pairs (None: not rendered yet); `room`: device bytes left beside the run's
     estimate (None: capacity unknown)."""
     mode = reference_of(cfg)
@@ -36,32 +37,26 @@ def reference_cost(cfg: DictConfig, layout: ParallelLayout, params: float, flops
     mixed = cfg.hardware.precision != "32-true"
     shards = layout.dp_shard if strategies.option(cfg.strategy.name).states == "all" else 1
     copy = (2.0 if mixed else 4.0) * params / max(1, shards)
-    forward = FORWARD_SHARE * flops_per_token * tokens_per_step if flops_per_token else None
     per_pair = FORWARD_SHARE * flops_per_token * 2 * int(cfg.dataset.seq_len) if flops_per_token else None
+    forward = per_pair * global_batch if per_pair is not None else None
     once = per_pair * pairs if per_pair is not None and pairs is not None else None
     options = {"online": {"bytes_per_device": copy, "flops_per_step": forward, "flops_once": 0.0},
                "precompute": {"bytes_per_device": 0.0, "flops_per_step": 0.0, "flops_once": once}}
     if mode == "adapters":
         options = {"adapters": {"bytes_per_device": 0.0, "flops_per_step": forward, "flops_once": 0.0}, **options}
-    best, why = _recommend(cfg, mode, copy, pairs, room)
+    best, why = _recommend(mode, copy, int(cfg.trainer.max_steps) * global_batch, pairs, room)
     return {"mode": mode, **options[mode], "options": options, "pairs": pairs, "recommended": best, "why": why}
 
 
-def _recommend(cfg: DictConfig, mode: str, copy: float, pairs: int | None, room: float | None) -> tuple[str, str]:
+def _recommend(mode: str, copy: float, trained: int, pairs: int | None, room: float | None) -> tuple[str, str]:
     if mode == "adapters":
         return "adapters", "LoRA: the base with its adapters off is the reference, at no memory"
     if room is not None and copy > room:
         return "precompute", "a frozen copy does not fit beside the policy's states"
-    trained = int(cfg.trainer.max_steps) * _global_batch(cfg)
     if pairs is not None and trained < pairs:
         return "online", (f"the run trains {trained:,} pairs of the data's {pairs:,}: a forward per trained pair "
                           "costs less than one over them all")
     return "precompute", "one forward per pair, once and reused by later runs; no copy in memory"
-
-
-def _global_batch(cfg: DictConfig) -> int:
-    layout = strategies.layout_of(cfg)
-    return layout.global_batch(int(cfg.dataset.batch_size), int(cfg.trainer.accumulate_grad_batches))
 
 
 def cost_line(ref: dict[str, Any]) -> str:

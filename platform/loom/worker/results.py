@@ -51,9 +51,9 @@ class RunResults:
         own = getattr(module, "summary_fields", None)  # a family's own figures (a mixture of experts' load)
         if own is not None:
             self.summary.update(own())
-        pairs = getattr(module, "pair_step", None)  # a preference objective's figures (a collective: every rank)
+        pairs = getattr(module, "pair_step", None)  # a preference objective's figures
         if pairs is not None:
-            self.summary["objective"] = pairs.summary(trainer)
+            self.summary["objective"] = pairs.summary()
         self.summary["memory"] = {
             "peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 0]],
             "build_peak_rss_gb_per_rank": [round(float(x), 4) for x in per_rank[:, 5]],

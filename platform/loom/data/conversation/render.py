@@ -88,13 +88,15 @@ def _render(template: ChatTemplate, messages: list[dict], tools: list | None, ge
     return template.render(messages, add_generation_prompt=gen, tools=tools)
 
 
-def _prefix(before: str, after: str, what: str) -> None:
+def require_prefix(before: str, after: str, what: str, of: str = "the next rendering",
+                   fix: str = "use dataset.chat_template with a template that does not, or dataset.train_on=all") -> None:
+    """RowError unless the rendering `what` (`before`) is a prefix of `of` (`after`), naming where they differ:
+    a template that rewrites earlier turns leaves the trained tokens underivable."""
     if not after.startswith(before):
         at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(after))
-        raise RowError(f"the template's rendering {what} is not a prefix of the next rendering (they differ at "
-                       f"character {at}: {before[at:at + 30]!r} vs {after[at:at + 30]!r}): the template rewrites "
-                       "earlier turns, so which tokens are the assistant's cannot be derived; use "
-                       "dataset.chat_template with a template that does not, or dataset.train_on=all")
+        raise RowError(f"the template's rendering {what} is not a prefix of {of} (they differ at character {at}: "
+                       f"{before[at:at + 30]!r} vs {after[at:at + 30]!r}): the template rewrites earlier turns, so "
+                       f"which tokens are trained cannot be derived; {fix}")
 
 
 def trained_spans(template: ChatTemplate, messages: list[dict], tools: list | None,
@@ -111,10 +113,10 @@ def trained_spans(template: ChatTemplate, messages: list[dict], tools: list | No
     for k, m in enumerate(messages):
         if m["role"] == "assistant":
             head = _render(template, messages[:k], tools, gen=True) if k else text
-            _prefix(text, head, f"of the first {k} message(s) with the generation prompt")
+            require_prefix(text, head, f"of the first {k} message(s) with the generation prompt")
             text = head
         full = _render(template, messages[:k + 1], tools)
-        _prefix(text, full, f"of the first {k} message(s)")
+        require_prefix(text, full, f"of the first {k} message(s)")
         if train_on == "all" or (m["role"] == "assistant" and (train_on == "assistant" or k == assistants[-1])):
             spans.append((len(text), len(full)))
         text = full

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.data.conversation.render import RowError, checked, row_tools
+from loom.data.conversation.render import RowError, checked, require_prefix, row_tools
 from loom.data.conversation.template import ChatTemplate
 
 SIDES = ("chosen", "rejected")
@@ -106,13 +106,8 @@ def render_pair(template: ChatTemplate, tokenizer: Any, pair: Pair, columns: tup
     head = template.render(pair.prompt, add_generation_prompt=True, tools=pair.tools)
     texts = [template.render(pair.prompt + side, tools=pair.tools) for side in (pair.chosen, pair.rejected)]
     for text, column in zip(texts, columns, strict=True):
-        if not text.startswith(head):
-            at = _common(np.frombuffer(head.encode("utf-32-le"), np.uint32),
-                         np.frombuffer(text.encode("utf-32-le"), np.uint32))
-            raise RowError(f"the template's rendering of the prompt with the generation prompt is not a prefix of "
-                           f"prompt + '{column}' (they differ at character {at}: {head[at:at + 30]!r} vs "
-                           f"{text[at:at + 30]!r}): the template rewrites the prompt, so which tokens are the "
-                           "completion's cannot be derived; use dataset.chat_template with a template that does not")
+        require_prefix(head, text, "of the prompt with the generation prompt", f"prompt + '{column}'",
+                       "use dataset.chat_template with a template that does not")
 
     def ids(text: str) -> np.ndarray:
         return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
