@@ -27,7 +27,7 @@ Shard = IndexedShard | FlatShard
 class TokenStore:
     """All shards' tokens concatenated in order, addressed by global token offset."""
 
-    path: Path
+    path: Path | str  # a local path, or an object-store URL (a str)
     kind: str  # "loom", "megatron" or "flat"
     dtype: np.dtype
     shards: list[Shard]
@@ -67,6 +67,15 @@ class TokenStore:
             out[pos - start:stop - start] = self.shards[k].tokens(pos - base, stop - base)
             pos, k = stop, k + 1
         return out
+
+    def prefetch(self, start: int, length: int) -> None:
+        """Tokens [start, start+length) will be read soon: a remote shard fetches them ahead."""
+        end = min(start + length, self.n_tokens)
+        k = self._shard_of(start) if 0 <= start < self.n_tokens else len(self.shards)
+        while k < len(self.shards) and self._starts[k] < end:
+            base = int(self._starts[k])
+            self.shards[k].prefetch(max(start, base) - base, min(end, int(self._starts[k + 1])) - base)
+            k += 1
 
     def doc_starts(self, start: int, end: int) -> np.ndarray:
         """Sorted unique int64 global offsets s where a document begins, start < s < end (flat: none)."""
@@ -108,7 +117,7 @@ def _tokenizer_words(sidecar: dict[str, Any] | None) -> str:
     return f"tokenizer {tok}" if tok else "tokenizer not recorded"
 
 
-def open_store(path: str | Path, dtype: str | None = None) -> TokenStore:
+def open_local(path: str | Path, dtype: str | None = None) -> TokenStore:
     """The store at `path`; `dtype` is for flat files only ("uint16" default, or "uint32"),
     indexed stores carry their own. Raises StoreError naming what was looked for."""
     p = Path(path).expanduser()
@@ -156,28 +165,38 @@ def _open_dir(d: Path) -> TokenStore:
 
 def _loom(d: Path, info: dict[str, Any]) -> TokenStore:
     """A prepared store: exactly the shards its sidecar lists, each complete."""
+    names = listed_shards(info, str(d))
+    refuse_missing(str(d), names, [n for n in names if not all(f.is_file() for f in prefix_files(d / n))])
+    shards = [IndexedShard(d / n) for n in names]
+    return TokenStore(d, "loom", one_dtype(shards, d, info.get("dtype")), list(shards), info)
+
+
+def listed_shards(info: dict[str, Any], where: str) -> list[str]:
+    """The shard prefixes a sidecar lists (relative to the store)."""
     names = info.get("shards")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise StoreError(f"{d / SIDECAR}: 'shards' must be a list of shard prefixes relative to {d}, got "
+        raise StoreError(f"{where}/{SIDECAR}: 'shards' must be a list of shard prefixes relative to {where}, got "
                          f"{names!r}: re-run `loom data prepare` or re-copy the file.")
-    missing = [n for n in names if not all(f.is_file() for f in prefix_files(d / n))]
+    return names
+
+
+def refuse_missing(where: str, names: list[str], missing: list[str]) -> None:
+    """A store whose sidecar lists shards that are not (all) there is refused, never read in part."""
     if missing:
         listed = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise StoreError(f"{d}: {SIDECAR} lists {len(names)} shards, but {len(missing)} lack their .idx or .bin "
-                         f"({listed}): re-run `loom data prepare` (it resumes) or re-copy the whole directory.")
-    shards = [IndexedShard(d / n) for n in names]
-    return TokenStore(d, "loom", _one_dtype(shards, d, info.get("dtype")), list(shards), info)
+        raise StoreError(f"{where}: {SIDECAR} lists {len(names)} shards, but {len(missing)} lack their .idx or "
+                         f".bin ({listed}): re-run `loom data prepare` (it resumes) or re-copy the whole directory.")
+
+
+def one_dtype(shards: list, where: Path | str, declared: str | None) -> np.dtype:
+    """The shards' dtype; a store with no shards takes the sidecar's (default uint16)."""
+    found = check_dtypes_agree(shards, where)
+    return found if found is not None else np.dtype(declared or "uint16")
 
 
 def _megatron(path: Path, prefixes: list[Path]) -> TokenStore:
     shards = [IndexedShard(p) for p in prefixes]
-    return TokenStore(path, "megatron", _one_dtype(shards, path, None), list(shards))
-
-
-def _one_dtype(shards: list[IndexedShard], where: Path, declared: str | None) -> np.dtype:
-    """The shards' dtype; a store with no shards takes the sidecar's (default uint16)."""
-    found = check_dtypes_agree(shards, where)
-    return found if found is not None else np.dtype(declared or "uint16")
+    return TokenStore(path, "megatron", one_dtype(shards, path, None), list(shards))
 
 
 def _flat(path: Path, dtype: str | None) -> TokenStore:

@@ -47,6 +47,17 @@ class _Mapped:
         """A view of tokens [lo, hi) of this shard (bounds checked by the caller)."""
         return self._tokens[lo:hi]
 
+    def prefetch(self, lo: int, hi: int) -> None:
+        """Tokens [lo, hi) will be read soon: nothing to do for a local file (a remote shard fetches)."""
+
+    @property
+    def name(self) -> str:
+        return Path(self.prefix).name
+
+    def _bin_size(self) -> int | None:
+        """The token file's size in bytes; None when it is missing."""
+        return self.bin_path.stat().st_size if self.bin_path.is_file() else None
+
 
 class IndexedShard(_Mapped):
     """A Megatron `.idx`/`.bin` pair. Token offsets are local to the shard."""
@@ -54,6 +65,10 @@ class IndexedShard(_Mapped):
     def __init__(self, prefix: Path) -> None:
         self.prefix = prefix
         self.idx_path, self.bin_path = prefix_files(prefix)
+        self._open_index()
+
+    def _open_index(self) -> None:
+        """Map `idx_path` and check it and the token file's size (O(1) reads)."""
         idx_size = self.idx_path.stat().st_size
         if idx_size < HEADER.size:
             raise StoreError(f"{self.idx_path}: truncated index: {idx_size} bytes, shorter than the "
@@ -113,10 +128,10 @@ class IndexedShard(_Mapped):
             if first != 0 or last % isz or end < last:
                 raise StoreError(f"{self.idx_path}: corrupt sequence pointers (first {first}, last {last}, "
                                  f"{self.dtype.name} tokens of {isz} bytes): {FIX}.")
-        if not self.bin_path.is_file():
+        size = self._bin_size()
+        if size is None:
             raise StoreError(f"{self.bin_path}: missing: the index {self.idx_path.name} beside it expects "
                              f"{end:,} bytes of tokens there: {FIX}.")
-        size = self.bin_path.stat().st_size
         if size != end:
             raise StoreError(
                 f"{self.bin_path}: {size:,} bytes, but {self.idx_path.name} says {end:,} bytes "
@@ -152,14 +167,18 @@ class FlatShard(_Mapped):
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.prefix = self.bin_path = path
         self.dtype = dtype
-        size = path.stat().st_size
+        self.n_tokens = self._whole_tokens(path.stat().st_size)
+
+    def _whole_tokens(self, size: int) -> int:
+        """The file's token count; a size that is not whole tokens is refused."""
+        path, dtype = self.bin_path, self.dtype
         if size % dtype.itemsize:
             raise StoreError(
                 f"{path}: {size:,} bytes is not a whole number of {dtype.name} tokens ({dtype.itemsize} bytes "
                 f"each; the nearest sizes are {size - size % dtype.itemsize:,} and "
                 f"{size - size % dtype.itemsize + dtype.itemsize:,}): truncated, or not a flat token file of "
                 f"this dtype (set the dtype the file was written with, e.g. uint32), or {FIX}.")
-        self.n_tokens = size // dtype.itemsize
+        return size // dtype.itemsize
 
     def __reduce__(self) -> tuple:
         return (FlatShard, (self.bin_path, self.dtype))
@@ -175,7 +194,7 @@ def check_dtypes_agree(shards: list[IndexedShard], where: Path) -> np.dtype | No
     """The shards' one dtype (None for no shards); a store mixing dtypes cannot be one stream."""
     kinds = {s.dtype for s in shards}
     if len(kinds) > 1:
-        found = ", ".join(f"{s.prefix.name}: {s.dtype.name}" for s in shards[:8])
+        found = ", ".join(f"{s.name}: {s.dtype.name}" for s in shards[:8])
         raise StoreError(f"{where}: its shards hold different token dtypes ({found}); one store is one stream "
                          "of one dtype: prepare the shards with the same tokenizer, or list them as separate "
                          "sources of a mixture.")

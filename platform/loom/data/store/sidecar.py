@@ -20,13 +20,22 @@ def read_sidecar(store_dir: Path | str) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        info = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path}: the store's sidecar cannot be read ({e}): {FIX}.") from None
+    return parse_sidecar(text, str(path))
+
+
+def parse_sidecar(text: str, where: str) -> dict[str, Any]:
+    """A sidecar's text as its JSON object; StoreError naming `where` for anything else."""
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as e:
         raise StoreError(
-            f"{path}: the store's sidecar cannot be read ({e}); `loom data prepare` writes it last and "
+            f"{where}: the store's sidecar cannot be read ({e}); `loom data prepare` writes it last and "
             f"whole: {FIX}.") from None
     if not isinstance(info, dict):
-        raise StoreError(f"{path}: the sidecar holds a {type(info).__name__}, not a JSON object: {FIX}.")
+        raise StoreError(f"{where}: the sidecar holds a {type(info).__name__}, not a JSON object: {FIX}.")
     return info
 
 
