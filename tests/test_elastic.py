@@ -17,7 +17,10 @@ path checked here) and the two-node tests' (test_elastic_nodes).
 
 Every run here trains a two-source mixture (`dataset=tokens`, weights 0.7 / 0.3): the samples,
 the tokens drawn from each source and the per-source validation losses of every resumed chain
-equal the uninterrupted reference's. (Packed by concatenation: the pipelined run cannot take
+equal the uninterrupted reference's. The fsdp chain reads source lib_a from object storage (a
+local S3 API, moto's server, started here; one loader worker per rank through a small node cache)
+and lib_b from disk, as the reference reads both from disk: the same global order at every world
+is then also the remote store's (issue 54). (Packed by concatenation: the pipelined run cannot take
 document masks; `dataset.packing=documents` is launched in tests/test_data.py under fsdp_tp.)
 """
 
@@ -95,19 +98,20 @@ def _ids(d: Path, dedupe_tp: int = 1) -> dict[int, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _train(root: Path, rid: str, *extra: str, ids: Path | None = None) -> LoomResult:
-    env = {"LOOM_RECORD_SAMPLE_IDS": str(ids)} if ids else None
-    return run_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root, env=env)
+def _train(root: Path, rid: str, *extra: str, ids: Path | None = None, env: dict | None = None) -> LoomResult:
+    env = {**(env or {}), **({"LOOM_RECORD_SAMPLE_IDS": str(ids)} if ids else {})}
+    return run_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root, env=env or None)
 
 
 def _data(extra: tuple[str, ...]) -> list[str]:
     return [] if "dataset=tokens" in extra else TINYCODE
 
 
-def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher") -> LoomResult:
+def _preempted(root: Path, rid: str, *extra: str, ids: Path, at: str = "launcher", env: dict | None = None) -> LoomResult:
     """A 2-rank run SIGTERMed once its step-2 checkpoint exists (exit 143, preempted): at its
     launcher, or at its last rank (`at="rank"`: the ranks agree to stop at the next boundary)."""
-    proc = start_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root, env={"LOOM_RECORD_SAMPLE_IDS": str(ids)})
+    proc = start_loom("train", *ARGS, *_data(extra), f"run.id={rid}", *extra, root=root,
+                      env={**(env or {}), "LOOM_RECORD_SAMPLE_IDS": str(ids)})
     run_dir = root / "gpt" / rid
     wait_for(run_dir / "checkpoints" / "step-0000002.ckpt", proc)
     if at == "rank":
@@ -133,24 +137,46 @@ def _mixture(root: Path) -> list[str]:
             f"{{path: {root / 'lib_b'}, weight: 0.3}}]", "dataset.val_fraction=0.05"]
 
 
+def _remote_mixture(root: Path, s3) -> list[str]:
+    """The same mixture with lib_a uploaded to the local S3 server and read through a 16 MB node
+    cache of 1 MB chunks, by one loader worker per rank (lib_b stays on disk)."""
+    url = s3.bucket("elastic") + "/tok/lib_a"
+    s3.upload_dir(root / "lib_a", url)
+    return ["dataset=tokens", f"dataset.mix=[{{path: '{url}', weight: 0.7, name: lib_a}}, "
+            f"{{path: {root / 'lib_b'}, weight: 0.3}}]", "dataset.val_fraction=0.05",
+            f"dataset.cache.dir={root / 'node-cache'}", "dataset.cache.max_gb=0.015625", "dataset.cache.chunk_mb=1",
+            "hardware.dataloader_workers=1"]
+
+
 @launching_fixture(scope="module")
 def elastic(tmp_path_factory) -> dict:
-    """The reference, then per strategy: 2 ranks preempted -> 1 rank -> 2 ranks (raised max_steps)."""
+    """The reference, then per strategy: 2 ranks preempted -> 1 rank -> 2 ranks (raised max_steps);
+    the fsdp chain reads lib_a from a local S3 server."""
+    from s3_helpers import LocalS3
+
     root = tmp_path_factory.mktemp("elastic")
     mix = _mixture(root)
+    s3 = LocalS3()
     out: dict = {"root": root, "mix": mix}
-    out["ref"] = _train(root, "ref", *mix, "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
-                        ids=root / "ids-ref")
-    for s in CHAIN_STRATEGIES:
-        ids, (more, at) = root / f"ids-{s}", CHAIN[s]
-        more = [*mix, *more]
-        first = _preempted(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={PHASE_STEPS}",
-                           ids=ids, at=at)
-        out[f"{s}-preempted"] = first.summary() if first.rc == 143 else {}  # later phases rewrite it
-        shrunk = _train(root, s, f"strategy={s}", *more, "hardware.devices=1", f"trainer.max_steps={PHASE_STEPS}",
-                        ids=ids)
-        grown = _train(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={STEPS}", ids=ids)
-        out[s] = (first, shrunk, grown)
+    try:
+        remote = {"fsdp": (_remote_mixture(root, s3), s3.env())}
+        out["ref"] = _train(root, "ref", *mix, "strategy=ddp", "hardware.devices=2", f"trainer.max_steps={STEPS}",
+                            ids=root / "ids-ref")
+        for s in CHAIN_STRATEGIES:
+            ids, (more, at) = root / f"ids-{s}", CHAIN[s]
+            data, env = remote.get(s, (mix, None))
+            more = [*data, *more]
+            first = _preempted(root, s, f"strategy={s}", *more, "hardware.devices=2",
+                               f"trainer.max_steps={PHASE_STEPS}", ids=ids, at=at, env=env)
+            out[f"{s}-preempted"] = first.summary() if first.rc == 143 else {}  # later phases rewrite it
+            shrunk = _train(root, s, f"strategy={s}", *more, "hardware.devices=1", f"trainer.max_steps={PHASE_STEPS}",
+                            ids=ids, env=env)
+            grown = _train(root, s, f"strategy={s}", *more, "hardware.devices=2", f"trainer.max_steps={STEPS}",
+                           ids=ids, env=env)
+            out[s] = (first, shrunk, grown)
+        out["s3_gets"] = s3.faults.gets
+    finally:
+        s3.stop()
     return out
 
 
@@ -200,6 +226,22 @@ def test_preempted_run_shrinks_to_one_rank_then_grows_back(elastic, strategy):
     assert _world_change_lines(grown.run_dir / "plots" / "throughput.png") == 2
     if strategy == "fsdp":
         _assert_periodic_validation(grown, stopped)
+        _assert_read_from_object_storage(elastic, first, grown)
+
+
+def _assert_read_from_object_storage(elastic: dict, first: LoomResult, grown: LoomResult) -> None:
+    """The fsdp chain's lib_a came from S3: the launch line says where and how big the cache may
+    grow, summary.json `storage` counts the attempt's fetches and cache hits, and the node cache
+    stayed within its 16 MB."""
+    assert "lib_a loom " in first.out and "at s3://elastic/tok/lib_a" in first.out, first.out
+    assert "object storage through the node's cache" in first.out and "at most 0.015625 GB" in first.out
+    st = grown.summary()["storage"]
+    assert st["scope"] == "this attempt, all ranks" and st["retries"] == 0 and st["uncached"] == 0, st
+    # the cache outlives attempts: this one found the chunks the first fetched (one GET each per node)
+    assert st["hits"] > 0 and st["requests"] == st["misses"] and elastic["s3_gets"] > 0, st
+    assert "perf/storage_wait_ms" in grown.metrics()[-1]
+    cache = elastic["root"] / "node-cache"
+    assert 0 < sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) <= (1 << 24)
 
 
 def _assert_periodic_validation(run: LoomResult, stopped: int) -> None:

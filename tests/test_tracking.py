@@ -510,6 +510,26 @@ def test_redact_is_a_deep_copy_without_secrets():
     assert redact({"x": "abc"}, env) == {"x": "abc"}  # values under 8 characters are not matched
 
 
+def test_object_storage_credentials_never_reach_what_a_run_writes():
+    """The providers' credential variables are secret by name (their values scrubbed anywhere), and an
+    endpoint URL carrying a password keeps its host but not the password (issue 54)."""
+    from loom.redaction import REDACTED, is_secret_key, redact
+
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY",
+                 "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_SAS_TOKEN", "dataset.storage.secret_key"):
+        assert is_secret_key(name), name
+    for name in ("dataset.storage.endpoint_url", "dataset.storage.profile", "dataset.cache.max_gb", "n_tokens"):
+        assert not is_secret_key(name), name
+    env = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG", "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEJr//////"}
+    cfg = {"dataset": {"storage": {"endpoint_url": "https://loom:pa55word-1@minio.lan:9000", "profile": "train"},
+                       "mix": [{"path": "s3://corpora/tok/web"}]},
+           "argv": ["--key=wJalrXUtnFEMI/K7MDENG", "FwoGZXIvYXdzEJr//////"]}
+    out = redact(cfg, env)
+    assert out["dataset"]["storage"] == {"endpoint_url": f"https://loom:{REDACTED}@minio.lan:9000", "profile": "train"}
+    assert out["dataset"]["mix"] == [{"path": "s3://corpora/tok/web"}]
+    assert out["argv"] == [f"--key={REDACTED}", REDACTED]
+
+
 # ----------------------------------------------------------------------------- plots and reports
 
 

@@ -29,7 +29,8 @@ from loom.strategies.world import check_elastic_range, derive_accumulation, worl
 VOLATILE = ("run", "tracking", "sweep", "kubernetes", "eval", "hardware.max_restarts", "hardware.rdzv_endpoint",
             "hardware.rdzv_keep_alive_s", "hardware.rdzv_last_call_s",
             "trainer.log_every_n_steps", "trainer.activation_checkpointing", "trainer.profile", "checkpoint.async",
-            "checkpoint.export_dtype", "checkpoint.export_format", "checkpoint.export_shard_gb")
+            "checkpoint.export_dtype", "checkpoint.export_format", "checkpoint.export_shard_gb",
+            "dataset.cache", "dataset.storage")  # how remote bytes arrive, not which: the store's versions are an input
 
 
 def identity(cfg: DictConfig) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """Keep secrets out of everything a run writes: config.yaml, the wandb config, reports.
 
-Two rules, applied by `redact`:
+Three rules, applied by `redact`:
   1. a value whose KEY looks secret (`is_secret_key`) is replaced, whatever it is;
   2. a string VALUE equal to the value of a secret-looking environment variable (at least
      8 characters, so `token: "1"` style noise is not matched) is replaced wherever it sits,
-     e.g. a key that ended up in an innocently named override.
+     e.g. a key that ended up in an innocently named override;
+  3. the password of a URL's user part (`https://user:password@host`, an endpoint with its key in it).
 Hand-written because neither Hydra nor wandb redacts: wandb keys have leaked through
 `wandb.init(config=...)` of full argv and through Hydra's overrides (reported in Lightning's and wandb's issue trackers).
 No third-party imports: the CLI uses this before anything heavy is loaded.
@@ -25,13 +26,14 @@ ENV_REF = re.compile(r"^\$\{oc\.env:[^}]+\}$")  # `${oc.env:NAME}`: resolved by 
 MIN_ENV_SECRET_LEN = 8
 
 # Counts and rates *per token* are not credentials.
-_NOT_SECRET = re.compile(r".*(?:per|num|max|min|n)_tokens?$", re.IGNORECASE)
+_NOT_SECRET = re.compile(r"(?:.*_)?(?:per|num|max|min|n)_tokens?$", re.IGNORECASE)  # not AWS_SESSION_TOKEN
 _SECRET_KEY = re.compile(
     r"""^(?:
         .*_api_key | api_key | apikey | .*_apikey
       | .*_token | token | .*_access_token
       | .*password.* | .*passwd.*
       | .*secret.*
+      | .*access_key.* | .*account_key | .*connection_string | .*sas_token
     )$""",
     re.IGNORECASE | re.VERBOSE,
 )
@@ -56,9 +58,13 @@ def secret_env_values(environ: Mapping[str, str] | None = None) -> set[str]:
     return {v for k, v in env.items() if is_secret_key(k) and len(v) >= MIN_ENV_SECRET_LEN}
 
 
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@/\s]+@", re.IGNORECASE)
+
+
 def _scrub(s: str, secrets: set[str]) -> str:
     if s in secrets:
         return REDACTED
+    s = _URL_PASSWORD.sub(rf"\1{REDACTED}@", s)
     for v in secrets:  # also inside a longer string, e.g. `--key=<value>` in an argv list
         if v in s:
             s = s.replace(v, REDACTED)

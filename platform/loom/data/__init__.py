@@ -170,3 +170,11 @@ def build_datamodule(cfg: DictConfig, layout: ParallelLayout, global_rank: int) 
     from loom.data.module import LoomDataModule
 
     return LoomDataModule(cfg, layout.dp_rank(global_rank), layout.dp)
+
+
+def storage_stats() -> dict | None:
+    """This rank's object-storage counters (its loader workers' reads included), or None where
+    the run reads no remote store: summary.json `storage`, perf/storage_wait_ms."""
+    from loom.data.store.remote.stats import in_use
+
+    return in_use()

@@ -48,6 +48,10 @@ class SourceWindows(Dataset):
                 "the store was written with another tokenizer. Prepare it with the run's tokenizer "
                 "(`loom data prepare ... --tokenizer`), or set model.vocab_size to cover it.")
 
+    def prefetch(self, i: int) -> None:
+        """Sample i will be read soon: a remote store fetches its chunks ahead (a local one: nothing)."""
+        self.store.prefetch(self.window(int(i)) * self.seq_len, self.seq_len + 1)
+
     def __getitem__(self, i: int) -> Batch:
         start = self.window(int(i)) * self.seq_len
         chunk = self.store.read(start, self.seq_len + 1).astype(np.int64)
@@ -80,6 +84,11 @@ class Mixture(Dataset):
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
 
+    @property
+    def remote(self) -> bool:
+        """Whether a source lives in object storage (its path a URL, not a local Path)."""
+        return any(isinstance(s.store.path, str) for s in self.sources)
+
     def locate(self, k: int) -> tuple[int, int, int]:
         """(source, its epoch, its window) of mixture sample k."""
         j, m = self.blend.source_of(k)
@@ -95,6 +104,10 @@ class Mixture(Dataset):
     def __getitem__(self, k: int) -> Batch:
         j, _, t = self.locate(int(k))
         return self.sources[j][t]
+
+    def prefetch(self, k: int) -> None:
+        j, _, t = self.locate(int(k))
+        self.sources[j].prefetch(t)
 
     def consumed(self, samples: int) -> dict[str, dict]:
         """Per source, what the first `samples` samples of the mixture drew from it."""

@@ -15,6 +15,11 @@ position is one number: the samples of the order consumed (`resume_at`).
 A dataset that orders itself (`ordered = True`: a mixture, whose schedule must hold at every
 prefix) is read in its own order, epoch e continuing at index e * len(dataset).
 
+A dataset that can fetch ahead (`prefetch(id)`: a token store in object storage) is told, as
+micro batch k is handed out, the ids of this rank's micro batch `prefetch_ahead` turns later:
+the sampler is the one place that knows the future order, so the storage round trips overlap the
+steps in between instead of stalling them.
+
 A dataset whose loss is a mean over the trained tokens of the global batch (`trained_tokens(ids)`:
 chat data, loom.data.options.chat.samples) gets `(id, scale)` pairs instead of ids: scale is (micro
 batches per step) / (trained tokens of the step's global batch), known here because a step is
@@ -33,7 +38,8 @@ from loom.data.index import Permutation
 
 class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, num_replicas: int, rank: int, *, micro_batch: int,
-                 global_batch: int | None = None, shuffle: bool = True, seed: int = 0) -> None:
+                 global_batch: int | None = None, shuffle: bool = True, seed: int = 0,
+                 prefetch_ahead: int = 0) -> None:
         self.n, self.dp, self.rank = len(dataset), int(num_replicas), int(rank)
         self.micro = int(micro_batch)
         self.global_batch = int(global_batch or self.micro * self.dp)
@@ -45,6 +51,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.resume_epoch: int | None = None
         self.resume_samples = 0
         self.trained_tokens = getattr(dataset, "trained_tokens", None)
+        self.prefetch = getattr(dataset, "prefetch", None) if prefetch_ahead > 0 else None
+        self.ahead = int(prefetch_ahead)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -82,13 +90,23 @@ class ResumableDistributedSampler(Sampler[int]):
         if self.resume_epoch == self.epoch and self.resume_samples:
             start = self.resume_samples // self.micro
             self.resume_epoch, self.resume_samples = None, 0
-        for k in range(start + self.rank, self.epoch_samples() // self.micro, self.dp):
+        end = self.epoch_samples() // self.micro
+        if self.prefetch is not None:  # the first micro batches' chunks, before the loop asks for them
+            for k in range(start + self.rank, min(end, start + self.rank + self.ahead * self.dp), self.dp):
+                self._prefetch(k)
+        for k in range(start + self.rank, end, self.dp):
+            if self.prefetch is not None and k + self.ahead * self.dp < end:
+                self._prefetch(k + self.ahead * self.dp)
             ids = self._ids(k * self.micro, (k + 1) * self.micro).tolist()
             if self.trained_tokens is None:
                 yield from ids
             else:
                 scale = self.step_scale(k * self.micro // self.global_batch)
                 yield from ((i, scale) for i in ids)
+
+    def _prefetch(self, k: int) -> None:
+        for i in self._ids(k * self.micro, (k + 1) * self.micro).tolist():
+            self.prefetch(i)
 
     def step_scale(self, step: int) -> float:
         """(micro batches per step) / (trained tokens of this epoch's global batch `step`); 0 when

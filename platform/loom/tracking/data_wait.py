@@ -21,6 +21,7 @@ log = logging.getLogger("loom")
 THRESHOLD_PCT = 5.0  # issue 37: "data wait under 5% of step time"
 IN_PROCESS = "hardware.dataloader_workers=0"
 WORKERS = "workers, storage or tokenizing"
+STORAGE = "object storage"  # the readers blocked on remote fetches for at least half the wait
 
 
 def window_pct(data_wait_ms: float, step_time_ms: float) -> float:
@@ -38,6 +39,9 @@ def loader_workers(trainer: Any) -> int | None:
 
 def advice(cause: str, workers: int | None) -> str:
     """What the warning says after the figure: the likely cause and what to change."""
+    if cause == STORAGE:
+        return ("its readers waited on object storage (perf/storage_wait_ms): raise dataset.cache.prefetch, "
+                "dataset.cache.max_gb so the working set stays cached, or hardware.dataloader_workers")
     if cause == IN_PROCESS:
         return ("with hardware.dataloader_workers=0 the batches are read and collated in the training process; "
                 "raise hardware.dataloader_workers")
@@ -69,15 +73,17 @@ class DataWaitWatch:
         self.max_pct, self.max_step = earlier.get("max_window_pct"), earlier.get("max_window_step")
         self.warned_at, self.cause = earlier.get("warned_at_step"), earlier.get("cause")
 
-    def window(self, begins: int, step: int, pct: float) -> None:
-        """The window (begins, step] closed with `pct` of its step time waiting for data."""
+    def window(self, begins: int, step: int, pct: float, storage_ms: float = 0.0, data_ms: float = 0.0) -> None:
+        """The window (begins, step] closed with `pct` of its step time waiting for data, of which
+        `storage_ms` per step (of `data_ms`) the readers blocked on object storage."""
         if self.first:
             self.first = False
             return
         if self.max_pct is None or pct > self.max_pct:
             self.max_pct, self.max_step = pct, step
         if pct > THRESHOLD_PCT and self.warned_at is None:
-            self.warned_at, self.cause = step, IN_PROCESS if self.workers == 0 else WORKERS
+            cause = IN_PROCESS if self.workers == 0 else WORKERS
+            self.warned_at, self.cause = step, STORAGE if data_ms > 0 and storage_ms >= data_ms / 2 else cause
             log.warning(f"Data wait: the training loop waited {pct:.1f}% of steps {begins + 1}-{step} for its "
                         f"batches (over {THRESHOLD_PCT:g}%): {advice(self.cause, self.workers)} "
                         "(summary.json data_wait, metrics perf/data_wait_pct)")

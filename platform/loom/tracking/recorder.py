@@ -45,7 +45,7 @@ log = logging.getLogger("loom")
 
 # Order of the per-rank vector all-gathered at every log step.
 _FIELDS = ("step_time_ms", "data_wait_ms", "cpu_percent", "rss_gb", "gpu_util", "gpu_mem_gb",
-           "gpu_power_w", "loss", "step1_loss", "compute_ms", "compile_s", "trained_tokens")
+           "gpu_power_w", "loss", "step1_loss", "compute_ms", "compile_s", "trained_tokens", "storage_wait_ms")
 
 
 class Recorder(pl.Callback):
@@ -94,6 +94,8 @@ class Recorder(pl.Callback):
         self.batch_end = self.ckpt_at_batch_end = 0.0  # and the saver's seconds then (a save is no data wait)
         self.data_wait = 0.0
         self.data_watch = DataWaitWatch()  # rank 0: perf/data_wait_pct's maximum and its one warning
+        self.storage_stats = None       # () -> this rank's object-storage counters (None: no remote store)
+        self.storage_wait_at_log = 0.0  # their `wait_s` at the last log step
         self.compute = 0.0              # this rank's own forward time in the window (stragglers)
         self.forward_start: float | None = None
         self.stragglers = None          # rank 0: a loom.tracking.stragglers.StragglerWatch
@@ -193,6 +195,16 @@ class Recorder(pl.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
+    def _storage_wait(self) -> float:
+        """Seconds this rank's readers (loader workers included) blocked on object storage since
+        the last log step: 0 without a remote store."""
+        stats = self.storage_stats() if self.storage_stats is not None else None
+        if not stats:
+            return 0.0
+        total = float(stats["wait_s"])
+        waited, self.storage_wait_at_log = total - self.storage_wait_at_log, total
+        return max(0.0, waited)
+
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(pl_module)
         now = time.perf_counter()
@@ -217,6 +229,7 @@ class Recorder(pl.Callback):
                 1000 * self.compute / steps,
                 sum(e.seconds for e in compiled),
                 self.trained.take(),
+                1000 * self._storage_wait() / steps,
             ],
             dtype=torch.float64,
         )
@@ -254,7 +267,8 @@ class Recorder(pl.Callback):
         if trained_window is not None and window > 0:
             row["perf/trained_tokens_per_sec"] = trained_window / window
         self._publish(trainer, step, row)
-        self.data_watch.window(step - steps, step, row["perf/data_wait_pct"])  # after the step line it is about
+        self.data_watch.window(step - steps, step, row["perf/data_wait_pct"],
+                               storage_ms=row["perf/storage_wait_ms"], data_ms=row["perf/data_wait_ms"])  # after the step line it is about
 
     def _clock_window(self, trainer: pl.Trainer, gathered: torch.Tensor, step: int, now: float,
                       compiled: list[compiles.CompileEvent]) -> None:
@@ -297,6 +311,7 @@ class Recorder(pl.Callback):
             "perf/step_time_ms_max": float(gathered[:, col["step_time_ms"]].max()),
             "perf/data_wait_ms": float(mean[col["data_wait_ms"]]),
             "perf/data_wait_pct": window_pct(float(mean[col["data_wait_ms"]]), float(mean[col["step_time_ms"]])),
+            "perf/storage_wait_ms": float(mean[col["storage_wait_ms"]]),
             "perf/samples_per_sec": rates.get("device/samples_per_sec", 0.0) * self.world_size,
             "perf/tokens_per_sec": rates.get("device/items_per_sec", 0.0) * self.world_size,
             "sys/cpu_percent": float(mean[col["cpu_percent"]]),

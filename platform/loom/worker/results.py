@@ -24,6 +24,10 @@ from loom.tracking.sources import data_field, validation_field
 log = logging.getLogger("loom")
 
 
+# summary.json `storage`: what the ranks read from object storage (loom.data.store.remote.stats)
+STORAGE_FIELDS = ("bytes_fetched", "requests", "hits", "misses", "evictions", "retries", "uncached", "wait_s")
+
+
 class RunResults:
     """summary.json of this attempt, filled as training ends; `write` runs in a `finally`, so
     a failed or preempted run gets its summary too."""
@@ -62,6 +66,11 @@ class RunResults:
             "param_bytes_per_rank": [int(x) for x in per_rank[:, 2]],
             "optim_state_bytes_per_rank": [int(x) for x in per_rank[:, 3]],
         }
+        storage = per_rank[:, 7:7 + len(STORAGE_FIELDS)]
+        if bool((storage[:, 0] >= 0).any()):  # summed over ranks, each counting its loader workers' reads
+            total = storage.clamp(min=0).sum(0).tolist()
+            self.summary["storage"] = {"scope": "this attempt, all ranks", **{
+                k: (round(v, 3) if k == "wait_s" else int(v)) for k, v in zip(STORAGE_FIELDS, total, strict=True)}}
         # A node restarted because another failed keeps its own count: the run's is the max.
         self.summary["restarts"] = int(per_rank[:, 4].max())
 
@@ -128,13 +137,18 @@ class RunResults:
         stats = torch.tensor(
             [local["peak_rss_gb"], local["peak_gpu_mem_gb"] or 0.0, held_params, held_optim,
              self.recorder.attempt()["restarts"], getattr(module, "build_peak_rss_gb", None) or 0.0,
-             local["peak_gpu_reserved_gb"] or 0.0],
+             local["peak_gpu_reserved_gb"] or 0.0, *self._storage_counts()],
             dtype=torch.float64,
         )
         world = self.layout.world
         if world == 1:
             return stats.unsqueeze(0)
         return trainer.strategy.all_gather(stats.to(trainer.strategy.root_device)).reshape(world, -1).cpu()
+
+    def _storage_counts(self) -> list[float]:
+        """This rank's object-storage counters (STORAGE_FIELDS; -1s without a remote store)."""
+        stats = self.recorder.storage_stats() if self.recorder.storage_stats is not None else None
+        return [float(stats[k]) for k in STORAGE_FIELDS] if stats else [-1.0] * len(STORAGE_FIELDS)
 
     def record_span(self, span: dict) -> None:
         """Rank 0, at every log step: this attempt's span so far into world_history.json, so

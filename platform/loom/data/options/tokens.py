@@ -4,6 +4,7 @@ tokenizers and vocabularies before any process starts.
 
     loom train dataset=tokens dataset.mix='[{path: /data/tok/web, weight: 0.7}, {path: /data/tok/code, weight: 0.3}]'
     loom train dataset=tokens dataset.mix='[/megatron/out/my_text_document]'    # a Megatron prefix, weight 1
+    loom train dataset=tokens dataset.mix='[s3://corpora/tok/web]' dataset.cache.max_gb=200   # object storage
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from loom.data.fingerprint import DataInputs
+from loom.data.store.remote.location import is_remote
 from loom.data.option import DatasetOption, always
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
@@ -23,6 +25,28 @@ from loom.layout import ParallelLayout
 PACKINGS = ("concat", "documents")
 FLAT_DTYPES = ("uint16", "uint32")
 EXAMPLE = "dataset.mix='[{path: /data/tok/web, weight: 0.7}, {path: /data/tok/code, weight: 0.3}]'"
+
+
+@dataclass
+class CacheConfig:
+    """The node's cache in front of object storage (sources at s3://, gs://, az://)."""
+
+    dir: str | None = None   # null: $LOOM_CACHE_DIR/objects, else ~/.cache/loom/objects
+    max_gb: float = 50.0     # every file in it counts (indexes too); least recently used chunks go first
+    chunk_mb: int = 8        # one ranged read and one cache file
+    prefetch: int = 4        # micro batches ahead of the loader whose chunks are fetched early (0: off)
+
+
+@dataclass
+class StorageConfig:
+    """How to reach object storage. No credentials here: the client reads the environment and the
+    provider's own files (AWS_* / ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*)."""
+
+    endpoint_url: str | None = None  # an S3-compatible endpoint (MinIO, R2, Ceph); null: the provider's
+    profile: str | None = None       # a named profile of the credential files
+    region: str | None = None
+    retry_s: float = 120.0           # a read retries this long (backoff) before the run stops naming the object
+    timeout_s: float = 30.0          # one request's connect/read timeout
 
 
 @dataclass
@@ -37,6 +61,8 @@ class TokensDatasetConfig:
     val_fraction: float | None = 0.005  # of each source's windows, held out (every k-th window)
     dtype: str | None = None          # a flat nanoGPT .bin's tokens: uint16 (default) | uint32
     tokenizer: str | None = None      # the run's tokenizer: checked against the stores' sidecars
+    cache: CacheConfig = field(default_factory=CacheConfig)        # remote sources only
+    storage: StorageConfig = field(default_factory=StorageConfig)  # remote sources only
 
 
 @dataclass(frozen=True)
@@ -82,28 +108,50 @@ def sources(ds: DictConfig) -> list[Source]:
     return out
 
 
+def storage_settings(ds: DictConfig):
+    """The run's StorageSettings from dataset.storage and dataset.cache (defaults where absent)."""
+    from loom.data.store import StorageSettings
+
+    st, ca = ds.get("storage") or {}, ds.get("cache") or {}
+    return StorageSettings(
+        endpoint_url=st.get("endpoint_url"), profile=st.get("profile"), region=st.get("region"),
+        retry_s=float(st.get("retry_s", 120.0)), timeout_s=float(st.get("timeout_s", 30.0)),
+        cache_dir=str(ca.get("dir") or ""), cache_max_bytes=int(float(ca.get("max_gb", 50.0)) * (1 << 30)),
+        chunk_bytes=int(ca.get("chunk_mb", 8)) << 20, prefetch=int(ca.get("prefetch", 4)))
+
+
 @functools.lru_cache(maxsize=32)
-def _open(path: str, dtype: str | None):
+def _open(path: str, dtype: str | None, storage):
     from loom.data.store import open_store
 
-    return open_store(path, dtype)
+    return open_store(path, dtype, storage)
+
+
+def _local_or_url(path: str) -> str:
+    from loom.data.store import is_remote
+
+    return path if is_remote(path) else str(Path(path).expanduser())
 
 
 def open_source(ds: DictConfig, i: int, src: Source):
-    """The store of source i, or a ConfigError naming dataset.mix[i].path and the store's problem."""
+    """The store of source i, or a ConfigError naming dataset.mix[i].path and the store's problem
+    (a missing storage client, or storage that does not answer within dataset.storage.retry_s, too)."""
     from loom.data.store import StoreError
+    from loom.data.store.remote.transport import StorageUnavailable
 
     try:
-        return _open(str(Path(src.path).expanduser()), ds.get("dtype"))
-    except StoreError as e:
+        return _open(_local_or_url(src.path), ds.get("dtype"), storage_settings(ds))
+    except (StoreError, StorageUnavailable, ImportError, PermissionError) as e:
         raise ConfigError(f"Invalid config: dataset.mix[{i}].path={src.path!r}: {e}") from None
 
 
 def normalize_tokens(cfg: DictConfig) -> None:
     ds = cfg.dataset
     parsed = sources(ds)
-    ds.mix = [{"path": str(Path(s.path).expanduser().absolute()), "weight": s.weight, "name": s.name}
-              for s in parsed]
+    from loom.data.store import is_remote
+
+    ds.mix = [{"path": s.path if is_remote(s.path) else str(Path(s.path).expanduser().absolute()),
+               "weight": s.weight, "name": s.name} for s in parsed]
 
 
 def _tokenizer_of(ds: DictConfig, stores: list) -> None:
@@ -124,6 +172,33 @@ def _tokenizer_of(ds: DictConfig, stores: list) -> None:
                  "tokenizer, or prepare the store again with this one")
 
 
+def check_storage(ds: DictConfig) -> None:
+    """dataset.cache and dataset.storage, for a mixture with a remote source."""
+    ca, st = ds.get("cache") or {}, ds.get("storage") or {}
+    if not float(ca.get("max_gb", 50)) > 0:
+        fail("dataset.cache.max_gb", ca.get("max_gb"), "must be positive: the node's cache size in GB")
+    chunk = ca.get("chunk_mb", 8)
+    if not isinstance(chunk, int) or not 1 <= chunk <= 1024:
+        fail("dataset.cache.chunk_mb", chunk, "must be a whole number of MB in [1, 1024] (one ranged read)")
+    if float(ca.get("max_gb", 50)) * 1024 < 16 * chunk:
+        fail("dataset.cache.max_gb", ca.get("max_gb"), f"holds fewer than 16 chunks of {chunk} MB: the ranks of a "
+             "node and their prefetch need room; raise it or lower dataset.cache.chunk_mb")
+    if not isinstance(ca.get("prefetch", 4), int) or ca.get("prefetch", 4) < 0:
+        fail("dataset.cache.prefetch", ca.get("prefetch"), "micro batches fetched ahead: a whole number >= 0 (0: off)")
+    for key in ("retry_s", "timeout_s"):
+        if not float(st.get(key, 1)) > 0:
+            fail(f"dataset.storage.{key}", st.get(key), "must be a positive number of seconds")
+    url = st.get("endpoint_url")
+    if url is not None:
+        head, sep, rest = str(url).partition("://")
+        if not sep or head not in ("http", "https"):
+            fail("dataset.storage.endpoint_url", url, "an http(s):// URL of an S3-compatible endpoint, e.g. "
+                 "https://minio.lan:9000")
+        if "@" in rest.split("/", 1)[0]:
+            fail("dataset.storage.endpoint_url", "<with credentials>", "credentials never go in the config: "
+                 "give the endpoint without them and set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile)")
+
+
 def check_tokens(cfg: DictConfig, layout: ParallelLayout) -> None:
     ds = cfg.dataset
     if ds.packing not in PACKINGS:
@@ -136,6 +211,8 @@ def check_tokens(cfg: DictConfig, layout: ParallelLayout) -> None:
         fail("dataset.val_fraction", fraction, "must be in [0, 1): the share of each source's windows held "
              "out for validation (0 or null: none)")
     srcs = sources(ds)
+    if any(is_remote(s.path) for s in srcs):
+        check_storage(ds)
     stores = [open_source(ds, i, s) for i, s in enumerate(srcs)]
     _tokenizer_of(ds, stores)
     from loom.data.index.windows import Holdout, windows_of
@@ -172,12 +249,27 @@ def mean_document(ds: DictConfig) -> float | None:
 
 
 def inputs(ds: DictConfig) -> DataInputs:
-    """The stores' files (sizes and times only): a store rewritten is a new run."""
+    """The stores' files (sizes and times only), a remote store's objects by version tag: a store
+    rewritten is a new run."""
     files: list[Path] = []
+    remote: list[str] = []
     for i, s in enumerate(sources(ds)):
         st = open_source(ds, i, s)
-        files += _store_files(st)
-    return DataInputs(files=[f for f in files if f.is_file()])
+        if isinstance(st.path, str):
+            remote.append(_remote_versions(st))
+        else:
+            files += _store_files(st)
+    return DataInputs(files=[f for f in files if f.is_file()], note="; ".join(remote) or None)
+
+
+def _remote_versions(store) -> str:
+    """A remote store in one line: its URL, and a digest of its objects' sizes and version tags."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for shard in store.shards:
+        h.update(f"{shard.blob.url}|{shard.blob.size}|{shard.blob.etag}|{store.n_tokens}\n".encode())
+    return f"{store.path}: {len(store.shards)} objects' versions digest {h.hexdigest()[:16]}"
 
 
 def _store_files(store) -> list[Path]:
@@ -192,12 +284,20 @@ def _store_files(store) -> list[Path]:
 
 
 def source(ds: DictConfig) -> str:
-    parts = []
+    """The launch line's words: each source, where it lives, and the cache a remote one reads through."""
+    parts, remote = [], False
     for i, s in enumerate(sources(ds)):
         st = open_source(ds, i, s)
         note = "" if st.sidecar else ", no sidecar (written by another tool: ids checked per batch)"
-        parts.append(f"{s.name} {st.kind} {st.n_tokens:,} tokens w={s.weight:g}{note}")
-    return f"{len(parts)} store(s): " + "; ".join(parts)
+        where = f" at {st.path}" if isinstance(st.path, str) else ""
+        remote = remote or bool(where)
+        parts.append(f"{s.name} {st.kind} {st.n_tokens:,} tokens w={s.weight:g}{where}{note}")
+    cache = ""
+    if remote:
+        from loom.redaction import redact
+
+        cache = f"; object storage through the node's {redact(storage_settings(ds).describe())}"
+    return f"{len(parts)} store(s): " + "; ".join(parts) + cache
 
 
 def val_size(ds: DictConfig) -> int | None:
