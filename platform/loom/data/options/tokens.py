@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from loom.data.fingerprint import DataInputs
-from loom.data.store.remote.location import is_remote
 from loom.data.option import DatasetOption, always
+from loom.data.store.remote.location import is_remote
 from loom.errors import ConfigError, fail
 from loom.layout import ParallelLayout
 
