@@ -29,6 +29,7 @@ class Faults:
         self.down = False         # every request 503 (an outage)
         self.requests = 0
         self.gets = 0
+        self.ranged = 0           # GETs of a byte range (chunk reads)
 
     def take(self, name: str) -> bool:
         with self.lock:
@@ -50,6 +51,7 @@ def _handler(upstream: tuple[str, int], faults: Faults):
             with faults.lock:
                 faults.requests += 1
                 faults.gets += self.command == "GET"
+                faults.ranged += self.command == "GET" and "Range" in self.headers
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else None
             if faults.latency_s:

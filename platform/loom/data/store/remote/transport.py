@@ -61,7 +61,7 @@ def _make(scheme: str, settings: StorageSettings) -> Any:
             import s3fs
         except ImportError:
             raise ImportError(_install_hint(scheme)) from None
-        config = {"retries": {"max_attempts": 1}, "connect_timeout": settings.timeout_s,
+        config = {"retries": {"total_max_attempts": 1, "mode": "standard"}, "connect_timeout": settings.timeout_s,
                   "read_timeout": settings.timeout_s}
         client = {"region_name": settings.region} if settings.region else {}
         fs = s3fs.S3FileSystem(endpoint_url=settings.endpoint_url, profile=settings.profile, config_kwargs=config,
@@ -88,7 +88,7 @@ def retrying(what: str, call: Callable[[], T], settings: StorageSettings,
     """`call()`, retried on transient errors with capped exponential backoff and jitter for
     `settings.retry_s` seconds in all; then StorageUnavailable naming `what` and the last error."""
     deadline = time.monotonic() + settings.retry_s
-    delay, tries = 0.2, 0
+    delay, tries = 0.1, 0
     while True:
         tries += 1
         try:
