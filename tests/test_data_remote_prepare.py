@@ -141,13 +141,20 @@ def test_an_interrupted_or_cut_off_prepare_resumes_only_the_units_not_uploaded(s
     with pytest.raises(StorageUnavailable, match="part-00003"):
         prepare(units, RemoteOut(url, settings, stage), None, workers=1, progress="none")
     assert ran == [2, 3] and f"store/{SIDECAR}" not in _keys(s3, "resume")
+    assert (stage / "part-00003.bin").is_file()  # tokenized, not uploaded: kept here
     s3.faults.down = False
+
+    ran.clear()  # same stage: unit 3 is uploaded from it, not tokenized again
+    _stop_after(monkeypatch, 1, _interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(units, RemoteOut(url, settings, stage), None, workers=1, progress="none")
+    assert ran == [] and "store/.prepare/done/part-00003.json" in _keys(s3, "resume")
 
     ran.clear()  # another machine (a fresh stage); a shard whose .bin went missing is redone
     monkeypatch.setattr(RemoteOut, "unit_done", _REAL_UNIT_DONE)
     s3.client().delete_object(Bucket="resume", Key="store/part-00001.bin")
     prepare(units, RemoteOut(url, settings, tmp_path / "stage2"), None, workers=1, progress="none")
-    assert ran == [1, 3, 4, 5]
+    assert ran == [1, 4, 5]
     prepare(units, tmp_path / "local", None, workers=1, progress="none")
     _same_tokens(url, tmp_path / "local", settings)
 

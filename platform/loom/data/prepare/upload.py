@@ -58,6 +58,11 @@ class RemoteOut(StoreOut):
         except FileNotFoundError:
             raise ConfigError(f"Invalid usage: --out {self.url}: its bucket does not exist (or is not visible to "
                               "these credentials). Create it, or fix the URL, --endpoint-url or --profile.") from None
+        except Exception as e:  # noqa: BLE001 (only the credential errors are ours to explain)
+            if not isinstance(e, PermissionError) and "Credential" not in type(e).__name__:
+                raise
+            raise ConfigError(f"Invalid usage: --out {self.url}: {type(e).__name__}: {e}. Credentials come from the "
+                              "environment or the provider's files (--profile names one of their profiles).") from None
         return {name[len(root):].lstrip("/"): int(e.get("size") or 0)
                 for name, e in found.items() if name.startswith(root + "/")}
 
