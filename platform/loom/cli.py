@@ -232,8 +232,9 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files or quoted globs ('**' recurses): text (one document per file), .jsonl/.json, "
                          ".csv, .parquet, each optionally .gz/.zst; or a save_to_disk directory")
-    pp.add_argument("--out", required=True, metavar="DIR", help="the store directory (new, or an interrupted "
-                                                                  "prepare to resume)")
+    pp.add_argument("--out", required=True, metavar="DIR", help="the store directory or object-store URL "
+                                                                  "(s3://bucket/key): new, or an interrupted "
+                                                                  "prepare to resume")
     pp.add_argument("--tokenizer", metavar="NAME_OR_DIR",
                     help="a local Hugging Face tokenizer directory or a cached name (default: byte-level)")
     pp.add_argument("--field", default="text", help="the text field/column of JSONL, CSV, parquet and "
@@ -247,10 +248,22 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--max-doc-mb", type=float, metavar="MB", default=None,
                     help="the longest document (M characters) tokenized whole when the tokenizer gives no place "
                          "to cut it into 1 M-character pieces; a longer one is refused, naming it (default: 8)")
+    pp.add_argument("--stage", metavar="DIR", help="an object-store --out: the local folder shards are tokenized "
+                                                  "into before upload (default: under the node's cache)")
+    _storage_flags(pp)
     pp.set_defaults(func=cmd_data)
     ins = dsub.add_parser("inspect", help="documents, tokens, tokenizer, shards and sources of a store")
-    ins.add_argument("path", metavar="PATH", help="a store directory or a Megatron prefix")
+    ins.add_argument("path", metavar="PATH", help="a store directory, a Megatron prefix or an object-store URL")
+    _storage_flags(ins)
     ins.set_defaults(func=cmd_data)
+
+
+def _storage_flags(p: argparse.ArgumentParser) -> None:
+    """An object-store URL's endpoint and profile (credentials only from the environment and the
+    provider's files, never a flag)."""
+    p.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible endpoint (MinIO, R2, ...) for s3:// "
+                                                         "URLs (default: AWS, or $AWS_ENDPOINT_URL)")
+    p.add_argument("--profile", metavar="NAME", help="a named profile of the provider's credential files")
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -5,6 +5,8 @@ While it runs, `<out>/.prepare/` holds the plan (units, tokenizer, options) and 
 unit's counts; shards `part-{i:05d}` are written beside it. A rerun with the same plan skips the
 finished shards; one with another plan is refused (its shards would not belong together). The
 sidecar `loom.json` is written last, then `.prepare/` is removed: a store with a sidecar is whole.
+Where the store goes is a `StoreOut`: this folder itself, or object storage with this folder as
+its staging area (loom.data.prepare.upload.RemoteOut).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from loom.atomic import atomic_write_text
 from loom.data.prepare.encoding import TokenSpec, token_spec
 from loom.data.prepare.pieces import DEFAULT_MAX_DOC_MB
 from loom.data.prepare.progress import Progress
 from loom.data.prepare.units import sources_of
-from loom.data.prepare.worker import done_path, run_unit, shard_name, single_threaded
+from loom.data.prepare.worker import done_path, index_record, run_unit, shard_name, single_threaded
 from loom.data.prepare.workunit import InputUnit
 from loom.data.store import PREPARE_DIR, SIDECAR, write_sidecar
+from loom.data.store.remote.open import INDEX_SHA
 from loom.errors import ConfigError
 
 PLAN = "plan.json"
@@ -59,7 +64,7 @@ def make_plan(units: list[InputUnit], spec: TokenSpec, strict: bool) -> dict[str
     return json.loads(json.dumps(plan))
 
 
-def _refuse_other_plan(out: Path, old: dict[str, Any], new: dict[str, Any]) -> ConfigError:
+def _refuse_other_plan(out: Path | str, old: dict[str, Any], new: dict[str, Any]) -> ConfigError:
     diff = [k for k in _WHAT if old.get(k) != new.get(k)]
     said = []
     for k in diff[:3]:
@@ -92,7 +97,45 @@ def finished(out: Path, i: int) -> dict[str, Any] | None:
     prefix = out / shard_name(i)
     if not (done.is_file() and Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
         return None
-    return json.loads(done.read_text())
+    record = json.loads(done.read_text())
+    if INDEX_SHA not in record:  # counted before done records kept the index's hash
+        record.update(index_record(prefix))
+    return record
+
+
+class StoreOut:
+    """Where a prepare's store goes: here, the folder it is tokenized into (`stage`). A subclass
+    (upload.RemoteOut) sends each finished shard on and publishes the store elsewhere."""
+
+    def __init__(self, stage: Path) -> None:
+        self.stage = stage
+
+    def check(self) -> None:
+        """Refuse an output that is a complete store or something else (before any work)."""
+        check_out(self.stage)
+
+    def begin(self, plan: dict[str, Any]) -> None:
+        open_plan(self.stage, plan)
+
+    def kept(self, i: int, itemsize: int) -> dict[str, Any] | None:
+        """Unit i's record when a previous run finished it (its shard is kept), else None."""
+        return finished(self.stage, i)
+
+    def unit_done(self, stats: dict[str, Any]) -> None:
+        """Unit `stats["unit"]` has just finished (its shard and done record are in the stage)."""
+
+    def publish(self, sidecar: dict[str, Any]) -> None:
+        """The sidecar last, then the resume state goes: the store is whole from here on."""
+        write_sidecar(self.stage, sidecar)
+        shutil.rmtree(self.stage / PREPARE_DIR, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Drop everything written (a refused store of nothing)."""
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+    def kept_count(self, n: int) -> int | None:
+        """How many of the n units are kept for a resume (None: cannot tell now)."""
+        return sum(finished(self.stage, i) is not None for i in range(n))
 
 
 @contextmanager
@@ -211,26 +254,29 @@ def _sidecar(spec: TokenSpec, plan: dict[str, Any], stats: list[dict[str, Any]])
     return {"format": "loom-token-store", "version": 1, "shards": [shard_name(s["unit"]) for s in stats],
             "tokenizer": spec.name, "tokenizer_fingerprint": spec.fingerprint, "vocab_size": spec.vocab_size,
             "eos_id": spec.eos_id, "dtype": spec.dtype, "sources": _summarized(plan["sources"]), **total,
-            "field": plan["field"]}
+            "field": plan["field"], INDEX_SHA: {shard_name(s["unit"]): s[INDEX_SHA] for s in stats}}
 
 
-def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers: int | None = None,
+def prepare(units: list[InputUnit], out: Path | StoreOut, tokenizer: str | None, *, workers: int | None = None,
             strict: bool = False, progress: str = "auto", log: Callable[[str], None] | None = None,
             max_doc_mb: float = DEFAULT_MAX_DOC_MB) -> dict:
     """Tokenize `units` into the store `out` (resuming an interrupted prepare of the same plan);
     returns the sidecar. progress: "auto" (a bar on a TTY, else lines via `log`), "bar",
     "lines" or "none". `max_doc_mb`: the longest document tokenized whole where no checked cut
     is found (loom.data.prepare.pieces); not in the plan, as it changes no token, only what is
-    refused. ConfigError for bad input; nothing is visible as a store until the end."""
-    out = Path(out).expanduser()
-    check_out(out)
+    refused. ConfigError for bad input; nothing is visible as a store until the end. `out`: a
+    folder, or a StoreOut (a store in object storage, upload.RemoteOut)."""
+    target = out if isinstance(out, StoreOut) else StoreOut(Path(out).expanduser())
+    out = target.stage
+    target.check()
     spec = token_spec(tokenizer)
     plan = make_plan(units, spec, strict)
-    open_plan(out, plan)
+    target.begin(plan)
     stats: dict[int, dict[str, Any]] = {}
     prog = Progress(len(units), sum(u.bytes for u in units), progress, log)
+    itemsize = np.dtype(spec.dtype).itemsize
     for i in range(len(units)):
-        kept = finished(out, i)
+        kept = target.kept(i, itemsize)
         if kept is not None:
             stats[i] = kept
             prog.add(kept, kept=True)
@@ -238,6 +284,7 @@ def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers
     def on_done(s: dict[str, Any]) -> None:
         stats[s["unit"]] = s
         prog.add(s)
+        target.unit_done(s)
 
     def on_report(report: tuple | None) -> None:
         prog.partial(report) if report is not None else prog.tick()
@@ -252,13 +299,12 @@ def prepare(units: list[InputUnit], out: Path, tokenizer: str | None, *, workers
     try:
         refuse_tokenless(units, ordered)
     except ConfigError:  # its shards hold nothing worth resuming (a unit refused mid-way keeps the others')
-        shutil.rmtree(out, ignore_errors=True)
+        target.discard()
         raise
     sidecar = _sidecar(spec, plan, ordered)
     bad = next((s["first_not_utf8"] for s in ordered if s["first_not_utf8"]), None)
     if bad:
         (log or prog.log)(f"prepare: {sidecar['not_utf8']:,} document(s) not UTF-8 were skipped (the first: "
                           f"{bad}); --strict refuses them instead")
-    write_sidecar(out, sidecar)
-    shutil.rmtree(out / PREPARE_DIR, ignore_errors=True)
+    target.publish(sidecar)
     return sidecar

@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loom.data.store import PREPARE_DIR, SIDECAR, StoreError, open_store, read_sidecar
+from loom.data.store import (
+    PREPARE_DIR,
+    SIDECAR,
+    StorageSettings,
+    StoreError,
+    is_remote,
+    open_store,
+    read_sidecar,
+)
 from loom.errors import ConfigError
 
 
@@ -32,19 +40,22 @@ def _sidecar_lines(sc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def inspect_text(path: str | Path) -> str:
-    """The lines `loom data inspect` prints; ConfigError for an interrupted prepare or no store."""
-    p = Path(path).expanduser()
-    if p.is_dir() and (p / PREPARE_DIR).is_dir() and not (p / SIDECAR).is_file():
+def inspect_text(path: str | Path, storage: StorageSettings | None = None) -> str:
+    """The lines `loom data inspect` prints; ConfigError for an interrupted prepare or no store.
+    `path`: a local path or an object-store URL (`storage`: its endpoint; open_remote refuses an
+    interrupted remote prepare as this refuses a local one)."""
+    remote = is_remote(path)
+    p = str(path) if remote else Path(path).expanduser()
+    if not remote and p.is_dir() and (p / PREPARE_DIR).is_dir() and not (p / SIDECAR).is_file():
         raise ConfigError(
             f"Invalid usage: {p} is an interrupted `loom data prepare` ({PREPARE_DIR}/ but no {SIDECAR}): not a "
             "store yet. Run the same prepare command again to resume it (finished shards are kept), or delete "
             f"{p}.")
     try:
-        store = open_store(p)
+        store = open_store(p, storage=storage)
     except StoreError as e:
         raise ConfigError(f"Invalid usage: {e}") from None
-    sc = store.sidecar if store.sidecar is not None else (read_sidecar(p) if p.is_dir() else None)
+    sc = store.sidecar if store.sidecar is not None else (read_sidecar(p) if not remote and p.is_dir() else None)
     lines = [store.describe()]
     if sc is None:
         lines.append("  no sidecar: written by another tool (e.g. Megatron's preprocess_data.py); the tokenizer "
@@ -55,6 +66,6 @@ def inspect_text(path: str | Path) -> str:
     mean = f"{tokens / docs:,.1f} tokens" if docs else "n/a"
     lines.append(f"  tokens: {tokens:,}, documents: {'unknown' if docs is None else f'{docs:,}'}, "
                  f"mean document length: {mean}")
-    names = [getattr(s, "prefix", Path("?")).name for s in store.shards]
+    names = [s.name for s in store.shards]
     lines.append(f"  shards ({len(names)}): {_listed(names)}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ started with, an in-process unit's to the caller's function.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -54,6 +55,14 @@ def shard_name(i: int) -> str:
 
 def done_path(out: Path, prepare_dir: str, i: int) -> Path:
     return out / prepare_dir / DONE / f"{shard_name(i)}.json"
+
+
+def index_record(prefix: Path) -> dict[str, Any]:
+    """The shard's .idx size and SHA-256, kept in its done record: the sidecar lists the hashes
+    (a remote reader checks the index it fetched against them) and a resume of an upload checks
+    the remote .idx's size without reading it."""
+    data = Path(f"{prefix}.idx").read_bytes()
+    return {"index_sha256": hashlib.sha256(data).hexdigest(), "idx_bytes": len(data)}
 
 
 def _encoder(spec: TokenSpec) -> DocEncoder:
@@ -126,6 +135,7 @@ def run_unit(i: int, unit: InputUnit, out: str, prepare_dir: str, spec: TokenSpe
                 report((i, min(cur.done, unit.bytes), writer.n_docs + len(batch), writer.n_tokens))
         flush()
         stats["documents"], stats["tokens"] = writer.n_docs, writer.n_tokens
+    stats.update(index_record(Path(out) / shard_name(i)))
     done = done_path(Path(out), prepare_dir, i)
     done.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(done, json.dumps(stats) + "\n")
