@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loom.tracking.data_wait import IN_PROCESS, WORKERS, DataWaitWatch
+from loom.tracking.data_wait import IN_PROCESS, STORAGE, WORKERS, DataWaitWatch
 
 ADVICE_IN_PROCESS = ("with hardware.dataloader_workers=0 the batches are read and collated in the training "
                      "process; raise hardware.dataloader_workers")
@@ -131,6 +131,23 @@ def test_the_recorder_warns_once_past_5_percent_leaving_out_the_first_window_and
 
     assert rec.clock.step_stats() == {"timed_steps": 7, "step_s_mean": pytest.approx(sum(times) / 7, abs=1e-6),
                                       "step_s_noise": pytest.approx(statistics.stdev(diffs) / 2 ** 0.5, abs=1e-6)}
+
+
+def test_a_loader_waiting_on_object_storage_is_named_as_the_cause(caplog):
+    """perf/storage_wait_ms (the readers' blocked fetch time) at half the data wait or more names
+    object storage and what to raise; under half, the loader's workers stay the likely cause."""
+    watch = DataWaitWatch()
+    watch.start(2)
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        watch.window(0, 10, 90.0, storage_ms=400.0, data_ms=450.0)  # start-up: left out
+        watch.window(10, 20, 30.0, storage_ms=60.0, data_ms=100.0)
+    assert watch.summary()["cause"] == STORAGE
+    assert "waited on object storage (perf/storage_wait_ms): raise dataset.cache.prefetch" in caplog.text
+    other = DataWaitWatch()
+    other.start(2)
+    other.window(0, 10, 0.0)
+    other.window(10, 20, 30.0, storage_ms=40.0, data_ms=100.0)
+    assert other.summary()["cause"] == WORKERS
 
 
 def test_workers_that_cannot_keep_up_are_named_and_a_resume_does_not_warn_again(caplog):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from loom.errors import EXIT_FAILED, EXIT_INFEASIBLE, EXIT_INVALID, EXIT_OK, ConfigError, PlanInfeasible
+from loom.errors import EXIT_FAILED, EXIT_INFEASIBLE, EXIT_INVALID, EXIT_OK, ConfigError, PlanInfeasible, Unavailable
 from loom.pipeline import plan_run, refuse_infeasible, resolve, train_one
 from loom.rundir.config_file import frozen_yaml
 
@@ -395,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     except PlanInfeasible as e:
         print(str(e), file=sys.stderr)
         return EXIT_INFEASIBLE
+    except Unavailable as e:  # object storage down past its retry budget: try again later
+        print(str(e), file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

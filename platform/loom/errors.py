@@ -20,6 +20,12 @@ class ConfigError(Exception):
     """An invalid config or usage: the CLI prints the message and exits 2."""
 
 
+class Unavailable(OSError):
+    """A service the run reads from (object storage) did not answer within its retry budget: not
+    a configuration error (the same command may succeed later, and a rank's restart may), so the
+    CLI says it and exits 1, and a rank's failure is not classified config-like."""
+
+
 class PlanInfeasible(Exception):
     """No layout fits (strategy=auto): the CLI prints the message and exits 3."""
 

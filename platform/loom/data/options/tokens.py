@@ -33,7 +33,7 @@ class CacheConfig:
 
     dir: str | None = None   # null: $LOOM_CACHE_DIR/objects, else ~/.cache/loom/objects
     max_gb: float = 50.0     # every file in it counts (indexes too); least recently used chunks go first
-    chunk_mb: int = 8        # one ranged read and one cache file
+    chunk_mb: float = 8.0    # one ranged read and one cache file
     prefetch: int = 4        # micro batches ahead of the loader whose chunks are fetched early (0: off)
 
 
@@ -117,7 +117,7 @@ def storage_settings(ds: DictConfig):
         endpoint_url=st.get("endpoint_url"), profile=st.get("profile"), region=st.get("region"),
         retry_s=float(st.get("retry_s", 120.0)), timeout_s=float(st.get("timeout_s", 30.0)),
         cache_dir=str(ca.get("dir") or ""), cache_max_bytes=int(float(ca.get("max_gb", 50.0)) * (1 << 30)),
-        chunk_bytes=int(ca.get("chunk_mb", 8)) << 20, prefetch=int(ca.get("prefetch", 4)))
+        chunk_bytes=int(float(ca.get("chunk_mb", 8)) * (1 << 20)), prefetch=int(ca.get("prefetch", 4)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -141,7 +141,9 @@ def open_source(ds: DictConfig, i: int, src: Source):
 
     try:
         return _open(_local_or_url(src.path), ds.get("dtype"), storage_settings(ds))
-    except (StoreError, StorageUnavailable, ImportError, PermissionError) as e:
+    except StorageUnavailable as e:  # an outage, not a bad config: a later try (or a rank's restart) may pass
+        raise StorageUnavailable(f"dataset.mix[{i}].path={src.path!r}: {e}") from None
+    except (StoreError, ImportError, PermissionError) as e:
         raise ConfigError(f"Invalid config: dataset.mix[{i}].path={src.path!r}: {e}") from None
 
 
@@ -178,8 +180,8 @@ def check_storage(ds: DictConfig) -> None:
     if not float(ca.get("max_gb", 50)) > 0:
         fail("dataset.cache.max_gb", ca.get("max_gb"), "must be positive: the node's cache size in GB")
     chunk = ca.get("chunk_mb", 8)
-    if not isinstance(chunk, int) or not 1 <= chunk <= 1024:
-        fail("dataset.cache.chunk_mb", chunk, "must be a whole number of MB in [1, 1024] (one ranged read)")
+    if not isinstance(chunk, int | float) or not 1 / 16 <= chunk <= 1024:
+        fail("dataset.cache.chunk_mb", chunk, "must be in [0.0625, 1024] MB (one ranged read; 8 suits most stores)")
     if float(ca.get("max_gb", 50)) * 1024 < 16 * chunk:
         fail("dataset.cache.max_gb", ca.get("max_gb"), f"holds fewer than 16 chunks of {chunk} MB: the ranks of a "
              "node and their prefetch need room; raise it or lower dataset.cache.chunk_mb")

@@ -3,7 +3,6 @@ tokens from when the store lives in object storage (a local shard maps its file 
 
 from __future__ import annotations
 
-import multiprocessing.context
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,11 +41,8 @@ class RemoteBlob:
         self.cache = ChunkCache(settings.cache_root, settings.cache_max_bytes, self.stats)
 
     def __getstate__(self) -> dict[str, Any]:
-        """The shared counters travel only into a process being started (a loader worker)."""
-        state = dict(self.__dict__)
-        if multiprocessing.context.get_spawning_popen() is None:
-            state["stats"] = None
-        return state
+        """Pickled (a spawned process, a copy): without the fork-shared counters, which cannot travel."""
+        return {**self.__dict__, "stats": None, "cache": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

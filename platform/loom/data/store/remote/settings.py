@@ -42,7 +42,7 @@ class StorageSettings:
     def describe(self) -> str:
         """The launch line's words: where the cache is and how big it may grow."""
         where = f" via {self.endpoint_url}" if self.endpoint_url else ""
-        return (f"cache {self.cache_root} (at most {self.cache_max_bytes / GB:g} GB, {self.chunk_bytes // MB} MB "
+        return (f"cache {self.cache_root} (at most {self.cache_max_bytes / GB:g} GB, {self.chunk_bytes / MB:g} MB "
                 f"chunks, prefetch {self.prefetch} micro batches ahead){where}")
 
 

@@ -1,7 +1,8 @@
 """The node's storage counters: bytes fetched, cache hits and misses, evictions, retries and the
 time a reader blocked on a fetch. One shared array per rank, made in the rank's process before its
-loader starts workers and handed to them with the dataset, so a worker's fetches count where the
-training loop reads them (summary.json `storage`, the data-wait cause)."""
+loader forks its workers, which inherit it with the dataset, so a worker's fetches count where the
+training loop reads them (summary.json `storage`, the data-wait cause). A worker started by spawn
+counts in its own (not summed): its shards are pickled without the shared array."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ _COUNTERS: dict[int, Any] = {}
 
 
 class StorageCounters:
-    """A shared array of FIELDS; picklable into a loader worker at its start (inheritance)."""
+    """A shared array of FIELDS, inherited by the loader workers a rank forks."""
 
     def __init__(self) -> None:
-        self._values = multiprocessing.get_context("spawn").Array("d", len(FIELDS))
+        # fork's context: an unnamed semaphore, which no resource tracker warns about when a rank dies;
+        # it reaches a loader worker started by fork (Linux's default), and only such a worker
+        self._values = multiprocessing.get_context("fork").Array("d", len(FIELDS))
 
     def add(self, field: str, amount: float = 1.0) -> None:
         i = FIELDS.index(field)

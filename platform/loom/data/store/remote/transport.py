@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loom.data.store.remote.location import SCHEMES, scheme_of
+from loom.errors import Unavailable
 from loom.data.store.remote.settings import StorageSettings
 
 T = TypeVar("T")
@@ -29,7 +30,7 @@ _PERMANENT_NAMES = ("Credential", "ParamValidation", "NoRegion", "ProfileNotFoun
                     "SignatureDoesNotMatch")
 
 
-class StorageUnavailable(OSError):
+class StorageUnavailable(Unavailable):
     """Object storage did not answer within the retry budget (an outage, not a bad store)."""
 
 
