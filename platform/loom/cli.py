@@ -14,7 +14,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from loom.errors import EXIT_FAILED, EXIT_INFEASIBLE, EXIT_INVALID, EXIT_OK, ConfigError, PlanInfeasible, Unavailable
+from loom.errors import (
+    EXIT_FAILED,
+    EXIT_INFEASIBLE,
+    EXIT_INVALID,
+    EXIT_OK,
+    ConfigError,
+    PlanInfeasible,
+    Unavailable,
+)
 from loom.pipeline import plan_run, refuse_infeasible, resolve, train_one
 from loom.rundir.config_file import frozen_yaml
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loom.data.store.remote.location import SCHEMES, scheme_of
-from loom.errors import Unavailable
 from loom.data.store.remote.settings import StorageSettings
+from loom.errors import Unavailable
 
 T = TypeVar("T")
 _FILESYSTEMS: dict[tuple, Any] = {}
