@@ -11,12 +11,15 @@
             < 0.3 GB, < 10 s cold, < 1 s warm.
   wait      `loom train` gpt_small, 2 ranks (ddp), dataset=tokens over a 3-source mixture:
             perf/data_wait_pct per log window. Target: < 1% of the step.
+  remote    `wait` with the store in object storage (a local S3 API with 50 ms added per request,
+            scripts/bench/_remote.py), cold cache, dataset.cache.prefetch=4 against 0. Target:
+            data wait < 1% of the step with prefetch on; the figure without it shown beside.
   bigdoc    one 20 MB document (a JSON line): the peak RSS of `loom data prepare --workers 1`
             (in pieces, loom.data.prepare.pieces) against the tokenizer's one call on the same
             text, each in its own process, and whether the ids are the same. Target: prepare
             < 0.5 GB, the README's bound.
 
-    .venv/bin/python scripts/bench/data.py [--only tokenize,index,wait,bigdoc] [--mb 24] [--json PATH]
+    .venv/bin/python scripts/bench/data.py [--only tokenize,index,wait,remote,bigdoc] [--mb 24] [--json PATH]
 
 Nothing asserts a time; the last lines say which targets the figures meet.
 """
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 
 from _bench import PY, REPO, bench_env, load, run_loom, write_json
+from _remote import bench_remote, verdict
 
 HERE = Path(__file__).resolve().parent
 ENCODE = """
@@ -220,7 +224,8 @@ def main() -> None:
         for part in a.only.split(","):
             t0 = time.perf_counter()
             out[part] = {"tokenize": lambda: bench_tokenize(Path(tmp), a.mb), "index": lambda: bench_index(Path(tmp)),
-                         "wait": lambda: bench_wait(Path(tmp), a.steps), "bigdoc": lambda: bench_bigdoc(Path(tmp))}[part]()
+                         "wait": lambda: bench_wait(Path(tmp), a.steps), "bigdoc": lambda: bench_bigdoc(Path(tmp)),
+                         "remote": lambda: bench_remote(Path(tmp), a.steps)}[part]()
             print(f"{part} ({time.perf_counter() - t0:.0f} s): {json.dumps(out[part], default=str)}", flush=True)
     verdicts(out)
     write_json(a.json, out)
@@ -238,6 +243,8 @@ def verdicts(out: dict) -> None:
     if w:
         print(f"data wait, gpt_small 2 ranks, 3 sources: {w['data_wait_pct_mean']:.2f}% mean, "
               f"{w['data_wait_pct_max']:.2f}% max of the step (target < 1%)")
+    if out.get("remote"):
+        print(verdict(out["remote"]))
     if b:
         print(f"one {b['doc_mb']:.0f} MB document: prepare peaks at {b['prepare_peak_rss_gb']:.2f} GB RSS (target < 0.5), "
               f"one tokenizer call at {b['one_call_peak_rss_gb']:.2f} GB; same ids: {b['same_ids']}")
