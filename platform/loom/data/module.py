@@ -61,6 +61,7 @@ class LoomDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.train_sampler: ResumableDistributedSampler | None = None
+        self.resume_position: tuple[int, int] | None = None  # (epoch, samples of its global order consumed)
         tr = cfg.trainer  # samples per optimizer step: the run's, at any dp
         self.global_batch = int(tr.get("global_batch_size") or
                                 cfg.dataset.batch_size * tr.accumulate_grad_batches * dp_size)
@@ -143,6 +144,8 @@ class LoomDataModule(pl.LightningDataModule):
             self.train_set, num_replicas=self.dp_size, rank=self.dp_rank, micro_batch=self.cfg.dataset.batch_size,
             global_batch=self.global_batch, shuffle=True, seed=self.cfg.seed, prefetch_ahead=self._ahead(),
         )
+        if self.resume_position is not None:  # set at checkpoint restore (loom.data.position), before any iteration
+            self.train_sampler.resume_at(*self.resume_position)
         dataset = _Noting(self.train_set, self._served) if self.record_dir else self.train_set
         return self._loader(dataset, self.train_sampler)
 

@@ -55,8 +55,19 @@ class DataPosition(pl.Callback):
         self._trainer = trainer
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Tell the sampler to skip what this epoch already consumed (at train start)."""
-        self._restored = {k: int(v) for k, v in state.items() if v is not None}
+        """Tell the sampler to skip what this epoch already consumed: through the datamodule, which
+        hands it to the sampler it makes. Not at train start: Lightning iterates the train loader in
+        `setup_data`, before on_train_start, and a loader with workers pulls its first indices from
+        the sampler right then (a resume with hardware.dataloader_workers > 0 restarted the epoch)."""
+        self._restored = r = {k: int(v) for k, v in state.items() if v is not None}
+        trainer = getattr(self, "_trainer", None)
+        dm = getattr(trainer, "datamodule", None)
+        if dm is None:
+            return
+        micro, dp = self._shape(trainer)
+        if "samples" not in r:  # a checkpoint from before the global position: saved at this world
+            r["samples"], r["dp"] = r["batches"] * micro * dp, dp
+        dm.resume_position = (r["epoch"], r["samples"])
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restored is None:
@@ -70,8 +81,8 @@ class DataPosition(pl.Callback):
             rescale_batch_progress(trainer, r["dp"], dp)
         # Lightning skips on_train_epoch_start when it restarts mid-epoch: the count starts here
         self.epoch, self.batches = r["epoch"], r["samples"] // (micro * dp)
-        if sampler is not None:
-            sampler.resume_at(r["epoch"], r["samples"])
+        if sampler is not None and getattr(trainer.datamodule, "resume_position", None) is None:
+            sampler.resume_at(r["epoch"], r["samples"])  # a datamodule that was not told at restore
 
 
 def rescale_batch_progress(trainer: pl.Trainer, dp_old: int, dp_new: int) -> None:

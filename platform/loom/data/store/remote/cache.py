@@ -10,7 +10,10 @@ streaming #339, #417, #988). It keeps to file locks (`flock`) and renames:
 - a download holds the chunk's own lock file, so a second process waits for it instead of fetching;
 - space is made under the cache's one lock: the bytes of every file under the folder (indexes too)
   plus the new chunk stay within `max_bytes`; a chunk is evicted only when its exclusive lock is
-  free (no reader holds it). A chunk that finds no room is served uncached, never over the cap;
+  free (no reader holds it). A chunk that finds no room is served uncached, never over the cap.
+  A ledger file holds the bytes in use, so a write below the cap stats nothing; at the cap one
+  scan of the folder corrects the ledger and evicts a tenth of the cap beyond what is needed, so
+  the next writes need no scan either;
 - the folder outlives the run: a restarted run reads what is there (recency = modification time).
 """
 
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from loom.data.store.remote.stats import StorageCounters
 
-CHUNKS, INDEX, LOCKS, SPACE_LOCK = "chunks", "index", "locks", ".space.lock"
+CHUNKS, INDEX, LOCKS, SPACE_LOCK, LEDGER = "chunks", "index", "locks", ".space.lock", ".used-bytes"
 
 
 @contextlib.contextmanager
@@ -119,10 +122,12 @@ class ChunkCache:
         return sum(size for size, _, _ in self._files())
 
     def _files(self) -> list[tuple[int, float, Path]]:
-        """(size, modification time, path) of every file under the cache folder."""
+        """(size, modification time, path) of every file under the cache folder but the ledger."""
         out = []
         for dirpath, _, names in os.walk(self.root):
             for name in names:
+                if name.startswith(LEDGER):  # the ledger's few digits are not cache contents
+                    continue
                 p = Path(dirpath) / name
                 try:
                     st = p.stat()
@@ -132,19 +137,37 @@ class ChunkCache:
         return out
 
     def _make_room(self, need: int) -> bool:
-        """Evict least recently used chunks no reader holds until `need` more bytes fit."""
+        """Room for `need` more bytes within the cap (under the space lock): the ledger says so, or
+        a scan evicts least recently used chunks no reader holds, down to a tenth below the cap."""
+        used = self._ledger()
+        if used is not None and used + need <= self.max_bytes:
+            self._set_ledger(used + need)
+            return True
         files = self._files()
         used = sum(size for size, _, _ in files)
-        if used + need <= self.max_bytes:
-            return True
+        target = self.max_bytes - need - self.max_bytes // 10
         chunks = self.root / CHUNKS
-        for size, _, path in sorted((f for f in files if chunks in f[2].parents), key=lambda f: f[1]):
-            if self._evict(path):
-                used -= size
-                self.counters.add("evictions")
-                if used + need <= self.max_bytes:
-                    return True
-        return used + need <= self.max_bytes
+        if used > target:
+            for size, _, path in sorted((f for f in files if chunks in f[2].parents), key=lambda f: f[1]):
+                if self._evict(path):
+                    used -= size
+                    self.counters.add("evictions")
+                    if used <= target:
+                        break
+        fits = used + need <= self.max_bytes
+        self._set_ledger(used + need if fits else used)
+        return fits
+
+    def _ledger(self) -> int | None:
+        try:
+            return int((self.root / LEDGER).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _set_ledger(self, used: int) -> None:
+        tmp = self.root / f"{LEDGER}.tmp"
+        tmp.write_text(str(used))
+        os.replace(tmp, self.root / LEDGER)
 
     @staticmethod
     def _evict(path: Path) -> bool:
