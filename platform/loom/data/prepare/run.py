@@ -64,7 +64,7 @@ def make_plan(units: list[InputUnit], spec: TokenSpec, strict: bool) -> dict[str
     return json.loads(json.dumps(plan))
 
 
-def _refuse_other_plan(out: Path | str, old: dict[str, Any], new: dict[str, Any]) -> ConfigError:
+def refuse_other_plan(out: Path | str, old: dict[str, Any], new: dict[str, Any]) -> ConfigError:
     diff = [k for k in _WHAT if old.get(k) != new.get(k)]
     said = []
     for k in diff[:3]:
@@ -83,7 +83,7 @@ def open_plan(out: Path, plan: dict[str, Any]) -> None:
     if f.is_file():
         old = json.loads(f.read_text())
         if old != plan:
-            raise _refuse_other_plan(out, old, plan)
+            raise refuse_other_plan(out, old, plan)
         for tmp in out.glob(".part-*.tmp"):  # a killed worker's half shard (ShardWriter's temp name)
             tmp.unlink(missing_ok=True)
         return

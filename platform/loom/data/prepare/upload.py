@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from loom.data.prepare.run import PLAN, StoreOut, _refuse_other_plan, finished, open_plan
+from loom.data.prepare.run import PLAN, StoreOut, finished, open_plan, refuse_other_plan
 from loom.data.prepare.worker import DONE, done_path, shard_name
 from loom.data.store import PREPARE_DIR, SIDECAR
 from loom.data.store.remote.location import join, key_of
@@ -86,7 +86,7 @@ class RemoteOut(StoreOut):
         if f"{PREPARE_DIR}/{PLAN}" in self.objects:
             old = json.loads(self._call(f"reading {remote_plan}", lambda: self.fs.cat_file(remote_plan)))
             if old != plan:
-                raise _refuse_other_plan(self.url, old, plan)
+                raise refuse_other_plan(self.url, old, plan)
         local = self.stage / PREPARE_DIR / PLAN
         if local.is_file() and json.loads(local.read_text()) != plan:
             shutil.rmtree(self.stage)
