@@ -21,6 +21,7 @@ is wrapped to note each index it serves, in order), matched to trained batches b
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import deque
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from loom.data.batch import collate
 from loom.data.registry import DATASETS
@@ -39,18 +40,30 @@ RECORD_ENV = "LOOM_RECORD_SAMPLE_IDS"
 log = logging.getLogger("loom")
 
 
-class _Noting(Dataset):
-    """Wraps a dataset and notes every index served (LOOM_RECORD_SAMPLE_IDS only)."""
+class _Noting(Sampler):
+    """Wraps the train sampler and notes every index it hands out, in order (LOOM_RECORD_SAMPLE_IDS
+    only). At the sampler, not the dataset: a loader's workers read the dataset in their own
+    processes, while the sampler runs in this one, in the order the batches arrive."""
 
-    def __init__(self, inner: Dataset, served: deque) -> None:
+    def __init__(self, inner: ResumableDistributedSampler, served: deque) -> None:
         self.inner, self.served = inner, served
 
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, i: int):
-        self.served.append(int(i[0]) if isinstance(i, tuple) else int(i))  # chat: (id, scale)
-        return self.inner[i]
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self):
+        for i in self.inner:
+            self.served.append(int(i[0]) if isinstance(i, tuple) else int(i))  # chat: (id, scale)
+            yield i
+
+
+def _counter_row(first: int, worker_id: int) -> None:
+    from loom.data.store.remote.stats import claim_row
+
+    claim_row(first + worker_id)
 
 
 class LoomDataModule(pl.LightningDataModule):
@@ -120,6 +133,8 @@ class LoomDataModule(pl.LightningDataModule):
         hw = self.cfg.hardware
         workers = hw.dataloader_workers
         kw = {"prefetch_factor": hw.get("prefetch_factor") or 2} if workers > 0 else {}  # hardware profile
+        if workers > 0:  # each worker its own row of the storage counters (train 1..n, validation n+1..2n)
+            kw["worker_init_fn"] = functools.partial(_counter_row, 1 + workers * int(dataset is not self.train_set))
         return DataLoader(
             dataset,
             batch_size=self.cfg.dataset.batch_size,
@@ -146,8 +161,8 @@ class LoomDataModule(pl.LightningDataModule):
         )
         if self.resume_position is not None:  # set at checkpoint restore (loom.data.position), before any iteration
             self.train_sampler.resume_at(*self.resume_position)
-        dataset = _Noting(self.train_set, self._served) if self.record_dir else self.train_set
-        return self._loader(dataset, self.train_sampler)
+        sampler = _Noting(self.train_sampler, self._served) if self.record_dir else self.train_sampler
+        return self._loader(self.train_set, sampler)
 
     @property
     def val_names(self) -> list[str]:

@@ -40,15 +40,11 @@ class RemoteBlob:
         self.key = key_of(f"{url}|{etag}|{size}")
         self.cache = ChunkCache(settings.cache_root, settings.cache_max_bytes, self.stats)
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a spawned process, a copy): without the fork-shared counters, which cannot travel."""
-        return {**self.__dict__, "stats": None, "cache": None}
-
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled in a loader worker: the rank's counters came along (StorageCounters pickles them
+        only into a process being started)."""
         self.__dict__.update(state)
-        if self.stats is None:
-            self.stats = counters()
-            self.cache = ChunkCache(self.settings.cache_root, self.settings.cache_max_bytes, self.stats)
+        self.cache = ChunkCache(self.settings.cache_root, self.settings.cache_max_bytes, self.stats)
 
     def _span(self, n: int) -> tuple[int, int]:
         lo = n * self.settings.chunk_bytes

@@ -1,36 +1,59 @@
-"""The node's storage counters: bytes fetched, cache hits and misses, evictions, retries and the
+"""The rank's storage counters: bytes fetched, cache hits and misses, evictions, retries and the
 time a reader blocked on a fetch. One shared array per rank, made in the rank's process before its
-loader forks its workers, which inherit it with the dataset, so a worker's fetches count where the
-training loop reads them (summary.json `storage`, the data-wait cause). A worker started by spawn
-counts in its own (not summed): its shards are pickled without the shared array."""
+loader starts workers and handed to them with the dataset, so a worker's fetches count where the
+training loop reads them (summary.json `storage`, the data-wait cause).
+
+Lock-free: each process adds to its own row (`claim_row`: the rank's process row 0, a loader worker
+the row its loader's `worker_init_fn` gives it), and a snapshot sums the rows. A lock would be a
+named semaphore (loader workers start by forkserver under torchrun), which the resource tracker
+reports as leaked whenever a rank dies."""
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
+import threading
 from typing import Any
 
 FIELDS = ("bytes_fetched", "requests", "hits", "misses", "evictions", "retries", "uncached", "wait_s",
           "index_bytes")
+ROWS = 64  # the rank's process, and its loaders' workers (wrapping around past 63)
 _COUNTERS: dict[int, Any] = {}
+_ROW = {"row": 0}
+_ADDING = threading.Lock()  # the rank's prefetch threads share its row
+
+
+def claim_row(row: int) -> None:
+    """This process adds to row `row` (a loader worker's `worker_init_fn`)."""
+    _ROW["row"] = row % ROWS
 
 
 class StorageCounters:
-    """A shared array of FIELDS, inherited by the loader workers a rank forks."""
+    """ROWS x FIELDS doubles in shared memory; travels into a process being started (a loader worker)."""
 
     def __init__(self) -> None:
-        # fork's context: an unnamed semaphore, which no resource tracker warns about when a rank dies;
-        # it reaches a loader worker started by fork (Linux's default), and only such a worker
-        self._values = multiprocessing.get_context("fork").Array("d", len(FIELDS))
+        self._values = multiprocessing.get_context("spawn").RawArray("d", ROWS * len(FIELDS))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if multiprocessing.context.get_spawning_popen() is None:  # a copy, not a process start
+            return {"_values": None}
+        return {"_values": self._values}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._values = state["_values"]
+        if self._values is None:
+            self._values = multiprocessing.get_context("spawn").RawArray("d", ROWS * len(FIELDS))
 
     def add(self, field: str, amount: float = 1.0) -> None:
-        i = FIELDS.index(field)
-        with self._values.get_lock():
+        i = _ROW["row"] * len(FIELDS) + FIELDS.index(field)
+        with _ADDING:
             self._values[i] += amount
 
     def snapshot(self) -> dict[str, float]:
-        with self._values.get_lock():
-            return dict(zip(FIELDS, self._values[:], strict=True))
+        values = self._values[:]
+        n = len(FIELDS)
+        return {f: sum(values[r * n + k] for r in range(ROWS)) for k, f in enumerate(FIELDS)}
 
 
 def counters() -> StorageCounters:
