@@ -30,6 +30,11 @@ _PERMANENT_NAMES = ("Credential", "ParamValidation", "NoRegion", "ProfileNotFoun
                     "SignatureDoesNotMatch")
 
 
+# the environment a client reads at creation: a filesystem made under other values is not reused
+_CLIENT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_DEFAULT_REGION",
+               "AWS_REGION", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_ACCOUNT_NAME")
+
+
 class StorageUnavailable(Unavailable):
     """Object storage did not answer within the retry budget (an outage, not a bad store)."""
 
@@ -45,7 +50,8 @@ def filesystem(url: str, settings: StorageSettings) -> Any:
     scheme = scheme_of(url)
     if scheme is None:
         raise ValueError(f"{url} is not an object-store URL")
-    key = (os.getpid(), scheme, settings.endpoint_url, settings.profile, settings.region, settings.timeout_s)
+    env = tuple(os.environ.get(k) for k in _CLIENT_ENV)  # what the client reads when the settings say nothing
+    key = (os.getpid(), scheme, settings.endpoint_url, settings.profile, settings.region, settings.timeout_s, env)
     fs = _FILESYSTEMS.get(key)
     if fs is None:
         fs = _FILESYSTEMS[key] = _make(scheme, settings)
