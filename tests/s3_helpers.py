@@ -5,11 +5,9 @@ so the storage client's retries and the run's errors are exercised against real 
 from __future__ import annotations
 
 import http.client
-import os
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -132,17 +130,3 @@ class LocalS3:
     def stop(self) -> None:
         self.proxy.shutdown()
         self.moto.stop()
-
-
-@contextmanager
-def env_set(values: dict[str, str]):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

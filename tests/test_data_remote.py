@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import refused
-from s3_helpers import LocalS3, env_set
+from s3_helpers import LocalS3
 
 from loom.data.store import ShardWriter, StorageSettings, StoreError, open_store, write_sidecar
 from loom.data.store.remote.cache import ChunkCache
@@ -41,7 +41,9 @@ def _store(d: Path, seed: int = 0, shards: int = 3, docs: int = 40) -> Path:
 @pytest.fixture(scope="module")
 def s3():
     server = LocalS3()
-    with env_set(server.env()):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env().items():
+            mp.setenv(k, v)
         yield server
     server.stop()
 

@@ -232,6 +232,8 @@ PLACEHOLDERS: dict[str, Callable[[Path, Resolver], None]] = {
     "/data/tok/web": _prepared("/data/corpus/*.txt", "/models/Llama-3.2-1B"),
     "/data/tok/code": _prepared("/data/corpus/*.txt", "/models/Llama-3.2-1B"),
     "/data/tok/bytes": _prepared("/data/corpus/*.txt", None),
+    "/local/code": _prepared("/data/corpus/*.txt", "/models/Llama-3.2-1B"),
+    "/nvme/loom-cache": lambda d, r: d.mkdir(parents=True, exist_ok=True),
     "/megatron/out/my_text_document": _megatron_prefix,
     "/models/Llama-3.2-1B": _tokenizer,
     "/models/Qwen2.5-0.5B-Instruct": _hf_llama_chat,
@@ -255,6 +257,24 @@ class Resolver:
 
     def __init__(self, root: Path) -> None:
         self.root, self.made = root, {}
+        self.s3 = None  # the local S3 server behind s3://corpora/ (started by the first command naming it)
+        self.env = pytest.MonkeyPatch()
+
+    def remote(self) -> None:
+        """s3://corpora/tok/web: the /data/tok/web stand-in uploaded to a local S3 API (moto's server)."""
+        if self.s3 is None:
+            from s3_helpers import LocalS3
+
+            self.s3 = LocalS3()
+            for k, v in self.s3.env().items():
+                self.env.setenv(k, v)
+            self.s3.bucket("corpora")
+            self.s3.upload_dir(self.path("/data/tok/web"), "s3://corpora/tok/web")
+
+    def close(self) -> None:
+        if self.s3 is not None:
+            self.s3.stop()
+        self.env.undo()
 
     def path(self, placeholder: str) -> Path:
         key = next(k for k in sorted(PLACEHOLDERS, key=len, reverse=True) if placeholder.startswith(k))
@@ -269,6 +289,8 @@ class Resolver:
         keys = sorted((k for k in PLACEHOLDERS if k.startswith("/")), key=len, reverse=True)
         pattern = r"(?<![\w./])(" + "|".join(map(re.escape, keys)) + r")(?![\w.-])"
         arg = re.sub(pattern, lambda m: (self.path(m.group(1)), str(self.root / m.group(1).lstrip("/")))[1], arg)
+        if "s3://corpora/" in arg:
+            self.remote()
         if "my_pkg." in arg:
             self.path("my_pkg.py")
         if "file://./my-recipes" in arg:
@@ -280,8 +302,10 @@ class Resolver:
 
 
 @pytest.fixture(scope="module")
-def resolver(tmp_path_factory) -> Resolver:
-    return Resolver(tmp_path_factory.mktemp("docs"))
+def resolver(tmp_path_factory):
+    r = Resolver(tmp_path_factory.mktemp("docs"))
+    yield r
+    r.close()
 
 
 def _cli(root: Path, argv: list[str]) -> tuple[int, str]:

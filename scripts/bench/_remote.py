@@ -16,11 +16,13 @@ from _bench import REPO, run_loom
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def _wait(run_dir: Path) -> tuple[list[float], list[float]]:
+def _wait(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
+    """Per log window after the first: data wait %, storage wait ms, step time ms."""
     with open(run_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("perf/data_wait_pct")]
     rows = rows[1:]  # the first window holds the loader's start (and the first fetches)
-    return [float(r["perf/data_wait_pct"]) for r in rows], [float(r["perf/storage_wait_ms"]) for r in rows]
+    return ([float(r["perf/data_wait_pct"]) for r in rows], [float(r["perf/storage_wait_ms"]) for r in rows],
+            [float(r["perf/step_time_ms"]) for r in rows])
 
 
 def bench_remote(root: Path, steps: int, latency_ms: float = 50.0) -> dict:
@@ -46,10 +48,11 @@ def bench_remote(root: Path, steps: int, latency_ms: float = 50.0) -> dict:
                           "dataset.cache.chunk_mb=0.25", f"dataset.cache.prefetch={ahead}",
                           f"trainer.max_steps={steps}", "trainer.log_every_n_steps=5", "tracking=csv",
                           "checkpoint.every_n_steps=0", "trainer.limit_val_batches=1"], root, f"remote-{label}")
-            pct, storage_ms = _wait(Path(s["run_dir"]))
+            pct, storage_ms, step_ms = _wait(Path(s["run_dir"]))
             out[label] = {"data_wait_pct_mean": sum(pct) / max(1, len(pct)), "data_wait_pct_max": max(pct),
                           "storage_wait_ms_mean": sum(storage_ms) / max(1, len(storage_ms)),
-                          "step_time_ms": s.get("step_time_ms"), "ranged_gets": s3.faults.ranged - gets,
+                          "step_time_ms_mean": sum(step_ms) / max(1, len(step_ms)),
+                          "ranged_gets": s3.faults.ranged - gets,
                           "storage": s.get("storage"), "summary_data_wait": s.get("data_wait")}
     finally:
         s3.stop()
@@ -60,6 +63,7 @@ def bench_remote(root: Path, steps: int, latency_ms: float = 50.0) -> dict:
 
 def verdict(r: dict) -> str:
     on, off = r["prefetch"], r["no_prefetch"]
-    return (f"remote store, {r['latency_ms']:g} ms per request: data wait {on['data_wait_pct_mean']:.2f}% mean, "
+    return (f"remote store, {r['latency_ms']:g} ms per request, a {on['step_time_ms_mean']:.0f} ms step: data wait "
+            f"{on['data_wait_pct_mean']:.2f}% mean, "
             f"{on['data_wait_pct_max']:.2f}% max of the step with prefetch (target < 1%); without prefetch "
             f"{off['data_wait_pct_mean']:.2f}% mean, {off['data_wait_pct_max']:.2f}% max")
