@@ -14,15 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from loom.errors import (
-    EXIT_FAILED,
-    EXIT_INFEASIBLE,
-    EXIT_INVALID,
-    EXIT_OK,
-    ConfigError,
-    PlanInfeasible,
-    Unavailable,
-)
+from loom import errors
+from loom.errors import EXIT_FAILED, EXIT_INFEASIBLE, EXIT_INVALID, EXIT_OK, ConfigError, PlanInfeasible
 from loom.pipeline import plan_run, refuse_infeasible, resolve, train_one
 from loom.rundir.config_file import frozen_yaml
 
@@ -240,9 +233,8 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("inputs", nargs="+", metavar="INPUT",
                     help="files or quoted globs ('**' recurses): text (one document per file), .jsonl/.json, "
                          ".csv, .parquet, each optionally .gz/.zst; or a save_to_disk directory")
-    pp.add_argument("--out", required=True, metavar="DIR", help="the store directory or object-store URL "
-                                                                  "(s3://bucket/key): new, or an interrupted "
-                                                                  "prepare to resume")
+    pp.add_argument("--out", required=True, metavar="DIR", help="the store directory or URL (s3://bucket/key): "
+                                                                  "new, or an interrupted prepare to resume")
     pp.add_argument("--tokenizer", metavar="NAME_OR_DIR",
                     help="a local Hugging Face tokenizer directory or a cached name (default: byte-level)")
     pp.add_argument("--field", default="text", help="the text field/column of JSONL, CSV, parquet and "
@@ -256,8 +248,7 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--max-doc-mb", type=float, metavar="MB", default=None,
                     help="the longest document (M characters) tokenized whole when the tokenizer gives no place "
                          "to cut it into 1 M-character pieces; a longer one is refused, naming it (default: 8)")
-    pp.add_argument("--stage", metavar="DIR", help="an object-store --out: the local folder shards are tokenized "
-                                                  "into before upload (default: under the node's cache)")
+    pp.add_argument("--stage", metavar="DIR", help="a URL --out's local folder before upload (default: in the cache)")
     _storage_flags(pp)
     pp.set_defaults(func=cmd_data)
     ins = dsub.add_parser("inspect", help="documents, tokens, tokenizer, shards and sources of a store")
@@ -267,10 +258,8 @@ def _data_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _storage_flags(p: argparse.ArgumentParser) -> None:
-    """An object-store URL's endpoint and profile (credentials only from the environment and the
-    provider's files, never a flag)."""
-    p.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible endpoint (MinIO, R2, ...) for s3:// "
-                                                         "URLs (default: AWS, or $AWS_ENDPOINT_URL)")
+    """A URL's endpoint and profile (credentials: only the environment and the provider's files)."""
+    p.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible endpoint (default: $AWS_ENDPOINT_URL)")
     p.add_argument("--profile", metavar="NAME", help="a named profile of the provider's credential files")
 
 
@@ -400,12 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return EXIT_INVALID
-    except PlanInfeasible as e:
+    except (PlanInfeasible, errors.Unavailable) as e:  # storage down past its retry budget: 1, try again later
         print(str(e), file=sys.stderr)
-        return EXIT_INFEASIBLE
-    except Unavailable as e:  # object storage down past its retry budget: try again later
-        print(str(e), file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_INFEASIBLE if isinstance(e, PlanInfeasible) else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -73,13 +73,15 @@ class Mixture(Dataset):
 
     ordered = True
 
-    def __init__(self, sources: list[SourceWindows], weights: list, seed: int) -> None:
+    def __init__(self, sources: list[SourceWindows], weights: list, seed: int, prefetch_ahead: int = 0) -> None:
         empty = [s.name for s in sources if len(s) == 0]
         if empty:
             raise ValueError(f"dataset sources {empty} have no training window of seq_len+1 tokens")
         self.sources, self.weights, self.seed = sources, list(weights), int(seed)
         self.blend = Blend(self.weights)
         self._perms: dict[tuple[int, int], Permutation] = {}
+        # micro batches whose chunks the sampler fetches ahead (a source in object storage; else none)
+        self.prefetch_ahead = int(prefetch_ahead) if self.remote else 0
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)

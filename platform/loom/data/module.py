@@ -147,17 +147,10 @@ class LoomDataModule(pl.LightningDataModule):
             **kw,
         )
 
-    def _ahead(self) -> int:
-        """Micro batches whose chunks the sampler fetches ahead: dataset.cache.prefetch for a
-        dataset reading object storage, else none."""
-        if not getattr(self.train_set, "remote", False):
-            return 0
-        return int((self.cfg.dataset.get("cache") or {}).get("prefetch", 0))
-
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = ResumableDistributedSampler(
             self.train_set, num_replicas=self.dp_size, rank=self.dp_rank, micro_batch=self.cfg.dataset.batch_size,
-            global_batch=self.global_batch, shuffle=True, seed=self.cfg.seed, prefetch_ahead=self._ahead(),
+            global_batch=self.global_batch, shuffle=True, seed=self.cfg.seed, prefetch_ahead=getattr(self.train_set, "prefetch_ahead", 0),
         )
         if self.resume_position is not None:  # set at checkpoint restore (loom.data.position), before any iteration
             self.train_sampler.resume_at(*self.resume_position)

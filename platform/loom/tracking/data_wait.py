@@ -61,6 +61,7 @@ class DataWaitWatch:
         self.max_step: int | None = None    # the log step that closed that window
         self.warned_at: int | None = None
         self.cause: str | None = None
+        self.storage = StorageWait()        # every rank: its readers' wait on object storage per window
 
     def start(self, workers: int | None) -> None:
         """A training loop starts (`on_train_start`): its first window is the loader's start-up."""
@@ -72,6 +73,11 @@ class DataWaitWatch:
             return
         self.max_pct, self.max_step = earlier.get("max_window_pct"), earlier.get("max_window_step")
         self.warned_at, self.cause = earlier.get("warned_at_step"), earlier.get("cause")
+
+    def window_row(self, begins: int, step: int, row: dict[str, float]) -> None:
+        """`window` from a logged row (perf/data_wait_pct, perf/storage_wait_ms, perf/data_wait_ms)."""
+        self.window(begins, step, row["perf/data_wait_pct"], storage_ms=row.get("perf/storage_wait_ms", 0.0),
+                    data_ms=row["perf/data_wait_ms"])
 
     def window(self, begins: int, step: int, pct: float, storage_ms: float = 0.0, data_ms: float = 0.0) -> None:
         """The window (begins, step] closed with `pct` of its step time waiting for data, of which
@@ -93,3 +99,22 @@ class DataWaitWatch:
         return {"max_window_pct": None if self.max_pct is None else round(self.max_pct, 2),
                 "max_window_step": self.max_step, "warned_at_step": self.warned_at, "cause": self.cause,
                 "threshold_pct": THRESHOLD_PCT}
+
+
+class StorageWait:
+    """The seconds a rank's readers (its loader workers included) blocked on object storage, per
+    log window: `stats` is the rank's counters (loom.data.storage_stats, set by the worker; None, or
+    returning None, without a remote store)."""
+
+    def __init__(self) -> None:
+        self.stats = None
+        self.at_last = 0.0
+
+    def take(self) -> float:
+        """Seconds waited since the last call (0 without a remote store)."""
+        now = self.stats() if self.stats is not None else None
+        if not now:
+            return 0.0
+        total = float(now["wait_s"])
+        waited, self.at_last = total - self.at_last, total
+        return max(0.0, waited)

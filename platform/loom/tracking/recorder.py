@@ -14,10 +14,10 @@ Lightning's ThroughputMonitor also does), in checkpoint saves and in evaluation 
 tokens/s counts the tokens trained per second of training. The steady rates leave out the
 first logged window (or `tracking.warmup_steps`) and every window in which any rank compiled
 (torch's compile hooks: loom.tracking.compiles); a recompile after the first window is one
-WARNING line naming its step and the guard that failed. Rank 0
-writes the attempt's span into world_history.json at every log step (the run's totals add up
-every attempt's) and logs "training loop started at step N" and "training loop ended" lines,
-so the rank log's timestamps are an independent stopwatch. A window's data wait (batch end to the
+WARNING line naming its step and the guard that failed. Rank 0 writes the attempt's span into
+world_history.json at every log step (the run's totals add up every attempt's) and logs "training
+loop started at step N" and "training loop ended" lines, so the rank log's timestamps are an
+independent stopwatch. A window's data wait (batch end to the
 next batch's start, less checkpoint saves) as a share of its step time: loom.tracking.data_wait.
 """
 
@@ -94,22 +94,18 @@ class Recorder(pl.Callback):
         self.batch_end = self.ckpt_at_batch_end = 0.0  # and the saver's seconds then (a save is no data wait)
         self.data_wait = 0.0
         self.data_watch = DataWaitWatch()  # rank 0: perf/data_wait_pct's maximum and its one warning
-        self.storage_stats = None       # () -> this rank's object-storage counters (None: no remote store)
-        self.storage_wait_at_log = 0.0  # their `wait_s` at the last log step
         self.compute = 0.0              # this rank's own forward time in the window (stragglers)
         self.forward_start: float | None = None
         self.stragglers = None          # rank 0: a loom.tracking.stragglers.StragglerWatch
         self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
-        self.first_loss: float | None = None
-        self.final_loss: float | None = None
+        self.first_loss = self.final_loss = None  # float | None each: step 1's and the last window's
         self.validation: dict[str, float] | None = None  # the last validation's val/* metrics
         self.history: list[dict[str, float]] = []   # rank 0: the logged rows
         self.trained = trained.TrainedTokens()      # this rank's trained targets in the window
         self.model_parallel = model_parallel
         self.trained_total: float | None = None     # rank 0: the attempt's trained targets (None: no labels)
-        self.cpu_samples: list[float] = []
-        self.gpu_util_samples: list[float] = []
+        self.cpu_samples, self.gpu_util_samples = [], []  # list[float] each: the logged rows' sys/ figures
 
     # ---------------------------------------------------------------- hot path
     def _ckpt_seconds(self) -> float:
@@ -195,16 +191,6 @@ class Recorder(pl.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
-    def _storage_wait(self) -> float:
-        """Seconds this rank's readers (loader workers included) blocked on object storage since
-        the last log step: 0 without a remote store."""
-        stats = self.storage_stats() if self.storage_stats is not None else None
-        if not stats:
-            return 0.0
-        total = float(stats["wait_s"])
-        waited, self.storage_wait_at_log = total - self.storage_wait_at_log, total
-        return max(0.0, waited)
-
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync(pl_module)
         now = time.perf_counter()
@@ -229,7 +215,7 @@ class Recorder(pl.Callback):
                 1000 * self.compute / steps,
                 sum(e.seconds for e in compiled),
                 self.trained.take(),
-                1000 * self._storage_wait() / steps,
+                1000 * self.data_watch.storage.take() / steps,
             ],
             dtype=torch.float64,
         )
@@ -267,8 +253,7 @@ class Recorder(pl.Callback):
         if trained_window is not None and window > 0:
             row["perf/trained_tokens_per_sec"] = trained_window / window
         self._publish(trainer, step, row)
-        self.data_watch.window(step - steps, step, row["perf/data_wait_pct"],
-                               storage_ms=row["perf/storage_wait_ms"], data_ms=row["perf/data_wait_ms"])  # after the step line it is about
+        self.data_watch.window_row(step - steps, step, row)  # after the step line it is about
 
     def _clock_window(self, trainer: pl.Trainer, gathered: torch.Tensor, step: int, now: float,
                       compiled: list[compiles.CompileEvent]) -> None:

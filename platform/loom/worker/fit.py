@@ -71,7 +71,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             model_parallel=layout.world // layout.dp,  # ranks sharing a batch (tp x pp)
         )
         recorder.checkpointing = saver  # its save time is not training time
-        recorder.storage_stats = data.storage_stats  # object-storage counters, where the data is remote
+        recorder.data_watch.storage.stats = data.storage_stats  # object-storage counters, where the data is remote
         run = results.RunResults(cfg, layout, run_dir, rank, recorder, plan, spec)
         recorder.on_log = run.record_span
         progress.phase = "building the trainer"

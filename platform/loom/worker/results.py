@@ -147,7 +147,8 @@ class RunResults:
 
     def _storage_counts(self) -> list[float]:
         """This rank's object-storage counters (STORAGE_FIELDS; -1s without a remote store)."""
-        stats = self.recorder.storage_stats() if self.recorder.storage_stats is not None else None
+        get = self.recorder.data_watch.storage.stats
+        stats = get() if get is not None else None
         return [float(stats[k]) for k in STORAGE_FIELDS] if stats else [-1.0] * len(STORAGE_FIELDS)
 
     def record_span(self, span: dict) -> None:

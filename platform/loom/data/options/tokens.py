@@ -326,7 +326,7 @@ def datasets(cfg: DictConfig):
         held = SourceWindows(st, s.name, ds.seq_len, part="val", **kw)
         if len(held):
             val.append(held)
-    mixture = Mixture(train, [s.weight for s in srcs], int(cfg.seed))
+    mixture = Mixture(train, [s.weight for s in srcs], int(cfg.seed), prefetch_ahead=storage_settings(ds).prefetch)
     return mixture, (val if len(val) > 1 else val[0] if val else None)
 
 
