@@ -73,6 +73,29 @@ def test_sampler_shards_are_disjoint_cover_the_epoch_and_resume_mid_epoch():
     assert list(s) == full       # once: the next pass is whole again
 
 
+def test_a_restored_position_reaches_the_sampler_before_a_loader_with_workers_pulls_indices():
+    """Lightning iterates the train loader in setup_data, before on_train_start, and a loader with
+    workers takes its first indices from the sampler right then: the checkpoint's position must be
+    with the sampler by then (given at restore, DataPosition.load_state_dict), or the resumed epoch
+    starts over (every GPU profile has loader workers)."""
+    from types import SimpleNamespace
+
+    from loom.data.module import LoomDataModule
+    from loom.data.position import DataPosition
+
+    cfg = resolve(["dataset=synthetic", "dataset.batch_size=4", "trainer.global_batch_size=8", "hardware=cpu",
+                   "hardware.devices=2", "hardware.dataloader_workers=1", "strategy=ddp"])
+    order = ResumableDistributedSampler(range(64), 2, 0, micro_batch=4, global_batch=8, seed=cfg.seed).global_order()
+    dm = LoomDataModule(cfg, 0, 2)
+    dm.train_set = IdSamples(64)
+    position = DataPosition()
+    position._trainer = SimpleNamespace(datamodule=dm)  # as Callback.setup leaves it, before the restore
+    position.load_state_dict({"epoch": 0, "batches": 3, "samples": 16, "dp": 1})  # saved at 1 rank, step 2
+    assert dm.resume_position == (0, 16)
+    first = next(iter(dm.train_dataloader()))  # the loader's worker has pulled its indices by now
+    assert first.inputs.tolist() == order[16:20]  # rank 0's micro batch 4 of the global order: not order[0:4]
+
+
 def test_validation_evaluates_the_same_windows_at_any_world_size():
     """trainer.limit_val_batches counts global batches of held-out windows: at 1, 2 and 4 data-parallel
     ranks (the global batch kept) the ranks together evaluate exactly the set's first 3 x 16 windows
