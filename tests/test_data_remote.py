@@ -159,6 +159,11 @@ def test_the_cache_never_exceeds_its_cap_evicts_least_recent_and_never_a_chunk_b
     tight = ChunkCache(tmp_path / "tight", 500, stats)
     assert tight.get("big", 0, 1000, lambda: b"x" * 1000) == b"x" * 1000
     assert not tight.chunk_path("big", 0).exists() and stats.snapshot()["uncached"] == 1
+    # a prepare's staging folder beside the chunks is not the cache's to count or evict
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / "part-00000.bin").write_bytes(b"s" * 9000)
+    _fill(cache, 2, obj="fourth")
+    assert (tmp_path / "staging" / "part-00000.bin").stat().st_size == 9000 and cache.used_bytes() <= 5000
     # a restart reads what is there (the cache outlives the process)
     again = ChunkCache(tmp_path, 5000, StorageCounters())
     assert again.get("third", 5, 1000, lambda: pytest.fail("the newest chunk survives")) == bytes([5]) * 1000

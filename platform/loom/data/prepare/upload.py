@@ -20,6 +20,7 @@ from typing import Any
 from loom.data.prepare.run import PLAN, StoreOut, finished, open_plan, refuse_other_plan
 from loom.data.prepare.worker import DONE, done_path, shard_name
 from loom.data.store import PREPARE_DIR, SIDECAR
+from loom.data.store.remote.cache import STAGING
 from loom.data.store.remote.location import join, key_of
 from loom.data.store.remote.settings import MB, StorageSettings
 from loom.data.store.remote.transport import filesystem, retrying
@@ -29,8 +30,9 @@ PART_BYTES = 64 * MB  # one part of a multipart upload (S3's minimum is 5 MiB); 
 
 
 def default_stage(url: str, settings: StorageSettings) -> Path:
-    """The staging folder of a prepare to `url`: under the node's cache, one per URL (a rerun finds it)."""
-    return settings.cache_root / "staging" / key_of(url.rstrip("/"))
+    """The staging folder of a prepare to `url`: in the node's cache folder (outside its cap), one
+    per URL (a rerun finds it)."""
+    return settings.cache_root / STAGING / key_of(url.rstrip("/"))
 
 
 class RemoteOut(StoreOut):

@@ -29,6 +29,7 @@ from pathlib import Path
 from loom.data.store.remote.stats import StorageCounters
 
 CHUNKS, INDEX, LOCKS, SPACE_LOCK, LEDGER = "chunks", "index", "locks", ".space.lock", ".used-bytes"
+STAGING = "staging"  # `loom data prepare --out URL`'s shards before upload: beside the cache, not in its cap
 
 
 @contextlib.contextmanager
@@ -122,9 +123,12 @@ class ChunkCache:
         return sum(size for size, _, _ in self._files())
 
     def _files(self) -> list[tuple[int, float, Path]]:
-        """(size, modification time, path) of every file under the cache folder but the ledger."""
+        """(size, modification time, path) of every file under the cache folder but the ledger and
+        a prepare's staging folder (transient, and not the reader's to evict)."""
         out = []
-        for dirpath, _, names in os.walk(self.root):
+        for dirpath, dirs, names in os.walk(self.root):
+            if Path(dirpath) == self.root and STAGING in dirs:
+                dirs.remove(STAGING)
             for name in names:
                 if name.startswith(LEDGER):  # the ledger's few digits are not cache contents
                     continue
