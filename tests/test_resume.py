@@ -71,7 +71,10 @@ def test_sigkill_with_no_restart_left_fails_the_run_in_one_paragraph(tmp_path):
     assert r.rc == 1, out
     s = r.summary()
     assert s["status"] == "failed" and s["restarts"] == 0 and s["global_step"] < STEPS, s
-    assert s["error"]["rank"] == 0 and "Connection closed by peer" in s["error"]["message"], s["error"]
+    # the survivor's collective lost the peer: gloo says "closed" (the peer's FIN) or "reset" (its RST), by timing
+    message = s["error"]["message"]
+    assert s["error"]["rank"] == 0 and ("Connection closed by peer" in message or "Connection reset" in message), s
+
     assert not (run_dir / "final").exists()
     assert "loom run r: failed" in out and "Traceback" not in out, out[-3000:]
     paragraph = [line for line in out.splitlines() if line.startswith("Training failed")]
