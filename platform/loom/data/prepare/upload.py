@@ -22,6 +22,7 @@ from loom.data.prepare.worker import DONE, done_path, shard_name
 from loom.data.store import PREPARE_DIR, SIDECAR
 from loom.data.store.remote.cache import STAGING
 from loom.data.store.remote.location import join, key_of
+from loom.data.store.remote.open import Listing
 from loom.data.store.remote.settings import MB, StorageSettings
 from loom.data.store.remote.transport import filesystem, retrying
 from loom.errors import ConfigError
@@ -53,10 +54,8 @@ class RemoteOut(StoreOut):
 
     def list(self) -> dict[str, int]:
         """{key relative to the URL: size} of every object under it (one listing)."""
-        fs = self.fs
-        root = fs._strip_protocol(self.url)
         try:
-            found = self._call(f"listing {self.url}", lambda: fs.find(self.url, detail=True, withdirs=False))
+            found = Listing(self.url, self.settings).objects
         except FileNotFoundError:
             raise ConfigError(f"Invalid usage: --out {self.url}: its bucket does not exist (or is not visible to "
                               "these credentials). Create it, or fix the URL, --endpoint-url or --profile.") from None
@@ -65,8 +64,7 @@ class RemoteOut(StoreOut):
                 raise
             raise ConfigError(f"Invalid usage: --out {self.url}: {type(e).__name__}: {e}. Credentials come from the "
                               "environment or the provider's files (--profile names one of their profiles).") from None
-        return {name[len(root):].lstrip("/"): int(e.get("size") or 0)
-                for name, e in found.items() if name.startswith(root + "/")}
+        return {rel: size for rel, (size, _) in found.items()}
 
     def check(self) -> None:
         """Refuse a complete store or a prefix holding something other than an interrupted prepare."""

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from loom.data.store.errors import FIX, StoreError
 from loom.data.store.remote.cache import ChunkCache
 from loom.data.store.remote.location import key_of
 from loom.data.store.remote.settings import StorageSettings
@@ -112,10 +111,3 @@ class RemoteBlob:
         finally:
             with lock:
                 pending.discard(tag)
-
-
-def check_size(blob: RemoteBlob, expected: int, index_name: str) -> None:
-    """A remote token file must be exactly as long as its index says (as a local one must)."""
-    if blob.size != expected:
-        raise StoreError(f"{blob.url}: {blob.size:,} bytes, but {index_name} says {expected:,} bytes: "
-                         f"{'truncated' if blob.size < expected else 'too long'}: {FIX}.")

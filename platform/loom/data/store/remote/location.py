@@ -27,11 +27,6 @@ def join(url: str, *names: str) -> str:
     return "/".join([url.rstrip("/"), *(n.strip("/") for n in names)])
 
 
-def name_of(url: str) -> str:
-    """The last part of the URL's key (a store's default source name)."""
-    return url.rstrip("/").rsplit("/", 1)[-1]
-
-
 def key_of(url: str) -> str:
     """A short, filesystem-safe key for `url` (the cache's folder name for one object or store)."""
     return hashlib.sha1(url.encode()).hexdigest()[:20]

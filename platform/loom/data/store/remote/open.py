@@ -71,8 +71,9 @@ class RemoteFlatShard(FlatShard):
         self.blob.prefetch(self.dtype, lo, hi)
 
 
-class _Listing:
-    """The objects under a URL: {name relative to it: (size, version tag)}, from one listing."""
+class Listing:
+    """The objects under a URL: {name relative to it: (size, version tag)}, from one listing
+    (`loom data prepare --out URL` reads its prefix through it too)."""
 
     def __init__(self, url: str, settings: StorageSettings) -> None:
         self.url, self.settings = url.rstrip("/"), settings
@@ -81,16 +82,18 @@ class _Listing:
         self.objects: dict[str, tuple[int, str]] = {}
         found = retrying(f"listing {self.url}", lambda: self.fs.find(self.url, detail=True, withdirs=False),
                          settings)
-        root = self.fs._strip_protocol(self.url)
+        root = self.fs._strip_protocol(self.url) + "/"
         for name, entry in found.items():
-            rel = name[len(root):].lstrip("/") if name.startswith(root) else name
+            if not name.startswith(root):  # the URL itself, or a sibling sharing its prefix
+                continue
+            rel = name[len(root):]
             tag = str(entry.get("ETag") or entry.get("etag") or entry.get("md5Hash") or entry.get("mtime") or "")
             self.objects[rel] = (int(entry.get("size") or 0), tag)
         self.scheme = scheme
 
     def blob(self, rel: str) -> RemoteBlob:
         size, tag = self.objects[rel]
-        return RemoteBlob(join(self.url, rel) if rel else self.url, size, tag, self.settings)
+        return RemoteBlob(join(self.url, rel), size, tag, self.settings)
 
     def text(self, rel: str) -> str:
         url = join(self.url, rel)
@@ -100,7 +103,7 @@ class _Listing:
 def open_remote(url: str, dtype: str | None, settings: StorageSettings) -> TokenStore:
     """The store at `url`; StoreError naming what was looked for, as for a local path."""
     url = url.rstrip("/")
-    under = _Listing(url, settings)
+    under = Listing(url, settings)
     objs = under.objects
     if SIDECAR in objs:
         return _loom(url, under, parse_sidecar(under.text(SIDECAR), join(url, SIDECAR)))
@@ -116,16 +119,17 @@ def open_remote(url: str, dtype: str | None, settings: StorageSettings) -> Token
 def _single(url: str, dtype: str | None, settings: StorageSettings) -> TokenStore:
     """`url` names one object or prefix: a Megatron prefix (url.idx + url.bin) or a flat .bin."""
     parent, base = url.rsplit("/", 1)
-    beside = _Listing(parent, settings).objects
+    listing = Listing(parent, settings)
+    beside = listing.objects
     stem = base[:-4] if base.endswith((".idx", ".bin")) else base
     if f"{stem}.idx" in beside and f"{stem}.bin" in beside:
-        return _megatron(join(parent, stem), _Listing(parent, settings), [stem], store_url=join(parent, stem))
+        return _megatron(join(parent, stem), listing, [stem], store_url=join(parent, stem))
     if base.endswith(".bin") and base in beside:
         name = dtype or FLAT_DTYPES[0]
         if name not in FLAT_DTYPES:
             raise StoreError(f"{url}: dtype={name!r} for a flat token file: it holds {' or '.join(FLAT_DTYPES)} "
                              "tokens; set the dtype the file was written with.")
-        blob = _Listing(parent, settings).blob(base)
+        blob = listing.blob(base)
         return TokenStore(url, "flat", np.dtype(name), [RemoteFlatShard(blob, np.dtype(name))])
     if f"{stem}.idx" in beside or f"{stem}.bin" in beside:
         have = f"{stem}.idx" if f"{stem}.idx" in beside else f"{stem}.bin"
@@ -135,7 +139,7 @@ def _single(url: str, dtype: str | None, settings: StorageSettings) -> TokenStor
                      f"the URL, or write a store with `loom data prepare ... --out {url}`.")
 
 
-def _shard(under: _Listing, prefix: str, sha: str | None) -> RemoteIndexedShard:
+def _shard(under: Listing, prefix: str, sha: str | None) -> RemoteIndexedShard:
     """Shard `prefix` (relative to the listing): its index fetched into the cache and checked."""
     idx_url = join(under.url, f"{prefix}.idx")
     idx = under.blob(f"{prefix}.idx")
@@ -153,7 +157,7 @@ def _shard(under: _Listing, prefix: str, sha: str | None) -> RemoteIndexedShard:
     return RemoteIndexedShard(join(under.url, prefix), local, under.blob(f"{prefix}.bin"))
 
 
-def _loom(url: str, under: _Listing, info: dict[str, Any]) -> TokenStore:
+def _loom(url: str, under: Listing, info: dict[str, Any]) -> TokenStore:
     names = listed_shards(info, url)
     refuse_missing(url, names, [n for n in names if not {f"{n}.idx", f"{n}.bin"} <= under.objects.keys()])
     shas = info.get(INDEX_SHA) or {}
@@ -161,7 +165,7 @@ def _loom(url: str, under: _Listing, info: dict[str, Any]) -> TokenStore:
     return TokenStore(url, "loom", one_dtype(shards, url, info.get("dtype")), list(shards), info)
 
 
-def _megatron(url: str, under: _Listing, prefixes: list[str], store_url: str | None = None) -> TokenStore:
+def _megatron(url: str, under: Listing, prefixes: list[str], store_url: str | None = None) -> TokenStore:
     missing = [p for p in prefixes if f"{p}.bin" not in under.objects]
     if missing:
         raise StoreError(f"{join(under.url, missing[0])}.bin: missing: the index beside it expects its tokens: {FIX}.")

@@ -45,5 +45,3 @@ class StorageSettings:
         return (f"cache {self.cache_root} (at most {self.cache_max_bytes / GB:g} GB, {self.chunk_bytes / MB:g} MB "
                 f"chunks, prefetch {self.prefetch} micro batches ahead){where}")
 
-
-DEFAULT = StorageSettings()
