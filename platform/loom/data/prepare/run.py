@@ -32,7 +32,7 @@ from loom.data.prepare.units import sources_of
 from loom.data.prepare.worker import done_path, index_record, run_unit, shard_name, single_threaded
 from loom.data.prepare.workunit import InputUnit
 from loom.data.store import PREPARE_DIR, SIDECAR, write_sidecar
-from loom.data.store.remote.open import INDEX_SHA
+from loom.data.store.sidecar import INDEX_SHA
 from loom.errors import ConfigError
 
 PLAN = "plan.json"

@@ -24,6 +24,7 @@ from loom.data.prepare.encoding import DocEncoder, TokenSpec
 from loom.data.prepare.pieces import DEFAULT_MAX_DOC_MB, PIECE_CHARS, Uncuttable
 from loom.data.prepare.readers import Cursor, NotUtf8, unit_docs
 from loom.data.prepare.workunit import InputUnit
+from loom.data.store.sidecar import INDEX_SHA
 from loom.errors import ConfigError
 
 BATCH_DOCS = 1024
@@ -62,7 +63,7 @@ def index_record(prefix: Path) -> dict[str, Any]:
     (a remote reader checks the index it fetched against them) and a resume of an upload checks
     the remote .idx's size without reading it."""
     data = Path(f"{prefix}.idx").read_bytes()
-    return {"index_sha256": hashlib.sha256(data).hexdigest(), "idx_bytes": len(data)}
+    return {INDEX_SHA: hashlib.sha256(data).hexdigest(), "idx_bytes": len(data)}
 
 
 def _encoder(spec: TokenSpec) -> DocEncoder:

@@ -12,6 +12,7 @@ from loom.data.store.errors import FIX, StoreError
 
 SIDECAR = "loom.json"
 PREPARE_DIR = ".prepare"
+INDEX_SHA = "index_sha256"  # {shard prefix: SHA-256 of its .idx}: checked when a remote index is fetched
 
 
 def read_sidecar(store_dir: Path | str) -> dict[str, Any] | None:

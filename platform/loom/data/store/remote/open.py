@@ -19,9 +19,7 @@ from loom.data.store.remote.location import join, key_of, scheme_of
 from loom.data.store.remote.settings import StorageSettings
 from loom.data.store.remote.transport import filesystem, retrying
 from loom.data.store.shards import FlatShard, IndexedShard
-from loom.data.store.sidecar import PREPARE_DIR, SIDECAR, parse_sidecar
-
-INDEX_SHA = "index_sha256"  # sidecar: {shard prefix: SHA-256 of its .idx}, written by `loom data prepare`
+from loom.data.store.sidecar import INDEX_SHA, PREPARE_DIR, SIDECAR, parse_sidecar
 
 
 class RemoteIndexedShard(IndexedShard):
