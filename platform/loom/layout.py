@@ -5,9 +5,10 @@ are computed here and nowhere else (as torchtitan's `ParallelDims`). Which split
 uses is the strategy's to say (`loom.strategies.layout_of` reads it from the strategy
 registry and asks `ParallelLayout.build`); every stage then asks the layout.
 
-Ranks are laid out as a row-major (dp, pp, tp) grid, as Lightning's ModelParallelStrategy
+Ranks are laid out as a row-major (dp, pp, cp, tp) grid, as Lightning's ModelParallelStrategy
 builds its (data_parallel, tensor_parallel) mesh: TP peers are consecutive ranks and share a
-data-parallel rank, so they read the same batch.
+data-parallel rank, so they read the same batch; so do context-parallel peers (`cp`: each holds
+a slice of every sequence of that batch, torchtitan's `cp` dim).
 """
 
 from __future__ import annotations
@@ -38,25 +39,30 @@ class ParallelLayout:
     # expert parallelism: a mixture of experts' routed experts split over `ep` consecutive ranks of
     # the data-parallel shard dim (each holds E / ep whole experts; FSDP2 shards them over the rest)
     ep: int = 1
+    # context parallelism: each sequence of a micro batch split over `cp` consecutive ranks (inside
+    # a data-parallel rank, outside tp), which exchange it around attention; FSDP2 shards over dp_shard x cp
+    cp: int = 1
+    cp_style: str | None = None   # strategy.cp_style when cp > 1: ulysses | ring
 
     @classmethod
-    def build(cls, world: int, devices_per_node: int, *, tp: int = 1, pp: int = 1,
-              dp_mode: str = "replicate") -> ParallelLayout:
-        """dp = world / (tp x pp), split by `dp_mode`: `replicate` (every dp rank holds
+    def build(cls, world: int, devices_per_node: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+              cp_style: str | None = None, dp_mode: str = "replicate") -> ParallelLayout:
+        """dp = world / (tp x pp x cp), split by `dp_mode`: `replicate` (every dp rank holds
         everything), `shard` (states partitioned over dp), `hybrid` (HSDP: replicate across
         nodes, shard within one, when there are several nodes and no tensor parallelism)."""
         if dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode {dp_mode!r} not in {DP_MODES}")
-        tp, pp = max(1, int(tp)), max(1, int(pp))
-        dp = max(1, int(world) // (tp * pp))
+        tp, pp, cp = max(1, int(tp)), max(1, int(pp)), max(1, int(cp))
+        dp = max(1, int(world) // (tp * pp * cp))
         nodes = max(1, int(world) // max(1, int(devices_per_node)))
         if dp_mode == "replicate":
             replicate, shard = dp, 1
-        elif dp_mode == "hybrid" and nodes > 1 and tp == 1 and pp == 1 and dp % nodes == 0:
+        elif dp_mode == "hybrid" and nodes > 1 and tp == 1 and pp == 1 and cp == 1 and dp % nodes == 0:
             replicate, shard = nodes, dp // nodes
         else:
             replicate, shard = 1, dp
-        return cls(int(world), int(devices_per_node), replicate, shard, tp, pp)
+        return cls(int(world), int(devices_per_node), replicate, shard, tp, pp, cp=cp,
+                   cp_style=cp_style if cp > 1 else None)
 
     @property
     def num_nodes(self) -> int:
@@ -74,7 +80,16 @@ class ParallelLayout:
 
     def dp_rank(self, global_rank: int) -> int:
         """This rank's index along the data-parallel dimension (what its sampler shards by)."""
-        return global_rank // (self.tp * self.pp)
+        return global_rank // self.batch_sharers
+
+    @property
+    def batch_sharers(self) -> int:
+        """Ranks that read the same batch: one data-parallel rank's tp x pp x cp peers."""
+        return self.tp * self.pp * self.cp
+
+    def cp_rank(self, global_rank: int) -> int:
+        """This rank's slice of each sequence (0 .. cp-1; the grid's cp dim sits outside tp)."""
+        return global_rank // self.tp % self.cp
 
     def global_batch(self, micro_batch: int, accumulate: int) -> int:
         return micro_batch * accumulate * self.dp
@@ -91,4 +106,4 @@ class ParallelLayout:
         """summary.json's `parallel`: the degrees of every dimension and the pipeline's
         schedule and microbatches (null without a pipeline)."""
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
-                "ep": self.ep, "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}
+                "ep": self.ep, "cp": self.cp, "cp_style": self.cp_style, "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches}

@@ -164,9 +164,11 @@ def hydra_compose(overrides: list[str]) -> DictConfig:
         key = getattr(e.__cause__, "full_key", None)
         if key:
             from loom.models import key_notes
+            from loom.strategies.checks import key_notes as strategy_notes
 
             raise ConfigError(unknown_key_message(key, _override_value(overrides, key),
-                                                  valid_keys(key.rpartition(".")[0]), key_notes())) from None
+                                                  valid_keys(key.rpartition(".")[0]),
+                                                  {**key_notes(), **strategy_notes()})) from None
         raise ConfigError(f"Invalid config: {' '.join(str(e).split())}") from None
 
 

@@ -104,6 +104,20 @@ def attention_heads(cfg: DictConfig) -> int | None:
     return MODELS[cfg.model.name].heads(cfg)
 
 
+def kv_heads(cfg: DictConfig) -> int | None:
+    """The key/value heads (grouped-query attention; None: as many as the attention heads, or unknown)."""
+    return MODELS[cfg.model.name].kv_heads(cfg) or attention_heads(cfg)
+
+
+def context_problem(cfg: DictConfig) -> str | None:
+    """Why `cfg.model` cannot split its sequences over context-parallel ranks (None: it can)."""
+    problem = MODELS[cfg.model.name].context_parallel
+    if problem is None:
+        able = ", ".join(f.name for f in FAMILIES if f.context_parallel is not None and f.name != "hf_causal_lm")
+        return f"its attention is not Loom's to split (the families that split it: {able})"
+    return problem(cfg)
+
+
 def model_parts(cfg: DictConfig) -> Parts | None:
     """Where the model's parameters sit by layer (None: not a layered decoder Loom splits)."""
     parts = MODELS[cfg.model.name].parts

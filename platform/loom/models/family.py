@@ -47,6 +47,12 @@ class ModelFamily:
     layers: Callable[[DictConfig], int] = lambda cfg: 0
     heads: Callable[[DictConfig], int | None] = lambda cfg: None
     width: Callable[[DictConfig], int] = lambda cfg: 0  # hidden size (0: not a decoder)
+    # key/value heads (grouped-query attention; None: as many as `heads`): Ulysses context
+    # parallelism hands whole ones to each rank
+    kv_heads: Callable[[DictConfig], int | None] = lambda cfg: None
+    # Why the configured model cannot split its sequences over context-parallel ranks (strategy.cp),
+    # None when it can: its attention is Loom's (loom.models.context_parallel). None for the field: no cp.
+    context_parallel: Callable[[DictConfig], str | None] | None = None
     # the keys a user sets for the layer and head counts, for refusals: {"layers": "model.n_layer", ...}
     keys: dict[str, str] = field(default_factory=dict)
     vocab: Callable[[DictConfig], int] = lambda cfg: int(cfg.model.get("vocab_size") or 0)

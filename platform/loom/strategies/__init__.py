@@ -57,17 +57,23 @@ def layout_of(cfg: DictConfig, world: int | None = None, name: str | None = None
     if STRATEGIES[name].degrees:  # pp, nd: the option's own degrees, the one -1 filled in
         from dataclasses import asdict
 
-        from loom.strategies.degrees import microbatches_of, resolve_degrees
+        from loom.strategies.degrees import context_degree, microbatches_of, resolve_degrees
 
         node = node or asdict(STRATEGIES[name].schema())
         d = resolve_degrees(node, world, f"hardware.devices={hw.devices} x hardware.num_nodes={hw.num_nodes}")
         pipe = (str(node.get("pp_schedule")), microbatches_of(node, d["pp"])) if d["pp"] > 1 else (None, None)
+        cp = context_degree(node)
         return ParallelLayout(world, hw.devices, d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"], *pipe,
-                              ep=int(node.get("ep", 1) or 1))
+                              ep=int(node.get("ep", 1) or 1), cp=cp,
+                              cp_style=str(node.get("cp_style", "ulysses")) if cp > 1 else None)
     mode = STRATEGIES[name].dp_mode
     if mode == "hybrid" and not node.get("hybrid_shard", True):
         mode = "shard"
-    layout = ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), dp_mode=mode)
+    from loom.strategies.degrees import context_degree
+
+    cp = context_degree(node)
+    layout = ParallelLayout.build(world, hw.devices, tp=int(node.get("tensor_parallel", 1) or 1), cp=cp,
+                                  cp_style=str(node.get("cp_style", "ulysses")), dp_mode=mode)
     return dataclasses.replace(layout, ep=int(node.get("ep", 1) or 1))
 
 

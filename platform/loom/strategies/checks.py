@@ -8,7 +8,16 @@ from omegaconf import DictConfig
 from loom.bundle import shipped_path
 from loom.errors import fail, require
 from loom.layout import ParallelLayout
-from loom.models import MODELS, attention_heads, expert_count, model_key, module_classes, split_problem
+from loom.models import (
+    MODELS,
+    attention_heads,
+    context_problem,
+    expert_count,
+    kv_heads,
+    model_key,
+    module_classes,
+    split_problem,
+)
 from loom.strategies.schema import COMM_HOOKS
 
 MODEL_PARALLEL_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")  # of hardware.schema.PRECISIONS
@@ -101,6 +110,7 @@ def check_model_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
     if "tensor_parallel" in s:
         _check_tensor_parallel(cfg, layout)
     check_expert_parallel(cfg, layout)
+    check_context_parallel(cfg, layout)
 
 
 def check_expert_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
@@ -123,6 +133,70 @@ def check_expert_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
             f"expert parallelism is built beside FSDP2 alone so far (this layout: dp_replicate={layout.dp_replicate} "
             f"tp={layout.tp} pp={layout.pp}); use strategy.tp=1 strategy.pp=1, and strategy.hybrid_shard=false "
             "across nodes")
+
+
+CP_STYLES = ("ulysses", "ring")  # strategy.cp_style
+CP_OPTIONS = ("fsdp", "fsdp_tp", "nd")  # the options with a strategy.cp (their schemas)
+
+
+def key_notes() -> dict[str, str]:
+    """What a strategy.* key some options have means for the others (appended to an unknown-key refusal)."""
+    return {f"strategy.{k}": f"strategy.{k} (context parallelism) is a mesh dimension of "
+                             f"strategy={', '.join(CP_OPTIONS)}: ZeRO, DDP and pp keep whole sequences; use "
+                             f"strategy=fsdp strategy.cp=N" for k in ("cp", "cp_style")}
+
+
+def check_context_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """strategy.cp / cp_style: the model's attention splits, the sequence and the heads divide, and
+    what it is built beside so far (no pipeline, expert parallelism or preference pairs yet)."""
+    s, cp = cfg.strategy, layout.cp
+    style = s.get("cp_style", "ulysses")
+    require(style in CP_STYLES, "strategy.cp_style", style,
+            "valid choices: ulysses (all-to-all from sequence to heads around attention, any device), "
+            "ring (torch's context_parallel, CUDA only)")
+    if cp == 1:
+        return
+    model = cfg.model.name
+    problem = context_problem(cfg)
+    require(problem is None, "strategy.cp", cp, f"model={model} cannot split its sequences: {problem}; use strategy.cp=1")
+    unit = cp * (2 if style == "ring" else 1)
+    seq = int(cfg.dataset.seq_len)
+    near = sorted({max(unit, seq // unit * unit), (seq // unit + 1) * unit})
+    require(seq % unit == 0, "dataset.seq_len", seq,
+            f"must be a multiple of {unit}: each of the strategy.cp={cp} ranks holds an equal slice of every "
+            + ("sequence, two chunks each under cp_style=ring (the causal work balanced)" if style == "ring"
+               else "sequence") + f", and Loom pads nothing; valid nearby: {', '.join(map(str, near))}")
+    if style == "ring":
+        require(cfg.hardware.accelerator == "gpu", "strategy.cp_style", style,
+                "ring attention runs on CUDA only (torch 2.13's context_parallel has no sharding rule for the "
+                "CPU attention kernel); use strategy.cp_style=ulysses")
+        require(cfg.dataset.get("packing") != "documents", "strategy.cp_style", style,
+                "ring attention (torch's context_parallel over SDPA) is plain causal, so packed documents would "
+                "attend across each other; use strategy.cp_style=ulysses, which keeps the document mask")
+    else:
+        _check_ulysses_heads(cfg, layout)
+    built = layout.pp == 1 and layout.ep == 1
+    require(built, "strategy.cp", cp,
+            f"context parallelism is built beside FSDP2 and tensor parallelism so far (this layout: pp={layout.pp} "
+            f"ep={layout.ep}); use strategy.pp=1 and strategy.ep=1, or strategy.cp=1")
+    from loom.data import is_pairs
+
+    require(not is_pairs(cfg.dataset), "strategy.cp", cp,
+            "a preference pair's two sequences are scored whole by the pair objective; use strategy.cp=1")
+
+
+def _check_ulysses_heads(cfg: DictConfig, layout: ParallelLayout) -> None:
+    """Ulysses hands each of cp x tp ranks whole query heads and whole key/value heads."""
+    split, heads, kv = layout.cp * layout.tp, attention_heads(cfg), kv_heads(cfg)
+    on = f"strategy.cp={layout.cp}" + (f" x tensor parallelism {layout.tp}" if layout.tp > 1 else "")
+    for what, n, key in (("query", heads, model_key(cfg, "heads")), ("key/value", kv, "model.n_kv_heads")):
+        if n is None or n % split == 0:
+            continue
+        valid = [d for d in range(1, n + 1) if n % (d * layout.tp) == 0 and (heads or n) % (d * layout.tp) == 0]
+        fail("strategy.cp", layout.cp,
+             f"{on} = {split} must divide the {n} {what} heads ({key}={n}): Ulysses gives each rank whole heads; "
+             f"valid strategy.cp: {', '.join(map(str, valid))}; or strategy.cp_style=ring on CUDA, which splits "
+             "no heads")
 
 
 def _check_tensor_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
@@ -226,6 +300,8 @@ def check_nd(cfg: DictConfig, layout: ParallelLayout) -> None:
     check_pipeline(cfg, layout.pp)
     if layout.pp == 1:
         check_model_parallel(cfg, layout)
+    else:
+        check_context_parallel(cfg, layout)
     built = layout.pp > 1 or layout.dp_replicate == 1 or layout.dp_shard > 1
     require(built, "strategy", f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} "
             f"tp={layout.tp} pp={layout.pp}",

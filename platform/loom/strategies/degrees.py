@@ -51,8 +51,9 @@ def resolve_degrees(node: Any, world: int, world_keys: str) -> dict[str, int]:
     free = [k for k, v in given.items() if v == -1]
     require(len(free) <= 1, f"strategy.{free[-1] if free else ''}", -1,
             f"only one degree may be -1 (the rest of the world), but {', '.join('strategy.' + k for k in free)} are")
-    fixed = prod(v for v in given.values() if v != -1)
-    shown = " x ".join(f"strategy.{k}={v}" for k, v in given.items())
+    cp = context_degree(node)
+    fixed = prod(v for v in given.values() if v != -1) * cp
+    shown = " x ".join(f"strategy.{k}={v}" for k, v in given.items()) + (f" x strategy.cp={cp}" if cp > 1 else "")
     if free:
         require(world % fixed == 0, f"strategy.{free[0]}", -1,
                 f"the other degrees ({shown}) multiply to {fixed}, which does not divide the world size "
@@ -64,6 +65,14 @@ def resolve_degrees(node: Any, world: int, world_keys: str) -> dict[str, int]:
                 f"the degrees must multiply to the world size {world} ({world_keys}); change one of them, "
                 f"or set one to -1 to fill in the rest of the world (the world size that fits them: {fixed})")
     return given
+
+
+def context_degree(node: Any) -> int:
+    """strategy.cp (1 where the option has none): a fixed degree, never the rest of the world."""
+    cp = node.get("cp", 1)
+    require(isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1, "strategy.cp", cp,
+            "must be a positive integer (1: no context parallelism; each sequence is split over cp ranks)")
+    return int(cp)
 
 
 def _divisors(n: int) -> str:

@@ -28,6 +28,8 @@ class FSDPStrategyConfig:
     hybrid_shard: bool = True
     shard_units: list[str] | None = None
     ep: int = 1   # expert parallelism (a mixture of experts): experts split over ep ranks of the dp dim
+    cp: int = 1   # context parallelism: each sequence split over cp ranks (loom.strategies.context)
+    cp_style: str = "ulysses"   # ulysses (all-to-all, any device) | ring (CUDA only)
 
 
 @dataclass
@@ -38,6 +40,8 @@ class FSDPTPStrategyConfig:
     tensor_parallel: int = 2
     reshard_after_forward: bool = True
     shard_units: list[str] | None = None
+    cp: int = 1
+    cp_style: str = "ulysses"
 
 
 @dataclass
@@ -64,6 +68,8 @@ class NDStrategyConfig:
     reshard_after_forward: bool = True
     shard_units: list[str] | None = None
     ep: int = 1   # expert parallelism: experts split over ep ranks of dp_shard (tp = pp = 1 for now)
+    cp: int = 1   # context parallelism: each sequence split over cp ranks (inside dp, outside tp)
+    cp_style: str = "ulysses"
 
 
 @dataclass

@@ -53,10 +53,10 @@ def layout_problem(cfg: DictConfig, world: int) -> tuple[ParallelLayout | None, 
         layout = layout_of(cfg, world=world)
     except ConfigError as e:
         return None, str(e).removeprefix("Invalid config: ")
-    split = layout.tp * layout.pp * layout.dp
+    split = layout.batch_sharers * layout.dp
     if split != world:
-        return None, (f"strategy={cfg.strategy.name} splits {world} ranks as dp x tp x pp = "
-                      f"{layout.dp} x {layout.tp} x {layout.pp} = {split}")
+        return None, (f"strategy={cfg.strategy.name} splits {world} ranks as dp x cp x tp x pp = "
+                      f"{layout.dp} x {layout.cp} x {layout.tp} x {layout.pp} = {split}")
     if layout.tp > 1 and cfg.hardware.devices % layout.tp:
         return None, (f"tensor parallelism {layout.tp} must divide the devices per node "
                       f"({cfg.hardware.devices}; tensor-parallel groups stay within a node)")

@@ -244,4 +244,7 @@ FAMILY = ModelFamily(
     width=lambda cfg: int(getattr(hf.auto_config(cfg.model), "hidden_size", 0) or 0),
     hf_config=lambda cfg: hf_checks.export_config(cfg), largest=largest, parts=parts,
     built_on_host=lambda cfg: hf.loads_whole(cfg.model), zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
-    lora_targets=lora_targets, weights_dir=weights_dir, packages=("transformers",))
+    lora_targets=lora_targets, weights_dir=weights_dir, packages=("transformers",),
+    context_parallel=lambda cfg: ("transformers builds its causal mask, positions and attention for the sequence "
+                                  "it is given, so a rank holding a slice would attend within the slice only; "
+                                  "Loom's Ulysses attention wraps its own families' attention (gpt_*, llama*, moe)"))

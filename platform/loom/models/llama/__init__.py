@@ -179,5 +179,6 @@ FAMILY = ModelFamily(
     heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head"}, hf_config=lambda cfg: hf_config.config_from_fields(cfg.model),
     parts=lambda cfg: parts(cfg.model), largest=lambda cfg: float(parts(cfg.model).largest),
     document_masks=True, lora_targets=lora_targets, module_classes=hf_config.MODULE_CLASSES,
-    init_from_problems=init_from_problems,
+    init_from_problems=init_from_problems, context_parallel=lambda cfg: None,
+    kv_heads=lambda cfg: int(cfg.model.n_kv_heads or cfg.model.n_head),
     hf_dir_option=lambda data: "llama" if (data.get("architectures") or [None])[0] in hf_config.SUPPORTED else None)
