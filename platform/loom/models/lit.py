@@ -21,6 +21,7 @@ from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
 from loom.data.batch import IGNORE_INDEX, Batch
+from loom.models.context_parallel import local_loss
 from loom.models.init import NamedInit, ResetParametersInit, meta_capable
 from loom.optim.build import build_optimizer, sync_schedule
 
@@ -260,7 +261,11 @@ class DecoderModule(LoomModule):
         (the network's document mask), and its targets are already -100 where one would cross
         into the next document; chat data's batch carries its loss scale (`batch_loss`)."""
         args = (batch.inputs,) if batch.positions is None else (batch.inputs, batch.positions)
-        return batch_loss(self.model(*args), batch, self._vocab_used)
+        logits = self.model(*args)
+        cp = getattr(self.model, "context", None)  # strategy.cp: logits of this rank's slice
+        if cp is not None:
+            return local_loss(logits, batch.targets, cp, batch.loss_scale, self._vocab_used)
+        return batch_loss(logits, batch, self._vocab_used)
 
 
 class ClassifierModule(LoomModule):

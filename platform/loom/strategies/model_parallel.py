@@ -52,8 +52,8 @@ def _model_parallel_strategy_class():
             (replicate, shard) mesh and the TP mesh share a root (FSDP2 x TP needs that)."""
             super().setup_environment()
             lay = self.loom_layout
-            if lay.hybrid or lay.ep > 1:
-                mesh = hybrid_mesh(self.root_device.type, lay) if lay.hybrid else expert_mesh(self.root_device.type, lay)
+            if lay.hybrid or lay.ep > 1 or lay.cp > 1:
+                mesh = mesh_of(self.root_device.type, lay)
                 self._device_mesh = self.lightning_module._device_mesh = mesh
 
         def parallelize(self, module) -> None:
@@ -63,6 +63,12 @@ def _model_parallel_strategy_class():
             units = _unit_classes(module, s.get("shard_units"))
             if layout.tp > 1:
                 _apply_tensor_parallel(module, mesh["tensor_parallel"])
+            if layout.cp > 1:
+                from loom.models.context_parallel import apply_context_parallel
+
+                apply_context_parallel(model, mesh["cp"], str(layout.cp_style))
+                log.info(f"context parallelism: each sequence split over cp={layout.cp} ranks ({layout.cp_style}); "
+                         f"FSDP2 shards over dp x cp = {layout.dp * layout.cp}")
             dp_mesh = mesh["replicate", "shard"] if layout.hybrid else mesh["data_parallel"]
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")
@@ -166,11 +172,25 @@ def hybrid_mesh(device_type: str, lay: ParallelLayout):
     return mesh
 
 
+def context_mesh(device_type: str, lay: ParallelLayout):
+    """Context parallelism's (dp, cp, tensor_parallel) mesh in `loom.layout`'s rank order, (dp, cp)
+    flattened as data_parallel: FSDP2 shards over every rank holding other tokens (torchtitan's
+    dp_shard_cp), and gradients average over them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (lay.dp, lay.cp, lay.tp), mesh_dim_names=("dp", "cp", "tensor_parallel"))
+    mesh["dp", "cp"]._flatten("data_parallel")
+    return mesh
+
+
 def mesh_of(device_type: str, lay: ParallelLayout):
-    """The device mesh the strategy of `lay` builds (pp == 1): HSDP's, else Lightning's own
-    (data_parallel, tensor_parallel) one. `loom plan --rehearse` builds it over a fake group."""
+    """The device mesh the strategy of `lay` builds (pp == 1): HSDP's, expert or context
+    parallelism's, else Lightning's own (data_parallel, tensor_parallel) one. `loom plan
+    --rehearse` builds it over a fake group."""
     if lay.hybrid:
         return hybrid_mesh(device_type, lay)
+    if lay.cp > 1:
+        return context_mesh(device_type, lay)
     if lay.ep > 1:
         return expert_mesh(device_type, lay)
     import torch
@@ -372,7 +392,7 @@ def build(cfg: DictConfig, layout: ParallelLayout):
     return _model_parallel_strategy_class()(
         cfg,
         layout,
-        data_parallel_size=layout.dp,
+        data_parallel_size=layout.dp * layout.cp,  # Lightning's data_parallel dim: every rank holding other tokens
         tensor_parallel_size=layout.tp,
         save_distributed_checkpoint=True,
         process_group_backend=cfg.hardware.backend,

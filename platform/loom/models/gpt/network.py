@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.context_parallel import context_attention, split_inputs
 from loom.models.document_mask import DocumentMask, attend, document_mask
 from loom.models.init import Rule
 from loom.models.pipeline_split import PipelineSplit
@@ -51,6 +52,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        self.context = None  # strategy.cp: this rank's ContextShard (loom.models.context_parallel)
 
     def forward(self, x: torch.Tensor, mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -58,8 +60,12 @@ class CausalSelfAttention(nn.Module):
         # contiguous, which the flash / cuDNN / memory-efficient SDPA kernels require.
         q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         p = self.dropout if self.training else 0.0
-        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p) if mask is None
-             else attend(q, k, v, mask, dropout_p=p))
+        if self.context is not None:  # x holds this rank's slice of the sequence
+            y = context_attention(self, q, k, v, mask, p)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            y = attend(q, k, v, mask, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
@@ -141,6 +147,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.n_layer = n_layer
+        self.context = None  # strategy.cp: forward keeps this rank's slice of each sequence
         w = self.lm_head.weight
         if not (w.is_meta or hasattr(w, "ds_id")):  # meta or ZeRO-3: the worker initializes (models.construct)
             self.reset_parameters()
@@ -168,9 +175,11 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone."""
-        x = self.embed(idx, pos)
-        mask = None if pos is None else document_mask(pos)  # once per forward, for every block
+        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone. Context-parallel
+        (`context`): the logits of this rank's slice, at its positions in the whole sequence."""
+        idx, local_pos, whole = split_inputs(self, idx, pos)
+        x = self.embed(idx, local_pos)
+        mask = None if whole is None else document_mask(whole)  # once per forward, for every block
         for block in self.blocks:
             x = block(x, mask)
         return self.head(x)

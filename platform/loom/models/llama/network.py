@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.context_parallel import context_attention, split_inputs
 from loom.models.document_mask import DocumentMask, attend, document_mask
 from loom.models.init import Rule
 from loom.models.pipeline_split import PipelineSplit
@@ -123,6 +124,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=False)
+        self.context = None  # strategy.cp: this rank's ContextShard (loom.models.context_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None) -> torch.Tensor:
@@ -131,8 +133,12 @@ class Attention(nn.Module):
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # GQA inside SDPA: each key/value head serves n_head / n_kv_heads query heads, no copies
-        y = (F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-             if mask is None else attend(q, k, v, mask))
+        if self.context is not None:  # x holds this rank's slice of the sequence
+            y = context_attention(self, q, k, v, mask)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -196,6 +202,7 @@ class Llama(nn.Module):
         self.model = LlamaBody(vocab_size, d_model, layers, rms_norm_eps,
                                RotaryEmbedding(d_model // n_head, rope_theta, rope_scaling))
         self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
+        self.context = None  # strategy.cp: forward keeps this rank's slice of each sequence
         w = self.model.embed_tokens.weight
         if not (w.is_meta or hasattr(w, "ds_id")):  # meta or ZeRO-3: the worker initializes (models.construct)
             self.reset_parameters()
@@ -224,14 +231,15 @@ class Llama(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.model.embed_tokens.weight)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone."""
+        """Logits (B, T, vocab); with `pos`, each packed document as if it were alone. Context-parallel
+        (`context`): the logits of this rank's slice, rotated at its positions in the whole sequence."""
+        idx, local_pos, whole = split_inputs(self, idx, pos)
         x = self.embed(idx)
-        if pos is None:
+        if local_pos is None:
             cos, sin = self.layer_inputs(x)
-            mask = None
         else:  # built once per forward, for every layer
-            cos, sin = self.model.rotary_emb.at(pos, x.dtype)
-            mask = document_mask(pos)
+            cos, sin = self.model.rotary_emb.at(local_pos, x.dtype)
+        mask = None if whole is None else document_mask(whole)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
         return self.head(x)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.models.context_parallel import context_attention, split_inputs
 from loom.models.init import Rule
 from loom.models.llama.network import LlamaBody, RMSNorm, RotaryEmbedding, apply_rotary
 from loom.models.moe.dispatch import dispatch_all_to_all, dispatch_local, expert_load
@@ -226,13 +227,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_head * head_dim, d_model, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()  # Mixtral: none
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        self.context = None  # strategy.cp: this rank's ContextShard (loom.models.context_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        y = (context_attention(self, q, k, v, None) if self.context is not None
+             else F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]))
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -276,6 +279,7 @@ class MoETransformer(nn.Module):
         # the body under `model.` (embeddings, layers, final norm, rotary) is the Llama family's
         self.model = LlamaBody(vocab_size, d_model, layers, rms_norm_eps, RotaryEmbedding(head_dim, rope_theta, None))
         self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
+        self.context = None  # strategy.cp: forward keeps this rank's slice of each sequence
         w = self.model.embed_tokens.weight
         if not (w.is_meta or hasattr(w, "ds_id")):  # meta or ZeRO-3: the worker initializes (models.construct)
             self.reset_parameters()
@@ -297,8 +301,11 @@ class MoETransformer(nn.Module):
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.model.embed_tokens.weight)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) (`pos` is refused at validation: no document masks); context-parallel,
+        those of this rank's slice, rotated at its positions in the whole sequence."""
+        idx, local_pos, _ = split_inputs(self, idx, None)
         x = self.embed(idx)
-        cos, sin = self.layer_inputs(x)
+        cos, sin = self.layer_inputs(x) if local_pos is None else self.model.rotary_emb.at(local_pos, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.head(x)

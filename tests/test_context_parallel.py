@@ -1,0 +1,146 @@
+"""Context parallelism (strategy.cp, Ulysses): spawned gloo ranks train Loom's GPT and Llama for 10 steps
+under FSDP2 over (dp x cp) exactly as one process trains the same global batch, with and without
+document packing; and, in process, what validation refuses. (The plan's figures: tests/test_plan_cp.py.)"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+# (family, network kwargs): GQA in the Llama (8 query heads, 4 key/value heads: cp 4 gets one of each)
+NETS = {
+    "gpt": dict(n_layer=2, n_head=4, d_model=32, vocab_size=64, block_size=64),
+    "llama": dict(n_layer=2, n_head=8, n_kv_heads=4, d_model=32, intermediate_size=48, vocab_size=64,
+                  block_size=64, rope_theta=10000.0),
+}
+B, T, STEPS = 2, 32, 10
+
+
+def network(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt":
+        from loom.models.gpt.network import GPT
+
+        return GPT(**NETS["gpt"])
+    from loom.models.llama.network import Llama
+
+    return Llama(**NETS["llama"])
+
+
+def global_batch(step: int, dp: int, documents: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(inputs, positions or None, targets) of dp x B sequences: with documents, 2-4 documents per
+    sequence, positions restarting at 0 and no target across a boundary (the data's packing)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, 64, (dp * B, T + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    if not documents:
+        return x, None, y
+    pos = torch.zeros(dp * B, T, dtype=torch.long)
+    for row in range(dp * B):
+        cuts = sorted(torch.randperm(T - 2, generator=g)[: 1 + row % 3].add(1).tolist())
+        start = 0
+        for end in [*cuts, T]:
+            pos[row, start:end] = torch.arange(end - start)
+            if end < T:
+                y[row, end - 1] = -100  # the last token of a document predicts nothing
+            start = end
+    return x, pos, y
+
+
+def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_file: str, out_dir: str) -> None:
+    """One rank: the network context-parallel over cp and FSDP2-sharded over dp x cp, beside an unsplit
+    copy trained by this process on the whole global batch; losses and full gradients to out_dir/<rank>.pt."""
+    import torch.distributed as dist
+
+    from loom.layout import ParallelLayout
+    from loom.models.context_parallel import apply_context_parallel, local_loss
+    from loom.models.lit import batch_loss
+    from loom.strategies.model_parallel import context_mesh, shard_roots
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dp = world // cp
+        lay = ParallelLayout(world, world, 1, dp, 1, 1, cp=cp, cp_style="ulysses")
+        mesh = context_mesh("cpu", lay)
+        net = network(family)
+        ref = copy.deepcopy(net)
+        shard = apply_context_parallel(net, mesh["cp"], "ulysses")
+        assert shard.rank == lay.cp_rank(rank), (shard.rank, lay.cp_rank(rank))
+        units = tuple({type(b) for b in (net.blocks if family == "gpt" else net.model.layers)})
+        shard_roots([net], units, mesh["data_parallel"], True)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (net, ref))
+        losses, ref_losses, grad_gaps = [], [], []
+        mine = slice(lay.dp_rank(rank) * B, (lay.dp_rank(rank) + 1) * B)
+        for step in range(STEPS):
+            x, pos, y = global_batch(step, dp, documents)
+            args = (x[mine],) if pos is None else (x[mine], pos[mine])
+            loss = local_loss(net(*args), y[mine], shard, None, None)
+            loss.backward()
+            per_rank = []
+            for d in range(dp):  # the unsplit model: each dp rank's own mean, averaged (Loom's dp semantics)
+                rows = slice(d * B, (d + 1) * B)
+                from loom.data.batch import Batch
+
+                batch = Batch(inputs=x[rows], targets=y[rows], positions=None if pos is None else pos[rows])
+                per_rank.append(batch_loss(ref(*((x[rows],) if pos is None else (x[rows], pos[rows]))), batch))
+            torch.stack(per_rank).mean().backward()
+            gaps = [(p.grad.full_tensor() - r.grad).abs().max().item() / max(r.grad.abs().max().item(), 1e-12)
+                    for p, r in zip(net.parameters(), ref.parameters(), strict=True)]
+            grad_gaps.append(max(gaps))
+            losses.append(loss.item())
+            ref_losses.append(per_rank[lay.dp_rank(rank)].item())
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+        result = {"losses": losses, "ref_losses": ref_losses, "grad_gaps": grad_gaps}
+        dist.destroy_process_group()
+    except BaseException:  # report instead of leaving the other ranks to time out silently
+        import traceback
+
+        torch.save({"traceback": traceback.format_exc()}, Path(out_dir) / f"{rank}.pt")
+        os._exit(1)
+    torch.save(result, Path(out_dir) / f"{rank}.pt")
+
+
+def run_ranks(world: int, cp: int, family: str, documents: bool, tmp_path: Path, timeout: float = 600) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(world, cp, family, documents, str(tmp_path / "init"), str(tmp_path)),
+                                 nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout  # a hung collective fails the test instead of hanging it
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in context.processes:
+                    p.terminate()
+                raise AssertionError(f"the {world} ranks did not finish within {timeout} s")
+    except mp.ProcessRaisedException as e:
+        raise AssertionError(str(e)) from None
+    except mp.ProcessExitedException:
+        errors = [torch.load(f, weights_only=False).get("traceback") for f in sorted(tmp_path.glob("*.pt"))]
+        raise AssertionError("\n".join(e for e in errors if e)) from None
+    return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("world, cp, family, documents", [
+    (2, 2, "gpt", True),       # GPT, packed documents: the mask of the whole sequence on every rank
+    (4, 4, "llama", False),    # Llama GQA at cp 4: one query pair and one key/value head per rank
+    (4, 2, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
+])
+def test_cp_ranks_train_as_one_process(tmp_path, world, cp, family, documents):
+    results = run_ranks(world, cp, family, documents, tmp_path)
+    for rank, r in enumerate(results):
+        assert len(r["losses"]) == STEPS
+        for got, want in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (rank, r["losses"], r["ref_losses"])
+        assert max(r["grad_gaps"]) <= 1e-5, (rank, r["grad_gaps"])
+    # the cp ranks of one data-parallel rank report the same whole-sequence loss
+    assert results[0]["losses"] == results[1]["losses"]
+    # and the losses move: training happened
+    assert results[0]["losses"][0] != results[0]["losses"][-1]
