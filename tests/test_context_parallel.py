@@ -5,6 +5,8 @@ document packing; and, in process, what validation refuses. (The plan's figures:
 from __future__ import annotations
 
 import copy
+import csv
+import json
 import os
 import time
 from pathlib import Path
@@ -144,3 +146,111 @@ def test_cp_ranks_train_as_one_process(tmp_path, world, cp, family, documents):
     assert results[0]["losses"] == results[1]["losses"]
     # and the losses move: training happened
     assert results[0]["losses"][0] != results[0]["losses"][-1]
+
+
+# --- one launch: `loom train strategy=fsdp strategy.cp=2` beside the shared Llama runs ---------------------
+
+@pytest.mark.launch
+def test_cp_run_follows_singles_curve_and_resumes_at_cp_1(shared, tmp_path):
+    """The shared Llama import (tests/test_llama_runs.py) trained 5 steps under fsdp with cp 2 x dp 2
+    on 4 ranks, then resumed in this process at cp 1 on one rank (states resharded from the DCP
+    checkpoint) to 10: every step's loss is the shared `single` run's within 1e-5."""
+    import torch.distributed as dist
+    from conftest import run_loom
+    from test_llama_runs import completed_llama_runs, llama_args
+
+    from loom.freeze import freeze
+    from loom.pipeline import resolve
+    from loom.plan import make_plan
+    from loom.rundir.config_file import load_frozen
+    from loom.worker.fit import fit
+
+    single = completed_llama_runs(shared, ["single"])["single"].losses()
+    common = [a for a in llama_args(shared, "fsdp") if not a.startswith(("checkpoint.", "trainer.max_steps"))]
+    both = [*common, "checkpoint.every_n_steps=5", "trainer.global_batch_size=8", "run.id=cp"]
+    run = run_loom("train", *both, "hardware.devices=4", "strategy.cp=2", "trainer.max_steps=5", root=tmp_path)
+    assert run.rc == 0, run.out[-3000:] + run.err[-3000:]
+    log = (run.run_dir / "logs" / "rank-0.log").read_text()
+    assert "context parallelism: each sequence split over cp=2 ranks (ulysses); FSDP2 shards over dp x cp = 4" in log
+    summary = run.summary()
+    assert summary["parallel"]["cp"] == 2 and summary["parallel"]["dp_shard"] == 2, summary["parallel"]
+    plan = json.loads((run.run_dir / "plan.json").read_text())
+    assert plan["parallel"]["cp"] == 2
+
+    cfg = resolve([*both, "hardware.devices=1", "strategy.cp=1", "trainer.max_steps=10", f"run.root={tmp_path}"])
+    frozen = freeze(cfg, make_plan(cfg))
+    assert frozen.state == "resume" and "strategy.cp 2 -> 1" in frozen.message, frozen.message
+    try:  # fsdp in this process forms a (one-rank) default process group: later in-process tests form their own
+        assert fit(load_frozen(run.run_dir / "config.yaml"), run.run_dir, 0) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    got = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(open(run.run_dir / "metrics.csv"))
+           if r.get("train/loss")}
+    assert sorted(got) == list(range(1, 11)), got
+    off = {step: abs(got[step] - single[step]) / single[step] for step in got}
+    assert max(off.values()) <= 1e-5, off
+
+
+# --- refusals before launch -------------------------------------------------------------------------------
+
+CPU = ["hardware=cpu", "strategy=fsdp", "trainer.max_steps=1", "tracking=csv"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["hardware.devices=2", "strategy.cp=2", "dataset.seq_len=127"],
+     "dataset.seq_len=127: must be a multiple of 2"),
+    (["model=llama_tiny", "hardware.devices=4", "strategy.cp=4", "model.n_head=4", "model.n_kv_heads=2",
+      "model.d_model=64"], "must divide the 2 key/value heads (model.n_kv_heads=2)"),
+    (["hardware.devices=2", "strategy.cp=2", "model.n_head=3", "model.d_model=96"],
+     "must divide the 3 query heads (model.n_head=3)"),
+    (["hardware.devices=2", "strategy.cp=2", "strategy.cp_style=ring"], "ring attention runs on CUDA only"),
+    (["hardware.devices=2", "strategy.cp=2", "strategy.cp_style=spiral"], "strategy.cp_style='spiral'"),
+    (["hardware.devices=2", "strategy.cp=0"], "strategy.cp=0: must be a positive integer"),
+    (["hardware.devices=3", "strategy.cp=2"], "strategy.cp=2 must divide the world size 3"),
+    (["model=moe_tiny", "hardware.devices=2", "strategy.cp=2", "model.aux_loss_coef=0.01"],
+     "the sequence-wise balance loss is a product of whole-sequence means"),
+    (["model=moe_tiny", "hardware.devices=4", "strategy.cp=2", "strategy.ep=2", "model.aux_loss_coef=0"],
+     "context parallelism is built beside FSDP2 and tensor parallelism so far"),
+    (["strategy=nd", "hardware.devices=4", "strategy.cp=2", "strategy.pp=2", "strategy.dp_shard=1"],
+     "use strategy.pp=1"),
+])
+def test_bad_context_parallel_configs_are_refused(tmp_path, args, says):
+    from conftest import refused
+
+    err = refused(tmp_path, *CPU, *args)
+    assert says in err, err
+
+
+def test_cp_on_a_strategy_without_it_names_the_ones_with_it(tmp_path):
+    from conftest import refused
+
+    err = refused(tmp_path, "hardware=cpu", "strategy=zero2", "hardware.devices=2", "strategy.cp=2")
+    assert "unknown key strategy.cp=2" in err and "strategy=fsdp, fsdp_tp, nd" in err, err
+
+
+def test_a_transformers_model_is_refused_naming_why(tmp_path):
+    from conftest import refused
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path / "cfg")
+    err = refused(tmp_path, *CPU, "model=hf_causal_lm", f"model.config={tmp_path / 'cfg'}", "hardware.devices=2",
+                  "strategy.cp=2")
+    assert "model=hf_causal_lm cannot split its sequences: transformers builds its causal mask" in err, err
+
+
+def test_cp_layout_reads_one_batch_per_dp_rank():
+    """cp ranks share a data-parallel rank (the same batch); FSDP2's group is dp x cp."""
+    from loom.pipeline import resolve
+    from loom.strategies import layout_of
+
+    lay = layout_of(resolve(["hardware=cpu", "strategy=fsdp", "hardware.devices=8", "strategy.cp=4"]))
+    assert (lay.dp, lay.cp, lay.dp_shard, lay.batch_sharers) == (2, 4, 2, 4)
+    assert [lay.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [lay.cp_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    tp = layout_of(resolve(["hardware=cpu", "strategy=fsdp_tp", "hardware.devices=8", "strategy.tensor_parallel=2",
+                            "strategy.cp=2", "model.n_head=4"]))
+    assert (tp.dp, tp.cp, tp.tp) == (2, 2, 2)
+    assert [tp.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert tp.parallel()["cp"] == 2 and tp.parallel()["cp_style"] == "ulysses"

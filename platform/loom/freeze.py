@@ -282,4 +282,7 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     eps = (old.strategy.get("ep", 1), cfg.strategy.get("ep", 1))
     if eps[0] != eps[1]:
         line += f"; strategy.ep {eps[0]} -> {eps[1]} (the experts resharded from the checkpoint)"
+    cps = (old.strategy.get("cp", 1), cfg.strategy.get("cp", 1))
+    if cps[0] != cps[1]:
+        line += f"; strategy.cp {cps[0]} -> {cps[1]} (sequences split over other ranks, states resharded)"
     return f"{extended}\n{line}" if extended else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"

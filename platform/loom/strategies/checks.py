@@ -157,6 +157,11 @@ def check_context_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
     if cp == 1:
         return
     model = cfg.model.name
+    others = layout.tp * layout.pp
+    fits = [str(k * cp * others) for k in range(1, 5)]
+    require(layout.world % (cp * others) == 0, "strategy.cp", cp,
+            f"strategy.cp={cp}" + (f" x tp x pp = {cp * others}" if others > 1 else "") + f" must divide the world "
+            f"size {layout.world} (hardware.devices x hardware.num_nodes); worlds that fit: {', '.join(fits)}, ...")
     problem = context_problem(cfg)
     require(problem is None, "strategy.cp", cp, f"model={model} cannot split its sequences: {problem}; use strategy.cp=1")
     unit = cp * (2 if style == "ring" else 1)

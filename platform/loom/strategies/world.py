@@ -18,11 +18,12 @@ from loom.errors import ConfigError
 from loom.layout import ParallelLayout, world_of
 
 # Keys a resumed run may change (a world change), and what is derived from them. strategy.ep
-# places the same experts on other ranks (the checkpoint's DTensors are resharded on load);
+# places the same experts on other ranks, strategy.cp splits the same sequences over other ranks
+# (FSDP2's shards over dp x cp: the checkpoint's DTensors are resharded on load);
 # hardware.interconnect names the links the node count implies (a CPU profile's loopback on one
 # node, unknown across several: hardware.derive), which change nothing a step computes.
 WORLD_KEYS = ("hardware.devices", "hardware.num_nodes", "hardware.min_nodes", "trainer.accumulate_grad_batches",
-              "strategy.ep", "hardware.interconnect")
+              "strategy.ep", "strategy.cp", "strategy.cp_style", "hardware.interconnect")
 SUGGEST_UP_TO = 16  # world sizes named in a refusal: 1 .. max(this, 2 x the asked world)
 
 
