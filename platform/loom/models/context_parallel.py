@@ -101,8 +101,6 @@ class RingCore(nn.Module):
     wrap it: q, k, v arrive as this rank's head-tail slices and k, v travel the ring."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # the ring kernels take equal heads: repeat each kv head for its group
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -111,6 +109,8 @@ def context_attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: to
     """What an attention module of a context-parallel network calls instead of SDPA."""
     cp: ContextShard = module.context
     if cp.style == "ring":
+        if k.shape[1] != q.shape[1]:  # the ring kernels take equal heads: each kv head repeated for its group
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return module.ring(q, k, v)
     return ulysses_attention(q, k, v, mask, cp, dropout_p)
 
