@@ -19,6 +19,9 @@ NETS = {
     "gpt": dict(n_layer=2, n_head=4, d_model=32, vocab_size=64, block_size=64),
     "llama": dict(n_layer=2, n_head=8, n_kv_heads=4, d_model=32, intermediate_size=48, vocab_size=64,
                   block_size=64, rope_theta=10000.0),
+    # moe_tiny's shape with its balance loss on: the routers see every token of the whole sequence
+    "moe": dict(n_layer=2, n_head=4, n_kv_heads=2, head_dim=8, d_model=32, vocab_size=64, block_size=64,
+                num_experts=4, experts_per_token=2, moe_intermediate_size=16, aux_loss_coef=0.01),
 }
 B, T, STEPS = 2, 32, 10
 
@@ -29,9 +32,32 @@ def network(family: str) -> torch.nn.Module:
         from loom.models.gpt.network import GPT
 
         return GPT(**NETS["gpt"])
+    if family == "moe":
+        from loom.models.moe.network import MoETransformer
+
+        return MoETransformer(**NETS["moe"])
     from loom.models.llama.network import Llama
 
     return Llama(**NETS["llama"])
+
+
+def loss_of(net: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """The step's loss plus a mixture of experts' balance loss of the forward just run."""
+    aux = net.balance_loss() if hasattr(net, "balance_loss") else None
+    return loss if aux is None else loss + aux
+
+
+def tensor_parallel(net: torch.nn.Module, mesh) -> None:
+    """The Llama family's own plan (loom.models.llama.module) on the mesh's tensor-parallel dim."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from loom.models.llama.module import LlamaModule
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for unit, plan in LlamaModule.tensor_parallel_plan.items():
+        for sub in net.modules():
+            if isinstance(sub, unit):
+                parallelize_module(sub, mesh, {k: styles[v]() for k, v in plan.items()})
 
 
 def global_batch(step: int, dp: int, documents: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -54,7 +80,8 @@ def global_batch(step: int, dp: int, documents: bool) -> tuple[torch.Tensor, tor
     return x, pos, y
 
 
-def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_file: str, out_dir: str) -> None:
+def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool, init_file: str,
+           out_dir: str) -> None:
     """One rank: the network context-parallel over cp and FSDP2-sharded over dp x cp, beside an unsplit
     copy trained by this process on the whole global batch; losses and full gradients to out_dir/<rank>.pt."""
     import torch.distributed as dist
@@ -67,11 +94,13 @@ def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_fi
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        dp = world // cp
-        lay = ParallelLayout(world, world, 1, dp, 1, 1, cp=cp, cp_style="ulysses")
+        dp = world // (cp * tp)
+        lay = ParallelLayout(world, world, 1, dp, tp, 1, cp=cp, cp_style="ulysses")
         mesh = context_mesh("cpu", lay)
         net = network(family)
         ref = copy.deepcopy(net)
+        if tp > 1:
+            tensor_parallel(net, mesh["tensor_parallel"])
         shard = apply_context_parallel(net, mesh["cp"], "ulysses")
         assert shard.rank == lay.cp_rank(rank), (shard.rank, lay.cp_rank(rank))
         units = tuple({type(b) for b in (net.blocks if family == "gpt" else net.model.layers)})
@@ -82,7 +111,7 @@ def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_fi
         for step in range(STEPS):
             x, pos, y = global_batch(step, dp, documents)
             args = (x[mine],) if pos is None else (x[mine], pos[mine])
-            loss = local_loss(net(*args), y[mine], shard, None, None)
+            loss = loss_of(net, local_loss(net(*args), y[mine], shard, None, None))
             loss.backward()
             per_rank = []
             for d in range(dp):  # the unsplit model: each dp rank's own mean, averaged (Loom's dp semantics)
@@ -90,7 +119,8 @@ def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_fi
                 from loom.data.batch import Batch
 
                 batch = Batch(inputs=x[rows], targets=y[rows], positions=None if pos is None else pos[rows])
-                per_rank.append(batch_loss(ref(*((x[rows],) if pos is None else (x[rows], pos[rows]))), batch))
+                logits = ref(*((x[rows],) if pos is None else (x[rows], pos[rows])))
+                per_rank.append(loss_of(ref, batch_loss(logits, batch)))
             torch.stack(per_rank).mean().backward()
             gaps = [(p.grad.full_tensor() - r.grad).abs().max().item() / max(r.grad.abs().max().item(), 1e-12)
                     for p, r in zip(net.parameters(), ref.parameters(), strict=True)]
@@ -110,10 +140,12 @@ def worker(rank: int, world: int, cp: int, family: str, documents: bool, init_fi
     torch.save(result, Path(out_dir) / f"{rank}.pt")
 
 
-def run_ranks(world: int, cp: int, family: str, documents: bool, tmp_path: Path, timeout: float = 600) -> list[dict]:
+def run_ranks(world: int, cp: int, tp: int, family: str, documents: bool, tmp_path: Path,
+              timeout: float = 600) -> list[dict]:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=(world, cp, family, documents, str(tmp_path / "init"), str(tmp_path)),
+    context = mp.start_processes(worker, args=(world, cp, tp, family, documents, str(tmp_path / "init"),
+                                               str(tmp_path)),
                                  nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout  # a hung collective fails the test instead of hanging it
     try:
@@ -130,13 +162,15 @@ def run_ranks(world: int, cp: int, family: str, documents: bool, tmp_path: Path,
     return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.mark.parametrize("world, cp, family, documents", [
-    (2, 2, "gpt", True),       # GPT, packed documents: the mask of the whole sequence on every rank
-    (4, 4, "llama", False),    # Llama GQA at cp 4: one query pair and one key/value head per rank
-    (4, 2, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
+@pytest.mark.parametrize("world, cp, tp, family, documents", [
+    (2, 2, 1, "gpt", True),       # GPT, packed documents: the mask of the whole sequence on every rank
+    (4, 4, 1, "llama", False),    # Llama GQA at cp 4: one query pair and one key/value head per rank
+    (4, 2, 1, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
+    (4, 2, 2, "llama", True),     # cp 2 x tp 2: Ulysses over each tensor-parallel rank's heads
+    (2, 2, 1, "moe", False),      # MoE: routing per token, the balance loss over whole sequences
 ])
-def test_cp_ranks_train_as_one_process(tmp_path, world, cp, family, documents):
-    results = run_ranks(world, cp, family, documents, tmp_path)
+def test_cp_ranks_train_as_one_process(tmp_path, world, cp, tp, family, documents):
+    results = run_ranks(world, cp, tp, family, documents, tmp_path)
     for rank, r in enumerate(results):
         assert len(r["losses"]) == STEPS
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
@@ -208,8 +242,6 @@ CPU = ["hardware=cpu", "strategy=fsdp", "trainer.max_steps=1", "tracking=csv"]
     (["hardware.devices=2", "strategy.cp=2", "strategy.cp_style=spiral"], "strategy.cp_style='spiral'"),
     (["hardware.devices=2", "strategy.cp=0"], "strategy.cp=0: must be a positive integer"),
     (["hardware.devices=3", "strategy.cp=2"], "strategy.cp=2 must divide the world size 3"),
-    (["model=moe_tiny", "hardware.devices=2", "strategy.cp=2", "model.aux_loss_coef=0.01"],
-     "the sequence-wise balance loss is a product of whole-sequence means"),
     (["model=moe_tiny", "hardware.devices=4", "strategy.cp=2", "strategy.ep=2", "model.aux_loss_coef=0"],
      "context parallelism is built beside FSDP2 and tensor parallelism so far"),
     (["strategy=nd", "hardware.devices=4", "strategy.cp=2", "strategy.pp=2", "strategy.dp_shard=1"],

@@ -165,6 +165,12 @@ def local_loss(logits: torch.Tensor, targets: torch.Tensor, cp: ContextShard, sc
     if scale is not None:  # chat: the global batch's token mean (NaN in validation: the batch's own)
         s = scale.reshape(-1)[0].to(total.dtype)
         per = torch.where(s.isnan(), per, s)
-    share = total * per * cp.size
-    whole = funcol.all_reduce(total.detach(), "sum", cp.group) * per
-    return share + (whole - share).detach()
+    return whole_of(total * per, cp)
+
+
+def whole_of(share: torch.Tensor, cp: ContextShard) -> torch.Tensor:
+    """A loss summed over the cp ranks' shares: its value the whole (one scalar all-reduced), its
+    gradient cp x this rank's share's, since FSDP2 averages gradients over dp_shard x cp."""
+    scaled = share * cp.size
+    whole = funcol.all_reduce(share.detach(), "sum", cp.group)
+    return scaled + (whole - scaled).detach()

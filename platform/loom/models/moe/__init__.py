@@ -163,16 +163,6 @@ def split_problem(cfg: DictConfig, how: str) -> str:
             "(strategy=ddp, fsdp or zero1-3), its experts split by strategy.ep under fsdp or nd")
 
 
-def context_problem(cfg: DictConfig) -> str | None:
-    """Context parallelism splits each sequence over ranks; the routing is per token (dropless), but
-    the sequence-wise balance loss needs every token of a sequence, which one rank no longer has."""
-    if float(cfg.model.get("aux_loss_coef") or 0.0) > 0:
-        return (f"model.aux_loss_coef={cfg.model.aux_loss_coef}: the sequence-wise balance loss is a product of "
-                "whole-sequence means, which a rank holding a slice of each sequence cannot compute; set "
-                "model.aux_loss_coef=0 (model.bias_update_rate balances without a loss)")
-    return None
-
-
 FAMILY = ModelFamily(
     name="moe", options=OPTIONS, schema=MoEModelConfig, check=check,
     spec=lambda cfg: spec(cfg.model, cfg.dataset.seq_len), build="loom.models.moe.module:build",
@@ -185,6 +175,6 @@ FAMILY = ModelFamily(
     largest=lambda cfg: float(parts(cfg.model).largest), module_classes=hf_config.MODULE_CLASSES,
     init_from_problems=init_from_problems, experts=lambda cfg: int(cfg.model.num_experts),
     experts_per_token=lambda cfg: int(cfg.model.experts_per_token),
-    expert_params=lambda cfg: expert_params(cfg.model), context_parallel=context_problem,
+    expert_params=lambda cfg: expert_params(cfg.model), context_parallel=lambda cfg: None,
     kv_heads=lambda cfg: int(cfg.model.n_kv_heads or cfg.model.n_head),
     hf_dir_option=lambda data: "moe" if (data.get("architectures") or [None])[0] in hf_config.SUPPORTED else None)

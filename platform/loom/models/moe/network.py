@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 
-from loom.models.context_parallel import context_attention, split_inputs
+from loom.models.context_parallel import context_attention, split_inputs, whole_of
 from loom.models.init import Rule
 from loom.models.llama.network import LlamaBody, RMSNorm, RotaryEmbedding, apply_rotary
 from loom.models.moe.dispatch import dispatch_all_to_all, dispatch_local, expert_load
@@ -168,17 +169,25 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def sequence_balance_loss(scores: torch.Tensor, top_idx: torch.Tensor, batch: int) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, top_idx: torch.Tensor, batch: int, context=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), before its coefficient: per
     sequence, sum_i f_i * P_i with f_i = E / (k T) * (tokens choosing i) and P_i the mean
     normalized score of i; averaged over sequences. A mean per sequence, so micro-batches
-    averaged by gradient accumulation give the big batch's value (tests/test_moe.py)."""
+    averaged by gradient accumulation give the big batch's value (tests/test_moe.py).
+
+    Context-parallel (`context`, a rank holding T / cp tokens of each sequence): the choices are
+    counted over the whole sequence (all-reduced; they carry no gradient) and the loss, linear in
+    P, is this rank's share of it (`context_parallel.whole_of`: its gradient, the value the whole)."""
     N, E = scores.shape
     k, T = top_idx.shape[1], N // batch
     chosen = torch.zeros(batch, T * k, E, device=scores.device).scatter_(-1, top_idx.view(batch, T * k, 1), 1.0)
-    f = chosen.sum(1) * (E / (k * T))                                   # [B, E]
-    p = (scores / scores.sum(-1, keepdim=True)).view(batch, T, E).mean(1)  # [B, E]
-    return (f * p).sum(-1).mean()
+    counts, length = chosen.sum(1), T                                   # [B, E]
+    if context is not None:
+        counts, length = funcol.all_reduce(counts, "sum", context.group), T * context.size
+    f = counts * (E / (k * length))
+    p = (scores / scores.sum(-1, keepdim=True)).view(batch, T, E).sum(1) / length  # [B, E]
+    loss = (f * p).sum(-1).mean()
+    return loss if context is None else whole_of(loss, context)
 
 
 class MoEBlock(nn.Module):
@@ -195,6 +204,7 @@ class MoEBlock(nn.Module):
         self.experts = Experts(num_experts, d_model, moe_intermediate_size, grouped_mm)
         self.shared_experts = SwiGLU(d_model, shared_intermediate_size) if shared_intermediate_size else None
         self.ep_group = None  # a ProcessGroup: experts split over its ranks (apply_expert_parallel)
+        self.context = None  # strategy.cp: the balance loss counts the whole sequences (loom.models.context_parallel)
         self.balance_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
 
@@ -209,7 +219,7 @@ class MoEBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.training:
-            self.balance_loss = sequence_balance_loss(scores, top_idx, B)
+            self.balance_loss = sequence_balance_loss(scores, top_idx, B, self.context)
         self.load = expert_load(top_idx.detach(), self.num_experts)
         return out.view(B, T, d)
 
