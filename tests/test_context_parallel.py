@@ -89,7 +89,8 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
     from loom.layout import ParallelLayout
     from loom.models.context_parallel import apply_context_parallel, local_loss
     from loom.models.lit import batch_loss
-    from loom.strategies.model_parallel import context_mesh, shard_roots
+    from loom.strategies.mesh import context_mesh
+    from loom.strategies.model_parallel import shard_roots
 
     torch.set_num_threads(1)
     try:
@@ -205,7 +206,7 @@ def test_cp_run_follows_singles_curve_and_resumes_at_cp_1(shared, tmp_path):
     run = run_loom("train", *both, "hardware.devices=4", "strategy.cp=2", "trainer.max_steps=5", root=tmp_path)
     assert run.rc == 0, run.out[-3000:] + run.err[-3000:]
     log = (run.run_dir / "logs" / "rank-0.log").read_text()
-    assert "context parallelism: each sequence split over cp=2 ranks (ulysses); FSDP2 shards over dp x cp = 4" in log
+    assert "context parallelism: each sequence split over cp=2 ranks (ulysses), this rank's chunks [0] of 2" in log
     summary = run.summary()
     assert summary["parallel"]["cp"] == 2 and summary["parallel"]["dp_shard"] == 2, summary["parallel"]
     plan = json.loads((run.run_dir / "plan.json").read_text())

@@ -1,7 +1,8 @@
 """strategy=nd on CPU (gloo), real processes, against the shared `single` run (conftest.SINGLE:
 gpt_tiny's 2 blocks, so a pipeline stage is one block) at the same global batch (8):
-(dp_shard 2, pp 2) at 4 ranks, (dp_shard 2, tp 2, pp 2) and (dp_replicate 2, dp_shard 2, tp 2)
-at 8 ranks. Same step-1 and final losses, and final/model.safetensors with the single-device
+(dp_shard 2, pp 2) at 4 ranks, (dp_shard 2, cp 2, pp 2: each sequence split over 2 ranks of each
+pipeline stage, Ulysses) and (dp_replicate 2, dp_shard 2, tp 2) at 8 ranks (pipeline x tensor
+parallelism: the shared Llama run hf_nd, tests/test_llama_runs.py). Same step-1 and final losses, and final/model.safetensors with the single-device
 keys, shapes and (nearly) values. The 8-rank runs take about a minute each on 2 cores.
 A rank SIGKILLed under (dp_shard 2, pp 2) resumes bit-identical; the one combination not
 built yet is refused at validation."""
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 # name -> (degrees, ranks); each data-parallel rank reads GLOBAL_BATCH / dp samples.
 LAYOUTS = {
     "dp2_pp2": ({"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}, 4),
-    "dp2_tp2_pp2": ({"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 2}, 8),
+    "dp2_cp2_pp2": ({"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2, "cp": 2}, 8),
     "hsdp2x2_tp2": ({"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1}, 8),
 }
 
@@ -59,7 +60,12 @@ def test_nd_matches_single(name, shared, single_run):
     s = run.summary()
     assert s["status"] == "completed" and s["world_size"] == ranks
     pipe = ("1f1b", 2) if degrees["pp"] > 1 else (None, None)
-    assert s["parallel"] == {**degrees, "ep": 1, "pp_schedule": pipe[0], "pp_microbatches": pipe[1]}
+    cp = degrees.get("cp", 1)
+    assert s["parallel"] == {"cp": 1, **degrees, "ep": 1, "cp_style": "ulysses" if cp > 1 else None,
+                             "pp_schedule": pipe[0], "pp_microbatches": pipe[1]}
+    if cp > 1:  # each pipeline stage's ranks hold half of every sequence
+        log = (run.run_dir / "logs" / "rank-0.log").read_text()
+        assert f"context parallelism: each sequence split over cp={cp} ranks (ulysses)" in log, log[-2000:]
     assert abs(s["validation"]["loss"] - single.summary()["validation"]["loss"]) < 1e-3
 
     want = load_file(single.run_dir / "final" / "model.safetensors")

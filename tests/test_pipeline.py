@@ -30,10 +30,11 @@ def test_pp_matches_single(runs):
     assert pp[STEPS] < pp[1] - 0.3  # it trains
     s = runs["1f1b"].summary()
     assert s["status"] == "completed" and s["world_size"] == 2
-    assert s["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2, "ep": 1, "pp_schedule": "1f1b",
+    assert s["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 2, "ep": 1, "cp": 1,
+                             "cp_style": None, "pp_schedule": "1f1b",
                              "pp_microbatches": 2}
     assert runs["single"].summary()["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, "ep": 1,
-                                                    "pp_schedule": None, "pp_microbatches": None}
+                                                    "cp": 1, "cp_style": None, "pp_schedule": None, "pp_microbatches": None}
     val = s.get("validation") or {}
     assert abs(val["loss"] - runs["single"].summary()["validation"]["loss"]) < 1e-3
 

@@ -180,7 +180,8 @@ def test_plan_per_stage_memory(schedule, flight):
 
     plan = _plan("strategy=pp", "hardware.devices=4", f"strategy.pp_schedule={schedule}", "strategy.pp_microbatches=8")
     pipe = plan["pipeline"]
-    assert plan["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4, "ep": 1, "pp_schedule": schedule,
+    assert plan["parallel"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 4, "ep": 1, "cp": 1,
+                                "cp_style": None, "pp_schedule": schedule,
                                 "pp_microbatches": 8}
     assert pipe["bubble_fraction"] == pytest.approx(3 / 11)
     stages = pipe["stages"]

@@ -24,6 +24,7 @@ dp_shard x cp ranks gives exactly the unsplit gradient, and the value logged is 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
+
+log = logging.getLogger("loom")
 
 
 @dataclass
@@ -125,6 +128,8 @@ def apply_context_parallel(network: nn.Module, mesh: Any, style: str) -> Context
             sub.context = cp
             if style == "ring" and sub is not network:
                 sub.ring = _ring_core(mesh)
+    log.info(f"context parallelism: each sequence split over cp={cp.size} ranks ({style}), this rank's chunks "
+             f"{cp.chunks()} of {cp.size * (2 if style == 'ring' else 1)}")
     return cp
 
 

@@ -21,7 +21,7 @@ from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch import nn
 
 from loom.data.batch import IGNORE_INDEX, Batch
-from loom.models.context_parallel import local_loss
+from loom.models.context_parallel import local_loss, whole_of
 from loom.models.init import NamedInit, ResetParametersInit, meta_capable
 from loom.optim.build import build_optimizer, sync_schedule
 
@@ -98,6 +98,22 @@ class LoomModule(pl.LightningModule):
         """A causal LM's loss (the pipeline's loss_fn too), over the tokenizer's ids only."""
         return _lm_loss(logits, y, self._vocab_used)
 
+    def _pipeline_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens and targets the pipeline's first and last stages take: this rank's slice of
+        each sequence under context parallelism (the network's `context`)."""
+        cp = getattr(self.model, "context", None)
+        if cp is None:
+            return batch.inputs, batch.targets
+        return cp.local(batch.inputs), cp.local(batch.targets)
+
+    def _pipeline_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss_fn: `_lm_loss`, or under context parallelism the mean of the cp
+        ranks' slice means (`whole_of`): the whole mean, as every slice trains as many targets
+        (pipelines carry no positions or loss scale: validation refuses both)."""
+        loss = self._lm_loss(logits, y)
+        cp = getattr(self.model, "context", None)
+        return loss if cp is None else whole_of(loss / cp.size, cp)
+
     def _pipeline(self):
         """The strategy's pipeline (strategy=pp | nd with pp > 1), else None."""
         return getattr(self.trainer.strategy, "pipeline", None) if self._trainer is not None else None
@@ -124,7 +140,7 @@ class LoomModule(pl.LightningModule):
         clip by the norm across stages, step the optimizer and the lr schedule. (Checks refuse
         positions and a loss scale under pipeline parallelism: the stages see tokens only.)"""
         opt, sched = self.optimizers(), self.lr_schedulers()
-        loss = pipe.run(self.model, self._lm_loss, batch.inputs, batch.targets)
+        loss = pipe.run(self.model, self._pipeline_loss, *self._pipeline_batch(batch))
         clip = self.cfg.trainer.gradient_clip_val
         if clip:
             pipe.clip(list(self.model.parameters()), float(clip))
@@ -148,7 +164,7 @@ class LoomModule(pl.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()
         loss = (self._step_loss(batch) if pipe is None
-                else pipe.run(self.model, self._lm_loss, batch.inputs, batch.targets, train=False))
+                else pipe.run(self.model, self._pipeline_loss, *self._pipeline_batch(batch), train=False))
         names = self._val_names()
         if len(names) <= 1:
             self.log("val/loss", loss, sync_dist=True, prog_bar=False)

@@ -5,7 +5,7 @@ the rehearsal looks at gets its own CPU process; it writes what it measured to O
 
 What runs is the worker's build path for that rank, stopped before the weights are drawn:
 `dist.init_process_group("fake")` at the run's world size (collectives are no-ops), the
-strategy's own device mesh (`model_parallel.mesh_of`, `pipeline.pipeline_mesh`), the model
+strategy's own device mesh (`strategies.mesh`: `mesh_of`, `pipeline_mesh`), the model
 on the meta device, activation checkpointing, the strategy's `parallelize` (TP plan, pipeline
 split, FSDP2 units) through `models.construct.parallelized`, `trainer.compile` off. Then,
 under FakeTensorMode, the local shards are allocated (`to_empty`), the optimizer's states
@@ -59,12 +59,13 @@ def strategy_for(cfg: DictConfig, layout: ParallelLayout, device: str) -> Any:
     if not hasattr(strategy, "parallelize"):
         return None  # single, ddp: the whole model on every rank
     if layout.pp > 1:
-        from loom.strategies.pipeline import Pipeline, pipeline_mesh
+        from loom.strategies.mesh import pipeline_mesh
+        from loom.strategies.pipeline import Pipeline
 
         strategy._device_mesh = pipeline_mesh(device, layout)
         strategy.pipeline = Pipeline(cfg, layout, strategy._device_mesh, torch.device(device))
     else:
-        from loom.strategies.model_parallel import mesh_of
+        from loom.strategies.mesh import mesh_of
 
         strategy._device_mesh = mesh_of(device, layout)
     return strategy

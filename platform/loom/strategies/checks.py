@@ -180,11 +180,11 @@ def check_context_parallel(cfg: DictConfig, layout: ParallelLayout) -> None:
                 "attend across each other; use strategy.cp_style=ulysses, which keeps the document mask")
     else:
         _check_ulysses_heads(cfg, layout)
-    built = layout.pp == 1 and layout.ep == 1 and layout.dp_replicate == 1
+    built = layout.ep == 1 and layout.dp_replicate == 1
     require(built, "strategy.cp", cp,
-            f"context parallelism is built beside FSDP2 and tensor parallelism so far (this layout: pp={layout.pp} "
-            f"ep={layout.ep} dp_replicate={layout.dp_replicate}); use strategy.pp=1, strategy.ep=1 and "
-            "strategy.dp_replicate=1, or strategy.cp=1")
+            f"context parallelism is built beside FSDP2, tensor and pipeline parallelism so far (this layout: "
+            f"ep={layout.ep} dp_replicate={layout.dp_replicate}); use strategy.ep=1 and strategy.dp_replicate=1 "
+            "(strategy.hybrid_shard=false across nodes), or strategy.cp=1")
     from loom.data import is_pairs
 
     require(not is_pairs(cfg.dataset), "strategy.cp", cp,

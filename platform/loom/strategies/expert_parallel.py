@@ -13,19 +13,6 @@ from loom.layout import ParallelLayout
 log = logging.getLogger("loom")
 
 
-def expert_mesh(device_type: str, lay: ParallelLayout):
-    """Expert parallelism's (shard_mod_ep, ep, tensor_parallel) mesh: the data-parallel shard dim
-    split into `ep` consecutive ranks that exchange tokens and hold different experts, and the
-    ranks holding the same experts (`shard_mod_ep`, over which FSDP2 shards them); the two
-    flattened back as data_parallel for everything else (torchtitan's dp_shard_mod_ep)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (lay.dp_shard // lay.ep, lay.ep, lay.tp),
-                            mesh_dim_names=("shard_mod_ep", "ep", "tensor_parallel"))
-    mesh["shard_mod_ep", "ep"]._flatten("data_parallel")
-    return mesh
-
-
 def shard_experts(module, mesh, lay: ParallelLayout, reshard_after_forward: bool, mp_policy: Any) -> None:
     """The module's experts split over the ep dim (its `apply_expert_parallel`: DTensors
     Shard(0) on that dim, tokens exchanged all-to-all), then FSDP2 over the ranks holding the

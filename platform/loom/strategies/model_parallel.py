@@ -13,7 +13,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from loom.layout import ParallelLayout
-from loom.strategies.expert_parallel import expert_mesh, shard_experts
+from loom.strategies.expert_parallel import shard_experts
+from loom.strategies.mesh import mesh_of
 
 log = logging.getLogger("loom")
 
@@ -67,8 +68,6 @@ def _model_parallel_strategy_class():
                 from loom.models.context_parallel import apply_context_parallel
 
                 apply_context_parallel(model, mesh["cp"], str(layout.cp_style))
-                log.info(f"context parallelism: each sequence split over cp={layout.cp} ranks ({layout.cp_style}); "
-                         f"FSDP2 shards over dp x cp = {layout.dp * layout.cp}")
             dp_mesh = mesh["replicate", "shard"] if layout.hybrid else mesh["data_parallel"]
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")
@@ -160,43 +159,6 @@ def _load_adapter(strategy, path: Path, weights_only: bool | None) -> dict:
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-
-def hybrid_mesh(device_type: str, lay: ParallelLayout):
-    """HSDP's (replicate, shard, tensor_parallel) mesh, (replicate, shard) flattened as data_parallel."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (lay.dp_replicate, lay.dp_shard, lay.tp),
-                            mesh_dim_names=("replicate", "shard", "tensor_parallel"))
-    mesh["replicate", "shard"]._flatten("data_parallel")
-    return mesh
-
-
-def context_mesh(device_type: str, lay: ParallelLayout):
-    """Context parallelism's (dp, cp, tensor_parallel) mesh in `loom.layout`'s rank order, (dp, cp)
-    flattened as data_parallel: FSDP2 shards over every rank holding other tokens (torchtitan's
-    dp_shard_cp), and gradients average over them."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (lay.dp, lay.cp, lay.tp), mesh_dim_names=("dp", "cp", "tensor_parallel"))
-    mesh["dp", "cp"]._flatten("data_parallel")
-    return mesh
-
-
-def mesh_of(device_type: str, lay: ParallelLayout):
-    """The device mesh the strategy of `lay` builds (pp == 1): HSDP's, expert or context
-    parallelism's, else Lightning's own (data_parallel, tensor_parallel) one. `loom plan
-    --rehearse` builds it over a fake group."""
-    if lay.hybrid:
-        return hybrid_mesh(device_type, lay)
-    if lay.cp > 1:
-        return context_mesh(device_type, lay)
-    if lay.ep > 1:
-        return expert_mesh(device_type, lay)
-    import torch
-    from lightning_fabric.strategies.model_parallel import _setup_device_mesh
-
-    return _setup_device_mesh(lay.dp, lay.tp, lay.world, torch.device(device_type))
 
 
 def _precision_policy(precision: str) -> tuple[Any, str]:

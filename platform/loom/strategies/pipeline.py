@@ -226,20 +226,6 @@ class Pipeline:
         scale_grads(grads, torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0))
 
 
-def pipeline_mesh(device_type: str, lay: ParallelLayout):
-    """The (data_parallel, pipeline, tensor_parallel) mesh in `loom.layout`'s rank order; with
-    dp_replicate > 1 data_parallel is (replicate, shard) flattened, FSDP2's HSDP mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if lay.dp_replicate == 1:
-        return init_device_mesh(device_type, (lay.dp, lay.pp, lay.tp),
-                                mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
-    mesh = init_device_mesh(device_type, (lay.dp_replicate, lay.dp_shard, lay.pp, lay.tp),
-                            mesh_dim_names=("replicate", "shard", "pipeline", "tensor_parallel"))
-    mesh["replicate", "shard"]._flatten("data_parallel")
-    return mesh
-
-
 def shard_stages(module, chunks: list, mesh, lay: ParallelLayout, s: DictConfig) -> None:
     """FSDP2 over the data-parallel ranks of each stage: its sharding units, then the stage
     module as the root (with its embeddings or norm + head), so that PipelineStage sees an
@@ -265,6 +251,8 @@ def _pipeline_strategy_class():
 
         def setup_environment(self) -> None:
             self._setup_distributed()
+            from loom.strategies.mesh import pipeline_mesh
+
             self._device_mesh = pipeline_mesh(self.root_device.type, self.loom_layout)
             self.lightning_module._device_mesh = self._device_mesh
             self.pipeline = Pipeline(self.loom_cfg, self.loom_layout, self._device_mesh, self.root_device)
@@ -280,7 +268,11 @@ def _pipeline_strategy_class():
             lay = self.loom_layout
             if lay.tp > 1:
                 _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
-            if lay.dp > 1 or lay.tp > 1:
+            if lay.cp > 1:
+                from loom.models.context_parallel import apply_context_parallel
+
+                apply_context_parallel(module.model, self._device_mesh["cp"], str(lay.cp_style))
+            if lay.dp * lay.cp > 1 or lay.tp > 1:
                 # Under TP alone too (a 1-rank data-parallel mesh): the TP plan leaves embeddings and
                 # norms plain tensors beside the blocks' DTensors, and the fused/foreach optimizer
                 # kernels refuse a mix ("got mixed torch.Tensor and DTensor"); fsdp_tp does the same.
@@ -357,7 +349,8 @@ def _pipeline_strategy_class():
                 return next(s for s in range(p.n_stages) if layer in stage_blocks(s, p.n_stages, p.layers))
 
             stage = p.split.stage_of(key, stage_of_layer, p.n_stages)
-            return p.owner_pp_rank(stage) * self.loom_layout.tp  # data-parallel index 0
+            lay = self.loom_layout  # the (dp, pp, cp, tp) grid's rank at dp = cp = tp = 0
+            return p.owner_pp_rank(stage) * lay.cp * lay.tp
 
         def gather_full_tensor(self, trainer, t):
             """The entry whole on rank 0: its stage's ranks gather a DTensor (FSDP2 / TP), then
@@ -390,5 +383,5 @@ def build_mesh(cfg: DictConfig, layout: ParallelLayout):
 
         return model_parallel.build(cfg, layout)
     return _pipeline_strategy_class()(
-        cfg, layout, data_parallel_size=layout.dp, tensor_parallel_size=layout.tp * layout.pp,
+        cfg, layout, data_parallel_size=layout.dp * layout.cp, tensor_parallel_size=layout.tp * layout.pp,
         save_distributed_checkpoint=True, process_group_backend=cfg.hardware.backend)

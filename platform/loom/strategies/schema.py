@@ -28,7 +28,7 @@ class FSDPStrategyConfig:
     hybrid_shard: bool = True
     shard_units: list[str] | None = None
     ep: int = 1   # expert parallelism (a mixture of experts): experts split over ep ranks of the dp dim
-    cp: int = 1   # context parallelism: each sequence split over cp ranks (loom.strategies.context)
+    cp: int = 1   # context parallelism: each sequence split over cp ranks (loom.models.context_parallel)
     cp_style: str = "ulysses"   # ulysses (all-to-all, any device) | ring (CUDA only)
 
 

@@ -61,7 +61,7 @@ class Recorder(pl.Callback):
         token_data: bool = True,        # False: a classifier, whose rate is samples/s (no tokens)
         warmup_steps: int | None = None,  # tracking.warmup_steps (None: the first logged window)
         on_log=None,                    # rank 0, at every log step: on_log(span) (world_history)
-        model_parallel: int = 1,        # ranks that see the same batch (tp x pp): trained tokens count once
+        model_parallel: int = 1,        # ranks that see the same batch (tp x pp x cp): trained tokens count once
     ) -> None:
         self.log_every = log_every
         self.token_data = token_data

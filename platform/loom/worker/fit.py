@@ -68,7 +68,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             world_size=layout.world,
             token_data=data.is_token_data(cfg.dataset),
             warmup_steps=cfg.tracking.get("warmup_steps"),
-            model_parallel=layout.world // layout.dp,  # ranks sharing a batch (tp x pp)
+            model_parallel=layout.batch_sharers,  # ranks sharing a batch (tp x pp x cp), each counting all of it
         )
         recorder.checkpointing = saver  # its save time is not training time
         recorder.data_watch.storage.stats = data.storage_stats  # object-storage counters, where the data is remote

@@ -162,8 +162,11 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Token + learned position embeddings (the first pipeline stage's step); `pos`: (B, T)
-        positions inside each document, else 0..T-1 for every row."""
-        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+        positions inside each document, else 0..T-1 for every row (context-parallel: the positions
+        of this rank's slice in the whole sequence, as a pipeline's first stage embeds it)."""
+        if pos is None:
+            T, cp = idx.shape[1], self.context
+            pos = torch.arange(T, device=idx.device) if cp is None else cp.positions(T * cp.size, idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def layer_inputs(self, x: torch.Tensor) -> tuple:

@@ -221,8 +221,12 @@ class Llama(nn.Module):
 
     def layer_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary cos and sin every layer takes, for x's length, device and dtype: computed
-        on every pipeline stage from the activations it receives, so nothing else is sent."""
-        return self.model.rotary_emb(x.shape[1], x.device, x.dtype)
+        on every pipeline stage from the activations it receives, so nothing else is sent
+        (context-parallel: at this slice's positions in the whole sequence)."""
+        cp = self.context
+        if cp is None:
+            return self.model.rotary_emb(x.shape[1], x.device, x.dtype)
+        return self.model.rotary_emb.at(cp.positions(x.shape[1] * cp.size, x.device)[None], x.dtype)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the vocabulary projection (the last stage's step; a tied head reads

@@ -304,7 +304,10 @@ class MoETransformer(nn.Module):
         return self.model.embed_tokens(idx)
 
     def layer_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.rotary_emb(x.shape[1], x.device, x.dtype)
+        cp = self.context  # context-parallel: this slice's positions in the whole sequence
+        if cp is None:
+            return self.model.rotary_emb(x.shape[1], x.device, x.dtype)
+        return self.model.rotary_emb.at(cp.positions(x.shape[1] * cp.size, x.device)[None], x.dtype)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.model.norm(x)
@@ -313,9 +316,9 @@ class MoETransformer(nn.Module):
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) (`pos` is refused at validation: no document masks); context-parallel,
         those of this rank's slice, rotated at its positions in the whole sequence."""
-        idx, local_pos, _ = split_inputs(self, idx, None)
+        idx, _, _ = split_inputs(self, idx, None)
         x = self.embed(idx)
-        cos, sin = self.layer_inputs(x) if local_pos is None else self.model.rotary_emb.at(local_pos, x.dtype)
+        cos, sin = self.layer_inputs(x)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.head(x)
