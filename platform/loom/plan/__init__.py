@@ -21,6 +21,7 @@ from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
+from loom.plan.context import collective, context_summary
 from loom.plan.evaluation import eval_cost
 from loom.plan.experts import experts_summary
 from loom.plan.memory import (
@@ -99,6 +100,10 @@ class Plan:
     comm_messages_per_step: dict[str, float] = field(default_factory=dict)
     # a mixture of experts: how strategy.ep splits them, active parameters, all-to-all (plan.experts)
     experts: dict[str, Any] | None = None
+    # strategy.cp > 1: {cp, style, seq_len, tokens_per_rank, activation_divisor, state_shards, heads, kv_heads,
+    # head_dim, collective, bytes_per_layer, calls_per_layer: {forward, backward} per micro batch,
+    # recomputed_share, bytes_per_step_per_device, calls_per_step} (plan/context.py)
+    context_parallel: dict[str, Any] | None = None
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
@@ -183,6 +188,7 @@ def make_plan(cfg: DictConfig) -> Plan:
         warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
         trainable_params=trainable_params(cfg),
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
+        context_parallel=context_summary(cfg, layout),
     )
     plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
     plan.reference = reference
@@ -218,9 +224,9 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
 def _by_dimension(cfg: DictConfig, comm: dict[str, float], layout) -> dict[str, float]:
     """`comm_bytes_by_collective` regrouped by the mesh dimension the bytes cross."""
     tp = tp_bytes(cfg, layout) if comm else 0.0
-    pipe, a2a = comm.get("pipeline_send", 0.0), comm.get("all_to_all", 0.0)
-    return {"data_parallel": sum(comm.values()) - tp - pipe - a2a, "tensor_parallel": tp, "pipeline": pipe,
-            "expert_parallel": a2a}
+    pipe, a2a, cp = comm.get("pipeline_send", 0.0), comm.get("all_to_all", 0.0), comm.get(collective(layout), 0.0)
+    return {"data_parallel": sum(comm.values()) - tp - pipe - a2a - cp, "tensor_parallel": tp, "pipeline": pipe,
+            "expert_parallel": a2a, "context_parallel": cp}
 
 
 def _a2a_bandwidth(hw: DictConfig) -> float | None:
