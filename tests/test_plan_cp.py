@@ -152,3 +152,13 @@ def test_auto_picks_cp_where_only_it_fits():
     plan = plan_run(cfg, show=False)
     assert plan.fits and plan.context_parallel["cp"] == int(cfg.strategy.cp)
     assert "what makes it fit" in plan.auto_choice["reason"] and f"cp={cfg.strategy.cp}" in plan.auto_choice["reason"]
+
+
+def test_a_run_that_does_not_fit_is_told_the_cp_that_would():
+    """fsdp at 131072 tokens: no checkpointing alone fits; cp (with its accumulation) and full does."""
+    p = _plan(*LONG, "strategy=fsdp")
+    assert not p.fits and p.suggestion == "fsdp"
+    over = p.suggestion_overrides
+    assert over[0].startswith("strategy.cp=") and "trainer.activation_checkpointing=full" in over
+    fixed = _plan(*LONG, "strategy=fsdp", *over)
+    assert fixed.fits and fixed.global_batch == p.global_batch

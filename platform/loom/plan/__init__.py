@@ -21,7 +21,7 @@ from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
-from loom.plan.context import collective, context_summary
+from loom.plan.context import collective, context_summary, cp_degrees
 from loom.plan.evaluation import eval_cost
 from loom.plan.experts import experts_summary
 from loom.plan.memory import (
@@ -193,7 +193,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
     plan.reference = reference
     if not plan.fits:
-        fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
+        fix = (_own_with_checkpointing(cfg, params, layout, cap) or _own_with_context(cfg, params, layout, cap)
+               or _cheapest_fit(cfg, params, layout, cap))
         if fix is not None:
             plan.suggestion, plan.suggestion_overrides = fix
     return plan
@@ -290,6 +291,30 @@ def _own_with_checkpointing(cfg: DictConfig, params: float, layout: ParallelLayo
     for ac in _stronger_checkpointing(cfg):
         if _fits_with(cfg, cfg.strategy.name, layout, params, cap, ac):
             return cfg.strategy.name, [f"trainer.activation_checkpointing={ac}"]
+    return None
+
+
+def _own_with_context(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> Fix | None:
+    """The run's own strategy (fsdp, fsdp_tp, nd at strategy.cp=1) split over the fewest cp ranks, with
+    the least activation checkpointing, that fits; the global batch kept with cp x the accumulation."""
+    from loom.errors import ConfigError
+    from loom.validate import with_strategy
+
+    s, own_ac, accum = cfg.strategy, cfg.trainer.activation_checkpointing, int(cfg.trainer.accumulate_grad_batches)
+    if "cp" not in s or int(s.cp) != 1:
+        return None
+    for ac in (own_ac, *_stronger_checkpointing(cfg)):
+        for cp in cp_degrees(cfg, layout.world):
+            node = s.copy()
+            node.cp = cp
+            try:
+                valid = with_strategy(cfg, node)
+            except ConfigError:
+                continue  # heads, or the degrees, do not divide
+            valid.trainer.accumulate_grad_batches = accum * cp
+            if _fits_with(valid, s.name, strategies.layout_of(valid), params, cap, ac):
+                extra = [f"trainer.activation_checkpointing={ac}"] if ac != own_ac else []
+                return s.name, [f"strategy.cp={cp}", f"trainer.accumulate_grad_batches={accum * cp}", *extra]
     return None
 
 
