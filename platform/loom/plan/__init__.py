@@ -21,6 +21,7 @@ from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
 from loom.optim import run_warnings as optim_warnings
+from loom.plan.context import collective, context_summary, cp_degrees
 from loom.plan.evaluation import eval_cost
 from loom.plan.experts import experts_summary
 from loom.plan.memory import (
@@ -99,6 +100,10 @@ class Plan:
     comm_messages_per_step: dict[str, float] = field(default_factory=dict)
     # a mixture of experts: how strategy.ep splits them, active parameters, all-to-all (plan.experts)
     experts: dict[str, Any] | None = None
+    # strategy.cp > 1: {cp, style, seq_len, tokens_per_rank, activation_divisor, state_shards, heads, kv_heads,
+    # head_dim, collective, bytes_per_layer, calls_per_layer: {forward, backward} per micro batch,
+    # recomputed_share, bytes_per_step_per_device, calls_per_step} (plan/context.py)
+    context_parallel: dict[str, Any] | None = None
     suggestion: str | None = None            # the strategy that would fit (may be the run's own)
     suggestion_overrides: list[str] = field(default_factory=list)  # the overrides that make it fit
     warnings: list[str] = field(default_factory=list)
@@ -183,11 +188,13 @@ def make_plan(cfg: DictConfig) -> Plan:
         warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
         trainable_params=trainable_params(cfg),
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
+        context_parallel=context_summary(cfg, layout),
     )
     plan.evaluation = eval_cost(cfg, spec.flops_per_token, peak)
     plan.reference = reference
     if not plan.fits:
-        fix = _own_with_checkpointing(cfg, params, layout, cap) or _cheapest_fit(cfg, params, layout, cap)
+        fix = (_own_with_checkpointing(cfg, params, layout, cap) or _own_with_context(cfg, params, layout, cap)
+               or _cheapest_fit(cfg, params, layout, cap))
         if fix is not None:
             plan.suggestion, plan.suggestion_overrides = fix
     return plan
@@ -218,9 +225,9 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
 def _by_dimension(cfg: DictConfig, comm: dict[str, float], layout) -> dict[str, float]:
     """`comm_bytes_by_collective` regrouped by the mesh dimension the bytes cross."""
     tp = tp_bytes(cfg, layout) if comm else 0.0
-    pipe, a2a = comm.get("pipeline_send", 0.0), comm.get("all_to_all", 0.0)
-    return {"data_parallel": sum(comm.values()) - tp - pipe - a2a, "tensor_parallel": tp, "pipeline": pipe,
-            "expert_parallel": a2a}
+    pipe, a2a, cp = comm.get("pipeline_send", 0.0), comm.get("all_to_all", 0.0), comm.get(collective(layout), 0.0)
+    return {"data_parallel": sum(comm.values()) - tp - pipe - a2a - cp, "tensor_parallel": tp, "pipeline": pipe,
+            "expert_parallel": a2a, "context_parallel": cp}
 
 
 def _a2a_bandwidth(hw: DictConfig) -> float | None:
@@ -284,6 +291,30 @@ def _own_with_checkpointing(cfg: DictConfig, params: float, layout: ParallelLayo
     for ac in _stronger_checkpointing(cfg):
         if _fits_with(cfg, cfg.strategy.name, layout, params, cap, ac):
             return cfg.strategy.name, [f"trainer.activation_checkpointing={ac}"]
+    return None
+
+
+def _own_with_context(cfg: DictConfig, params: float, layout: ParallelLayout, cap: float | None) -> Fix | None:
+    """The run's own strategy (fsdp, fsdp_tp, nd at strategy.cp=1) split over the fewest cp ranks, with
+    the least activation checkpointing, that fits; the global batch kept with cp x the accumulation."""
+    from loom.errors import ConfigError
+    from loom.validate import with_strategy
+
+    s, own_ac, accum = cfg.strategy, cfg.trainer.activation_checkpointing, int(cfg.trainer.accumulate_grad_batches)
+    if "cp" not in s or int(s.cp) != 1:
+        return None
+    for ac in (own_ac, *_stronger_checkpointing(cfg)):
+        for cp in cp_degrees(cfg, layout.world):
+            node = s.copy()
+            node.cp = cp
+            try:
+                valid = with_strategy(cfg, node)
+            except ConfigError:
+                continue  # heads, or the degrees, do not divide
+            valid.trainer.accumulate_grad_batches = accum * cp
+            if _fits_with(valid, s.name, strategies.layout_of(valid), params, cap, ac):
+                extra = [f"trainer.activation_checkpointing={ac}"] if ac != own_ac else []
+                return s.name, [f"strategy.cp={cp}", f"trainer.accumulate_grad_batches={accum * cp}", *extra]
     return None
 
 

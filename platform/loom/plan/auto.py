@@ -53,9 +53,10 @@ def choose(composed: DictConfig) -> DictConfig:
 
 def label(c: Candidate) -> str:
     """A layout in a few words: the preset's name, with the degrees the name leaves open
-    ("fsdp_tp tp=2", "nd dp_replicate=2 dp_shard=4"; degrees of 1 left out)."""
+    ("fsdp_tp tp=2", "nd dp_replicate=2 dp_shard=4", "fsdp cp=8"; degrees of 1 left out)."""
     keys = STRATEGIES[c.strategy].open_degrees  # the others follow from the world
     degrees = " ".join(f"{k}={c.degrees[k]}" for k in keys if c.degrees.get(k, 1) != 1)
+    degrees += f" cp={c.cp}" + (f" ({c.cp_style})" if c.cp_style == "ring" else "") if c.cp > 1 else ""
     return f"{c.strategy} {degrees}".strip()
 
 
@@ -85,7 +86,8 @@ def auto_reason(best: Candidate, fitting: list[Candidate], considered: int) -> s
     if best.predicted_step_s is None:  # no FLOP count (a custom model): the preset order decides
         return f"the first in preset order (least communication first) {of}; no step estimate (FLOPs unknown)"
     if len(fitting) == 1:
-        return f"the only layout that fits, of {considered} valid (estimated step {best.predicted_step_s:.3g} s)"
+        return (f"the only layout that fits, of {considered} valid (estimated step {best.predicted_step_s:.3g} s)"
+                + _context_note(best))
     line = f"fastest estimated step ({best.predicted_step_s:.3g} s) {of}"
     tied, runner = _tied_and_next(fitting)
     if tied:
@@ -93,7 +95,12 @@ def auto_reason(best: Candidate, fitting: list[Candidate], considered: int) -> s
     slower = _slower_by(best, runner) if runner else None
     if runner is not None and slower is not None:
         line += f"; the next, {label(runner)}, {slower:.1%} slower"
-    return line
+    return line + _context_note(best)
+
+
+def _context_note(best: Candidate) -> str:
+    """A context-parallel choice says what cp does for it (`plan.compare._note_context`)."""
+    return f"; {best.note}" if best.cp > 1 and best.note else ""
 
 
 def auto_choice_of(cfg: DictConfig) -> dict[str, Any] | None:

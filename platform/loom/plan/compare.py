@@ -34,6 +34,7 @@ scripts/bench/layouts.py measures every CPU layout against this prediction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import gcd
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,8 +42,9 @@ from omegaconf import DictConfig, OmegaConf
 from loom.compose import conf_dir, group_options
 from loom.errors import ConfigError
 from loom.layout import world_of
-from loom.models import expert_count
+from loom.models import attention_heads, expert_count, kv_heads
 from loom.plan import Plan, make_plan
+from loom.plan.context import CP_MIN_SEQ_LEN, cp_degrees, worth_offering
 from loom.plan.links import bandwidth
 from loom.plan.memory import GB
 from loom.plan.overlap import RECOMPUTE, Wire, exposed_s
@@ -57,7 +59,7 @@ from loom.validate import validate, with_strategy
 LATENCY_S = {"cpu": 2.5e-3, "gpu": 2e-5, "gpu_internode": 1e-4}
 PCIE_GBPS = 25.0               # host <-> device, for zero3_offload's per-step transfers
 PIPELINE_KEYS = ("pp_schedule", "pp_microbatches")  # carried from the user's strategy to pp / nd
-MESH_KEYS = (*DEGREE_KEYS, "ep")  # every mesh dimension: the layout column and what tells layouts apart
+MESH_KEYS = (*DEGREE_KEYS, "ep", "cp")  # every mesh dimension: the layout column and what tells layouts apart
 
 
 @dataclass
@@ -76,12 +78,16 @@ class Candidate:
     bubble_fraction: float
     predicted_step_s: float | None
     ep: int = 1                     # expert parallelism (strategy.ep): the mesh's fifth dimension
+    cp: int = 1                     # context parallelism (strategy.cp): the sixth
+    cp_style: str | None = None     # ulysses | ring when cp > 1
+    note: str = ""                  # why a layout is listed as it is (cp: what it divides, and if it makes it fit)
     cfg: DictConfig = field(repr=False, default=None)
     plan: Plan = field(repr=False, default=None)
 
     def to_dict(self) -> dict[str, Any]:
-        keys = ("strategy", "degrees", "ep", "overrides", "memory_per_device_bytes", "capacity_per_device_bytes",
-                "fits", "compute_s", "comm_s", "comm_exposed_s", "bubble_fraction", "predicted_step_s")
+        keys = ("strategy", "degrees", "ep", "cp", "cp_style", "overrides", "memory_per_device_bytes",
+                "capacity_per_device_bytes", "fits", "compute_s", "comm_s", "comm_exposed_s", "bubble_fraction",
+                "predicted_step_s", "note")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -94,30 +100,16 @@ class Comparison:
 
 
 def compare(composed: DictConfig) -> Comparison:
-    """Every layout of `composed`'s world that validates, best first (fits, then predicted time)."""
-    hw = composed.hardware
-    world = world_of(hw)
-    listed: list[Candidate] = []
-    refused: list[tuple[list[str], str]] = []
-    seen: set[tuple[int, ...]] = set()
-    micro = int(composed.dataset.batch_size)
-    base: DictConfig | None = None  # the first valid candidate: the others share its typed sections
-    for node, overrides in _nodes(composed, world):
-        scale = STRATEGIES[node.name].model_parallel(node, world)
-        if scale > 1:  # the same global batch: fewer data-parallel ranks each take a larger batch
-            overrides = [*overrides, f"dataset.batch_size={micro * scale}"]
-        try:
-            valid = _validated(composed, base, node, micro * scale)
-            base = base or valid
-        except ConfigError as e:
-            refused.append((overrides, str(e)))
-            continue
-        plan = make_plan(valid)
-        key = tuple(plan.parallel[k] for k in MESH_KEYS)
-        if STRATEGIES[node.name].degrees and key in seen:
-            continue  # the same degrees as a layout listed above (fsdp, fsdp_tp, pp are presets of nd)
-        seen.add(key)
-        listed.append(_candidate(valid, plan, overrides))
+    """Every layout of `composed`'s world that validates, best first (fits, then predicted time).
+    Context-parallel layouts join for long sequences, or when no layout without cp fits
+    (`plan.context.worth_offering`)."""
+    world = world_of(composed.hardware)
+    listing = _Listing(composed, world)
+    listing.add(_nodes(composed, world))
+    if worth_offering(composed, any(c.fits for c in listing.listed)):
+        listing.add([(n, o) for n, o in _nodes(composed, world, cp_degrees(composed, world)) if _cp(n) > 1])
+        _note_context(listing.listed)
+    listed, refused = listing.listed, listing.refused
     if not listed and refused:
         raise ConfigError(refused[0][1])
     order = {id(c): i for i, c in enumerate(listed)}  # ties: the registry's `rank`, nd's splits last
@@ -125,17 +117,88 @@ def compare(composed: DictConfig) -> Comparison:
     return Comparison(listed, refused, compute_rate(composed.hardware, None)[1], bandwidth(composed.hardware)[1])
 
 
-def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, batch: int) -> DictConfig:
-    """`validate` of the composed config with `node` as its strategy and `batch` as its
-    dataset.batch_size (the sections other than the strategy typed once, in `base`)."""
+@dataclass
+class _Listing:
+    """The layouts validated so far (`listed`), those validation refused, and the degrees seen."""
+
+    composed: DictConfig
+    world: int
+    listed: list[Candidate] = field(default_factory=list)
+    refused: list[tuple[list[str], str]] = field(default_factory=list)
+    seen: set[tuple[Any, ...]] = field(default_factory=set)
+    base: DictConfig | None = None  # the first valid candidate: the others share its typed sections
+
+    def add(self, nodes: list[tuple[DictConfig, list[str]]]) -> None:
+        micro, accum = int(self.composed.dataset.batch_size), int(self.composed.trainer.accumulate_grad_batches)
+        for node, overrides in nodes:
+            scale, cp = STRATEGIES[node.name].model_parallel(node, self.world), _cp(node)
+            if scale > 1:  # the same global batch: fewer data-parallel ranks each take a larger batch
+                overrides = [*overrides, f"dataset.batch_size={micro * scale}"]
+            if cp > 1:  # ... and cp x fewer take cp x more micro batches: each holds seq_len / cp of them
+                overrides = [*overrides, f"trainer.accumulate_grad_batches={accum * cp}"]
+            try:
+                valid = _validated(self.composed, self.base, node, micro * scale, accum * cp)
+                self.base = self.base or valid
+            except ConfigError as e:
+                self.refused.append((overrides, str(e)))
+                continue
+            plan = make_plan(valid)
+            key = tuple(plan.parallel[k] for k in MESH_KEYS)
+            if STRATEGIES[node.name].degrees and key in self.seen:
+                continue  # the same degrees as a layout listed above (fsdp, fsdp_tp, pp are presets of nd)
+            self.seen.add(key)
+            self.listed.append(_candidate(valid, plan, overrides))
+
+
+def _cp(node: DictConfig) -> int:
+    return int(node.get("cp", 1) or 1)
+
+
+def _note_context(listed: list[Candidate]) -> None:
+    """Each cp layout's note: activations / cp against the same mesh without cp (its dp_shard x cp
+    ranks sharding alone: not ZeRO's, whose degrees read alike), and when that one does not fit and this
+    one does, that cp is why."""
+    plain = {tuple(c.plan.parallel[k] for k in MESH_KEYS): c for c in listed
+             if c.cp == 1 and "cp" in c.cfg.strategy}  # the options with a cp: one FSDP2 mesh, one layout per key
+    for c in (c for c in listed if c.cp > 1):
+        p = c.plan.parallel
+        twin = plain.get((p["dp_replicate"], p["dp_shard"] * c.cp, p["tp"], p["pp"], p["ep"], 1))
+        ctx = c.plan.context_parallel or {}
+        kind = "ring sends" if c.cp_style == "ring" else "all-to-all"
+        c.note = (f"cp={c.cp}: activations / {c.cp}"
+                  + (f" ({_gb(twin.plan.memory_per_device_bytes['activations'])} -> "
+                     f"{_gb(c.plan.memory_per_device_bytes['activations'])} GB)" if twin else "")
+                  + f", {_gb(ctx.get('bytes_per_step_per_device', 0.0))} GB {kind}/step")
+        if twin is not None and c.fits and not twin.fits:
+            c.note += f"; what makes it fit ({label_degrees(twin)} without cp does not)"
+
+
+def label_degrees(c: Candidate) -> str:
+    """A layout's degrees beyond 1 ("dp_shard=8", "dp_shard=2 tp=2 cp=2")."""
+    degrees = {**c.degrees, "ep": c.ep, "cp": c.cp}
+    return " ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "one device"
+
+
+def _gb(v: float) -> str:
+    return f"{v / GB:,.1f}"
+
+
+def _validated(composed: DictConfig, base: DictConfig | None, node: DictConfig, batch: int,
+               accum: int) -> DictConfig:
+    """`validate` of the composed config with `node` as its strategy, `batch` as its dataset.batch_size
+    and `accum` as its trainer.accumulate_grad_batches (the sections other than the strategy typed
+    once, in `base`)."""
     if base is None:
         cfg = composed.copy()
         cfg.strategy = node
         cfg.dataset.batch_size = batch
+        cfg.trainer.accumulate_grad_batches = accum
         return validate(cfg)
     out = base.copy()
     out.dataset = base.dataset.copy()
     out.dataset.batch_size = batch
+    out.trainer = base.trainer.copy()
+    out.trainer.accumulate_grad_batches = accum
     return with_strategy(out, node)
 
 
@@ -145,13 +208,15 @@ def rank_key(c: Candidate) -> tuple[bool, float]:
     return (not c.fits, float(f"{t:.3g}"))
 
 
-def _nodes(composed: DictConfig, world: int) -> list[tuple[DictConfig, list[str]]]:
+def _nodes(composed: DictConfig, world: int, context: list[int] | None = None) -> list[tuple[DictConfig, list[str]]]:
     """Each candidate's strategy node and the overrides that select it: every option with a yaml,
-    in the registry's `rank` order, offers its own (its entry's `candidates`, strategies/variants.py)."""
+    in the registry's `rank` order, offers its own (its entry's `candidates`, strategies/variants.py;
+    `context`: the cp degrees to offer beside them)."""
     have = set(group_options("strategy"))
     pipe = {k: composed.strategy[k] for k in PIPELINE_KEYS if k in composed.strategy}
+    heads = gcd(attention_heads(composed) or 0, kv_heads(composed) or 0)
     machine = Machine(world, int(composed.hardware.devices), composed.hardware.accelerator == "gpu", pipe,
-                      expert_count(composed))
+                      expert_count(composed), tuple(context or ()), heads, int(composed.dataset.get("seq_len") or 0))
     out: list[tuple[DictConfig, list[str]]] = []
     for name in (n for n in ranked() if n in have):
         for fields in STRATEGIES[name].candidates(machine):
@@ -178,7 +243,8 @@ def _candidate(cfg: DictConfig, plan: Plan, overrides: list[str]) -> Candidate:
     compute, wire, exposed, bubble, step = predict(cfg, plan)
     return Candidate(
         strategy=plan.strategy, degrees={k: plan.parallel[k] for k in DEGREE_KEYS}, overrides=overrides,
-        ep=int(plan.parallel.get("ep") or 1),
+        ep=int(plan.parallel.get("ep") or 1), cp=int(plan.parallel.get("cp") or 1),
+        cp_style=plan.parallel.get("cp_style"),
         memory_per_device_bytes=plan.memory_per_device_bytes["total"],
         capacity_per_device_bytes=plan.capacity_per_device_bytes, fits=plan.fits,
         compute_s=compute, comm_s=wire.total, comm_exposed_s=exposed, bubble_fraction=bubble,
@@ -226,7 +292,9 @@ def _wire(plan: Plan, bytes_per_s: float, latency: float) -> Wire:
                 # expert parallelism's all-to-alls block as tensor parallelism's all-reduces do (plan.experts)
                 tensor=(tp_b + by.get("all_to_all", 0.0)) / bytes_per_s
                 + (calls.get("tensor_parallel", 0.0) + calls.get("expert_parallel", 0.0)) * latency,
-                pipeline=pipe_b / bytes_per_s + calls.get("pipeline", 0.0) * latency, host=host)
+                pipeline=pipe_b / bytes_per_s + calls.get("pipeline", 0.0) * latency, host=host,
+                context=plan.comm_bytes_by_dimension.get("context_parallel", 0.0) / bytes_per_s
+                + calls.get("context_parallel", 0.0) * latency)
 
 
 def _oversubscription(hw: DictConfig, world: int) -> float:
@@ -249,23 +317,26 @@ def render_comparison(result: Comparison, hardware: str, model: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}{_batch(result)}")
-    for col in ("#", "strategy", "repl x shard x tp x pp x ep", "memory / device", "fits", "compute s",
-                "comm s", "exposed s", "bubble", "step s (predicted)", "overrides"):
+    notes = any(c.note for c in result.candidates)
+    for col in ("#", "strategy", "repl x shard x tp x pp x ep x cp", "memory / device", "fits", "compute s",
+                "comm s", "exposed s", "bubble", "step s (predicted)", "overrides", *(("note",) if notes else ())):
         t.add_column(col, justify="right" if col in ("#", "compute s", "comm s", "exposed s", "bubble") else "left")
     for i, c in enumerate(result.candidates, 1):
         cap = f" / {c.capacity_per_device_bytes / GB:,.1f}" if c.capacity_per_device_bytes else ""
-        t.add_row(str(i), c.strategy, " x ".join(str(d) for d in (*c.degrees.values(), c.ep)),
+        t.add_row(str(i), c.strategy, " x ".join(str(d) for d in (*c.degrees.values(), c.ep, c.cp)),
                   f"{c.memory_per_device_bytes / GB:,.2f}{cap} GB", "yes" if c.fits else "[red]no[/red]",
                   _secs(c.compute_s), _secs(c.comm_s), _secs(c.comm_exposed_s),
                   f"{c.bubble_fraction:.2f}" if c.bubble_fraction else "-",
-                  _secs(c.predicted_step_s), " ".join(c.overrides))
+                  _secs(c.predicted_step_s), " ".join(c.overrides), *((c.note,) if notes else ()))
     console = Console()
     console.width = max(console.width, 180)  # one line per layout, also when piped
     console.print(t)
     console.print(f"compute at {result.rate_source}; communication at {result.bandwidth_source}; exposed: "
                   "what FSDP2's prefetch and DDP's / ZeRO's bucketed reductions leave uncovered (all of it on CPU, "
-                  f"tensor-parallel and pipeline communication always); {len(result.refused)} layout(s) refused by "
-                  "validation are not listed.")
+                  f"tensor-parallel, pipeline and context-parallel communication always); {len(result.refused)} "
+                  "layout(s) refused by validation are not listed. Context-parallel layouts (cp) are offered from "
+                  f"dataset.seq_len >= {CP_MIN_SEQ_LEN}, or when no layout without cp fits; they keep the global batch "
+                  "with cp x the accumulation.")
 
 
 def _batch(result: Comparison) -> str:

@@ -35,6 +35,7 @@ from loom.layout import ParallelLayout
 from loom.models import MODELS, layer_count, model_parts, model_width, trainable_params, vocab_size
 from loom.models.heads import head_of
 from loom.optim import state_slots
+from loom.plan.context import collective, context_bytes, local_seq_len, state_shards
 from loom.plan.experts import all_to_all_bytes, expert_group_fraction, expert_share
 from loom.strategies.deepspeed_config import resolved_deepspeed_config, zero_stage
 
@@ -171,7 +172,7 @@ def layer_activation_bytes(s: int, b: int, h: int, tp: int, mixed: bool) -> floa
     return s * b * h * (10 + 24 / tp) * (1.0 if mixed else 2.0)
 
 
-def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = None) -> float:
+def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = None, cp: int = 1) -> float:
     """Stored activations of one micro batch per device, following activation checkpointing
     (`mode`, default `trainer.activation_checkpointing`), plus the fp32 logits.
 
@@ -182,13 +183,14 @@ def activation_bytes(cfg: DictConfig, tp: int, mixed: bool, mode: str | None = N
     activations while it is recomputed in backward. selective (every other block,
     `loom.models.activation_checkpointing`): layers 0, 2, 4, ... input-only, the others
     full, plus one layer's recompute. The logits and their gradient (fp32, 2*4*b*s*V bytes)
-    are split over TP ranks (the head is column-parallel).
+    are split over TP ranks (the head is column-parallel). Context parallelism (`cp`): every
+    count is of the seq_len / cp tokens a rank holds (`plan.context`).
     """
     h, L = model_width(cfg), layer_count(cfg)
     if not h or not L:
         return 0.0
     mode = mode or cfg.trainer.get("activation_checkpointing", "none")
-    b, s = cfg.dataset.batch_size * rows_per_sample(cfg.dataset), cfg.dataset.seq_len  # a pair: two rows
+    b, s = cfg.dataset.batch_size * rows_per_sample(cfg.dataset), local_seq_len(cfg, cp)  # a pair: two rows
     parts = model_parts(cfg)
     full = parts.layer_activation_bytes(s * b, tp, mixed) if parts else layer_activation_bytes(s, b, h, tp, mixed)
     ckpt = {"none": 0, "selective": (L + 1) // 2, "full": L}[mode]  # layers that keep only their input
@@ -220,22 +222,22 @@ def memory_of(cfg: DictConfig, name: str, layout: ParallelLayout, params: float,
         offload_optimizer=bool(s.offload_optimizer) if own and "offload_optimizer" in s else None,
         offload_params=bool(s.get("offload_params", False)) if own else False,
     )
-    mixed, tp = hw.precision != "32-true", layout.tp
+    mixed, tp, shards = hw.precision != "32-true", layout.tp, state_shards(layout)  # FSDP2: over dp_shard x cp
     kw["trainable"] = adapters = trainable_params(cfg) if tp == 1 else None  # LoRA (validation: tp=1); None: all
     params += adapters or 0  # the adapters' weights beside the frozen base's
     if tp > 1:  # TP-split Block weights over dp x tp; what TP replicates over dp only
         rep = min(params, tp_replicated_params(cfg))
-        split = state_bytes(name, params - rep, layout.dp_shard * tp, mixed, **kw)
-        whole = state_bytes(name, rep, layout.dp_shard, mixed, **kw)
+        split = state_bytes(name, params - rep, shards * tp, mixed, **kw)
+        whole = state_bytes(name, rep, shards, mixed, **kw)
         mem = MemoryEstimate(split.params + whole.params, split.grads + whole.grads,
                              split.optimizer + whole.optimizer, 0.0, split.host_offload + whole.host_offload)
     else:
-        mem = state_bytes(name, params, layout.dp_shard, mixed, **kw)
+        mem = state_bytes(name, params, shards, mixed, **kw)
     if own and s.get("reshard_after_forward") is False:
         # Params stay gathered from forward to backward: the whole (TP-local) model in
         # compute precision on every rank.
         mem.params += (2.0 if mixed else 4.0) * params / tp
-    mem.activations = activation_bytes(cfg, tp, mixed, ac)
+    mem.activations = activation_bytes(cfg, tp, mixed, ac, layout.cp)
     mem.grads_in_forward = grads_beside_activations(cfg, name, layout)
     if hw.accelerator != "gpu":  # the device is the host: each process's runtime shares it
         mem.runtime = RUNTIME_HOST_BYTES["cpu"]
@@ -259,6 +261,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     zero2 reduce-scatters every micro batch; zero3 / fsdp gather the params for forward and
     again for backward and reduce-scatter the grads every micro batch (1.5x ddp's volume).
     Tensor parallelism adds 4 activation all-reduces per layer per micro batch across the TP group;
+    context parallelism shards over dp x cp and adds its exchanges around attention (`plan.context`);
     expert parallelism moves the experts' gathers to dp / ep ranks and adds its all-to-alls
     (`plan.experts`).
     """
@@ -267,7 +270,7 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
     accum = cfg.trainer.accumulate_grad_batches
     p, g = wire_bytes(cfg, name)
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
-    group = layout.dp_shard if layout.hybrid else layout.dp  # the group states are reduced over
+    group = (layout.dp_shard if layout.hybrid else layout.dp) * layout.cp  # the group states are reduced over
     frac = (group - 1) / group if group > 1 else 0.0
     local = params / (layout.tp * layout.pp)  # a pipeline rank reduces its stages' gradients only
     # gradients of the trainable parameters only (LoRA: the adapters'; zero1-2 gather those back)
@@ -291,6 +294,8 @@ def comm_bytes(cfg: DictConfig, name: str, params: float, layout: ParallelLayout
             reps = layout.dp_replicate
             out["all_reduce"] = 2 * (reps - 1) / reps * g * trained / group
     out["all_reduce"] += tp_bytes(cfg, layout)
+    if layout.cp > 1:
+        out[collective(layout)] = context_bytes(cfg, layout)
     return out
 
 
@@ -301,7 +306,7 @@ def tp_bytes(cfg: DictConfig, layout: ParallelLayout) -> float:
         return 0.0
     tp = layout.tp
     act = 2.0 if cfg.hardware.precision != "32-true" else 4.0
-    volume = cfg.dataset.batch_size * rows_per_sample(cfg.dataset) * cfg.dataset.seq_len * model_width(cfg) * act
+    volume = cfg.dataset.batch_size * rows_per_sample(cfg.dataset) * local_seq_len(cfg, layout.cp) * model_width(cfg) * act
     return cfg.trainer.accumulate_grad_batches * 4 * (layer_count(cfg) / layout.pp) * 2 * (tp - 1) / tp * volume
 
 
@@ -360,7 +365,7 @@ def build_host_bytes(cfg: DictConfig, name: str, layout: ParallelLayout, params:
     if gpu:
         return runtime + 4.0 * largest_param(cfg), f"{where} + the largest parameter in fp32, meta build"
     p = per_param_bytes(name, hw.precision, cfg.optim)[0]
-    n = layout.dp_shard if strategies.option(name).states == "all" else 1
+    n = state_shards(layout) if strategies.option(name).states == "all" else 1
     rep = min(params, tp_replicated_params(cfg)) if layout.tp > 1 else 0.0
     shard = p * ((params - rep) / (layout.tp * n) + rep / n)
     return runtime + shard, f"{where} + this rank's parameters at {p:g} bytes each"

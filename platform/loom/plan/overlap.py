@@ -18,7 +18,9 @@ critical path once the libraries' own scheduling has overlapped what it can:
   reduction overlaps backward the same way (ZeRO-2 every micro batch, ZeRO-1 the last); the
   updated parameters' all-gather after the optimizer step is exposed.
 - Tensor-parallel all-reduces block the layer that waits for them, pipeline sends are counted
-  as before and zero3_offload's host transfers too: all exposed.
+  as before and zero3_offload's host transfers too: all exposed. So are context parallelism's
+  exchanges around attention (`plan/context.py`: Ulysses' all-to-alls block; ring's overlap with
+  each chunk's attention in torch, so theirs is an upper bound).
 
 Backward is 2/3 of the compute (forward 1/3; recomputation adds its forward to backward).
 A unit's compute hides communication only at OVERLAP of its length: 1 on GPUs (NCCL runs on
@@ -55,15 +57,16 @@ class Wire:
     tensor: float = 0.0    # tensor-parallel activation all-reduces
     pipeline: float = 0.0  # pipeline sends
     host: float = 0.0      # zero3_offload's host <-> device transfers
+    context: float = 0.0   # context parallelism's all-to-alls / ring sends around attention
 
     @property
     def total(self) -> float:
-        return self.gather + self.reduce + self.tensor + self.pipeline + self.host
+        return self.gather + self.reduce + self.tensor + self.pipeline + self.host + self.context
 
 
 def exposed_s(cfg: DictConfig, plan: Plan, wire: Wire, compute: float | None) -> float:
     """The seconds of `wire` that no compute hides (<= wire.total; = it with no compute known)."""
-    blocking = wire.tensor + wire.pipeline + wire.host
+    blocking = wire.tensor + wire.pipeline + wire.host + wire.context
     dp = wire.gather + wire.reduce
     eff = OVERLAP.get(str(plan.accelerator), 1.0)
     if compute is None or not dp or not eff:

@@ -31,7 +31,8 @@ def render(plan: dict[str, Any]) -> None:
         ("hardware", hw),
         ("world size", f"{plan['world_size']} ({plan['num_nodes']} node(s) x {plan['devices_per_node']}), "
                        f"dp={plan['data_parallel']} tp={plan['tensor_parallel']}"
-                       + (f" pp={plan['parallel']['pp']}" if plan.get("parallel", {}).get("pp", 1) > 1 else "")),
+                       + (f" pp={plan['parallel']['pp']}" if plan.get("parallel", {}).get("pp", 1) > 1 else "")
+                       + (f" cp={plan['parallel']['cp']}" if (plan.get("parallel", {}).get("cp") or 1) > 1 else "")),
         *_batch_rows(plan),
         ("model", (f"{plan['params'] / 1e6:,.1f}M params, " if plan["params"] is not None else "params unknown, ")
                   + (f"{plan['flops_per_token'] / 1e9:,.3f} GFLOP/token, {plan['flops_per_step'] / 1e12:,.2f} "
@@ -114,8 +115,12 @@ def _comm_rows(plan: dict) -> list[tuple[str, str]]:
     if sum(1 for v in dims.values() if v) > 1 or any(calls.values()):
         rows.append(("  by dimension", ", ".join(
             f"{k.replace('_', '-')} {dims.get(k, 0) / GB:,.3f} GB in {calls.get(k, 0):g} calls"
-            for k in ("data_parallel", "tensor_parallel", "pipeline", "expert_parallel")
+            for k in ("data_parallel", "tensor_parallel", "pipeline", "expert_parallel", "context_parallel")
             if dims.get(k) or calls.get(k))))
+    if plan.get("context_parallel"):
+        from loom.plan.context import context_line
+
+        rows.append(("context parallel", context_line(plan["context_parallel"])))
     if plan.get("experts"):
         from loom.plan.experts import experts_line
 
