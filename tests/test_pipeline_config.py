@@ -129,7 +129,8 @@ def test_summary_parallel_of_every_strategy(strategy, parallel):
     cfg = OmegaConf.create({"hardware": {"devices": 4, "num_nodes": 2, "name": "cpu"}, "strategy": strategy})
     got = empty_summary(cfg, "r", layout_of(cfg))["parallel"]
     keys = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches", "ep")
-    assert got == dict(zip(keys, (*parallel, 1)[:len(keys)], strict=True))  # ep 1 unless the case says
+    want = dict(zip(keys, (*parallel, 1)[:len(keys)], strict=True))  # ep 1 unless the case says
+    assert got == {**want, "cp": 1, "cp_style": None}
 
 
 def test_schedule_table_matches_torch():
