@@ -70,7 +70,7 @@ def _states(cfg: DictConfig, name: str, layout: ParallelLayout, params: int, who
 def _chunk_activations(cfg: DictConfig, layout: ParallelLayout, n_blocks: int, last: bool, micro: int,
                        layer_params: int = 0) -> float:
     """One microbatch's stored activations for `n_blocks` blocks (memory.activation_bytes's
-    arithmetic, checkpointing included), plus the fp32 logits on the last stage.
+    arithmetic, checkpointing included), plus the logits at the loss on the last stage.
 
     Under pipelining `*-mixed` precision is Lightning's autocast over fp32 weights
     (strategies.lightning_precision): each microbatch's forward saves, for its backward, the
