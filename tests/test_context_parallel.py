@@ -244,9 +244,9 @@ CPU = ["hardware=cpu", "strategy=fsdp", "trainer.max_steps=1", "tracking=csv"]
     (["hardware.devices=2", "strategy.cp=0"], "strategy.cp=0: must be a positive integer"),
     (["hardware.devices=3", "strategy.cp=2"], "strategy.cp=2 must divide the world size 3"),
     (["model=moe_tiny", "hardware.devices=4", "strategy.cp=2", "strategy.ep=2", "model.aux_loss_coef=0"],
-     "context parallelism is built beside FSDP2 and tensor parallelism so far"),
-    (["strategy=nd", "hardware.devices=4", "strategy.cp=2", "strategy.pp=2", "strategy.dp_shard=1"],
-     "use strategy.pp=1"),
+     "context parallelism is built beside FSDP2, tensor and pipeline parallelism so far"),
+    (["strategy=nd", "hardware.devices=8", "strategy.dp_replicate=2", "strategy.dp_shard=2", "strategy.cp=2"],
+     "use strategy.ep=1 and strategy.dp_replicate=1"),
 ])
 def test_bad_context_parallel_configs_are_refused(tmp_path, args, says):
     from conftest import refused
