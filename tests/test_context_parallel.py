@@ -24,6 +24,7 @@ NETS = {
                 num_experts=4, experts_per_token=2, moe_intermediate_size=16, aux_loss_coef=0.01),
 }
 B, T, STEPS = 2, 32, 10
+NETS_HF_LAYERS = 2  # attention modules of the transformers Llama (one per layer)
 
 
 def network(family: str) -> torch.nn.Module:
@@ -36,9 +37,25 @@ def network(family: str) -> torch.nn.Module:
         from loom.models.moe.network import MoETransformer
 
         return MoETransformer(**NETS["moe"])
+    if family == "hf":  # transformers' own Llama, its attention routed through Loom's AttentionInterface entry
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
     from loom.models.llama.network import Llama
 
     return Llama(**NETS["llama"])
+
+
+def forward(net: torch.nn.Module, x: torch.Tensor, pos: torch.Tensor | None, cp=None) -> torch.Tensor:
+    """Logits of Loom's networks (`context` set on them) or of a transformers model (`cp`: its slice)."""
+    if hasattr(net, "config"):
+        if cp is None:
+            return net(input_ids=x, use_cache=False).logits
+        from loom.models.hf import context
+
+        return context.logits(net, x, cp)
+    return net(x) if pos is None else net(x, pos)
 
 
 def loss_of(net: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
@@ -102,7 +119,16 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
         ref = copy.deepcopy(net)
         if tp > 1:
             tensor_parallel(net, mesh["tensor_parallel"])
-        shard = apply_context_parallel(net, mesh["cp"], "ulysses")
+        if family == "hf":
+            from loom.models.context_parallel import ContextShard
+            from loom.models.hf import context
+
+            cp_mesh = mesh["cp"]
+            shard = ContextShard(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+            assert context.apply(net, shard) == NETS_HF_LAYERS
+            hf_cp = shard
+        else:
+            shard, hf_cp = apply_context_parallel(net, mesh["cp"], "ulysses"), None
         assert shard.rank == lay.cp_rank(rank), (shard.rank, lay.cp_rank(rank))
         units = tuple({type(b) for b in (net.blocks if family == "gpt" else net.model.layers)})
         shard_roots([net], units, mesh["data_parallel"], True)
@@ -111,8 +137,8 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
         mine = slice(lay.dp_rank(rank) * B, (lay.dp_rank(rank) + 1) * B)
         for step in range(STEPS):
             x, pos, y = global_batch(step, dp, documents)
-            args = (x[mine],) if pos is None else (x[mine], pos[mine])
-            loss = loss_of(net, local_loss(net(*args), y[mine], shard, None, None))
+            logits = forward(net, x[mine], None if pos is None else pos[mine], hf_cp)
+            loss = loss_of(net, local_loss(logits, y[mine], shard, None, None))
             loss.backward()
             per_rank = []
             for d in range(dp):  # the unsplit model: each dp rank's own mean, averaged (Loom's dp semantics)
@@ -120,7 +146,7 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
                 from loom.data.batch import Batch
 
                 batch = Batch(inputs=x[rows], targets=y[rows], positions=None if pos is None else pos[rows])
-                logits = ref(*((x[rows],) if pos is None else (x[rows], pos[rows])))
+                logits = forward(ref, x[rows], None if pos is None else pos[rows])
                 per_rank.append(loss_of(ref, batch_loss(logits, batch)))
             torch.stack(per_rank).mean().backward()
             gaps = [(p.grad.full_tensor() - r.grad).abs().max().item() / max(r.grad.abs().max().item(), 1e-12)
@@ -169,6 +195,7 @@ def run_ranks(world: int, cp: int, tp: int, family: str, documents: bool, tmp_pa
     (4, 2, 1, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
     (4, 2, 2, "llama", True),     # cp 2 x tp 2: Ulysses over each tensor-parallel rank's heads
     (2, 2, 1, "moe", False),      # MoE: routing per token, the balance loss over whole sequences
+    (2, 2, 1, "hf", False),       # transformers' Llama through its AttentionInterface, rotary at position_ids
 ])
 def test_cp_ranks_train_as_one_process(tmp_path, world, cp, tp, family, documents):
     results = run_ranks(world, cp, tp, family, documents, tmp_path)
@@ -262,15 +289,22 @@ def test_cp_on_a_strategy_without_it_names_the_ones_with_it(tmp_path):
     assert "unknown key strategy.cp=2" in err and "strategy=fsdp, fsdp_tp, nd" in err, err
 
 
-def test_a_transformers_model_is_refused_naming_why(tmp_path):
+@pytest.mark.parametrize("extra, says", [
+    ({"sliding_window": 64}, "its sliding-window attention (sliding_window=64 < dataset.seq_len=128)"),
+    ({}, "strategy.cp=4 = 4 must divide the 2 key/value heads (model.overrides.num_key_value_heads=2)"),
+])
+def test_a_transformers_model_is_refused_naming_why(tmp_path, extra, says):
+    """A transformers decoder splits through its AttentionInterface unless its attention is more than
+    causal SDPA (Mistral's sliding window), or its key/value heads do not divide."""
     from conftest import refused
-    from transformers import LlamaConfig
+    from transformers import MistralConfig
 
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path / "cfg")
-    err = refused(tmp_path, *CPU, "model=hf_causal_lm", f"model.config={tmp_path / 'cfg'}", "hardware.devices=2",
-                  "strategy.cp=2")
-    assert "model=hf_causal_lm cannot split its sequences: transformers builds its causal mask" in err, err
+    MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, **extra).save_pretrained(tmp_path / "cfg")
+    cp = 2 if extra else 4
+    err = refused(tmp_path, *CPU, "model=hf_causal_lm", f"model.config={tmp_path / 'cfg'}",
+                  f"hardware.devices={cp}", f"strategy.cp={cp}")
+    assert says in err, err
 
 
 def test_cp_layout_reads_one_batch_per_dp_rank():

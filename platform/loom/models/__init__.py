@@ -113,7 +113,7 @@ def context_problem(cfg: DictConfig) -> str | None:
     """Why `cfg.model` cannot split its sequences over context-parallel ranks (None: it can)."""
     problem = MODELS[cfg.model.name].context_parallel
     if problem is None:
-        able = ", ".join(f.name for f in FAMILIES if f.context_parallel is not None and f.name != "hf_causal_lm")
+        able = ", ".join(f.name for f in FAMILIES if f.context_parallel is not None)
         return f"its attention is not Loom's to split (the families that split it: {able})"
     return problem(cfg)
 

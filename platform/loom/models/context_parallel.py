@@ -84,7 +84,7 @@ def _heads_to_seq(y: torch.Tensor, cp: ContextShard) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, cp: ContextShard,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+                      dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """Attention over the whole sequence of q (B, Hq, T/cp, D), k, v (B, Hkv, T/cp, D): causal
     when `mask` is None, else the whole sequence's document mask (loom.models.document_mask).
     Returns (B, Hq, T/cp, D). Hq and Hkv divide by cp (validation), so GQA groups stay whole."""
@@ -92,7 +92,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: A
 
     q, k, v = (_seq_to_heads(t, cp) for t in (q, k, v))
     if mask is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
                                            enable_gqa=k.shape[1] != q.shape[1])
     else:
         y = attend(q, k, v, mask, dropout_p=dropout_p)

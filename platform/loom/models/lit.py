@@ -127,6 +127,14 @@ class LoomModule(pl.LightningModule):
             raise RuntimeError("a batch of preference pairs needs a pair objective (objective=dpo|ipo|simpo|reward)")
         return self.pair_step.loss(self, batch)
 
+    def context_parallel(self, mesh: Any, style: str) -> None:
+        """Split each sequence over the mesh's cp ranks (`strategy.cp`): the network and its attention
+        modules get this rank's ContextShard (loom.models.context_parallel); a family whose attention
+        is not Loom's overrides this."""
+        from loom.models.context_parallel import apply_context_parallel
+
+        apply_context_parallel(self.model, mesh, style)
+
     def with_auxiliary(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss plus what the family adds to every step's (a mixture of experts' balance loss)."""
         return loss

@@ -195,7 +195,7 @@ def _check_ulysses_heads(cfg: DictConfig, layout: ParallelLayout) -> None:
     """Ulysses hands each of cp x tp ranks whole query heads and whole key/value heads."""
     split, heads, kv = layout.cp * layout.tp, attention_heads(cfg), kv_heads(cfg)
     on = f"strategy.cp={layout.cp}" + (f" x tensor parallelism {layout.tp}" if layout.tp > 1 else "")
-    for what, n, key in (("query", heads, model_key(cfg, "heads")), ("key/value", kv, "model.n_kv_heads")):
+    for what, n, key in (("query", heads, model_key(cfg, "heads")), ("key/value", kv, model_key(cfg, "kv_heads"))):
         if n is None or n % split == 0:
             continue
         valid = [d for d in range(1, n + 1) if n % (d * layout.tp) == 0 and (heads or n) % (d * layout.tp) == 0]

@@ -65,9 +65,7 @@ def _model_parallel_strategy_class():
             if layout.tp > 1:
                 _apply_tensor_parallel(module, mesh["tensor_parallel"])
             if layout.cp > 1:
-                from loom.models.context_parallel import apply_context_parallel
-
-                apply_context_parallel(model, mesh["cp"], str(layout.cp_style))
+                module.context_parallel(mesh["cp"], str(layout.cp_style))
             dp_mesh = mesh["replicate", "shard"] if layout.hybrid else mesh["data_parallel"]
             mp, how = _precision_policy(hw.precision)
             log.info(f"precision {hw.precision}: {how}")

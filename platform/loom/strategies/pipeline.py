@@ -269,9 +269,7 @@ def _pipeline_strategy_class():
             if lay.tp > 1:
                 _apply_tensor_parallel(module, self._device_mesh["tensor_parallel"])
             if lay.cp > 1:
-                from loom.models.context_parallel import apply_context_parallel
-
-                apply_context_parallel(module.model, self._device_mesh["cp"], str(lay.cp_style))
+                module.context_parallel(self._device_mesh["cp"], str(lay.cp_style))
             if lay.dp * lay.cp > 1 or lay.tp > 1:
                 # Under TP alone too (a 1-rank data-parallel mesh): the TP plan leaves embeddings and
                 # norms plain tensors beside the blocks' DTensors, and the fused/foreach optimizer

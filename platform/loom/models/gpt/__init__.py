@@ -113,6 +113,6 @@ FAMILY = ModelFamily(
     shapes=lambda cfg: shapes(cfg.model), normalize=checks.size_vocab_to_tokenizer,
     summary="Loom's byte-level GPT (fused q/k/v, learned positions), sized tiny to 7B",
     split_problem=lambda cfg, how: None, layers=lambda cfg: int(cfg.model.n_layer), width=lambda cfg: int(cfg.model.d_model),
-    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head"}, parts=lambda cfg: parts(cfg.model),
+    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_head"}, parts=lambda cfg: parts(cfg.model),
     largest=lambda cfg: float(parts(cfg.model).largest), document_masks=True, module_classes=MODULE_CLASSES,
     init_from_problems=separate_qkv, context_parallel=lambda cfg: None)

@@ -239,12 +239,11 @@ FAMILY = ModelFamily(
     summary="any transformers decoder (AutoModelForCausalLM) from a local config.json, and its weights",
     splits_note="tensor and pipeline, by its architecture's own base_model_tp_plan / base_model_pp_plan",
     split_problem=split_problem, layers=_layers, heads=_heads,
-    keys={"layers": "model.overrides.num_hidden_layers", "heads": "model.overrides.num_attention_heads"},
+    keys={"layers": "model.overrides.num_hidden_layers", "heads": "model.overrides.num_attention_heads",
+          "kv_heads": "model.overrides.num_key_value_heads"},
     vocab=lambda cfg: int(hf.config_dict(cfg.model).get("vocab_size") or 0),
     width=lambda cfg: int(getattr(hf.auto_config(cfg.model), "hidden_size", 0) or 0),
     hf_config=lambda cfg: hf_checks.export_config(cfg), largest=largest, parts=parts,
     built_on_host=lambda cfg: hf.loads_whole(cfg.model), zero3_problem=lambda cfg: hf.zero3_problem(cfg.model),
     lora_targets=lora_targets, weights_dir=weights_dir, packages=("transformers",),
-    context_parallel=lambda cfg: ("transformers builds its causal mask, positions and attention for the sequence "
-                                  "it is given, so a rank holding a slice would attend within the slice only; "
-                                  "Loom's Ulysses attention wraps its own families' attention (gpt_*, llama*, moe)"))
+    context_parallel=hf_checks.context_problem, kv_heads=lambda cfg: heads_of(hf.auto_config(cfg.model))[1] or None)

@@ -266,3 +266,31 @@ def export_config(cfg: DictConfig) -> dict[str, Any]:
         return data
     return {**data, "architectures": [head.class_name(data.get("model_type"))], "id2label": {"0": "LABEL_0"},
             "label2id": {"LABEL_0": 0}, "pad_token_id": pad_token_id(cfg, data)}
+
+
+def context_problem(cfg: DictConfig) -> str | None:
+    """Why this transformers decoder cannot split its sequences over `strategy.cp` ranks (None: it can,
+    Ulysses through its AttentionInterface, `models/hf/context.py`)."""
+    from loom.models.hf import config as hf
+
+    s, m = cfg.strategy, cfg.model
+    if s.get("cp_style", "ulysses") == "ring":
+        return "ring attention wraps Loom's own attention modules; use strategy.cp_style=ulysses"
+    if s.get("pp", 1) != 1:
+        return "its pipeline stages run transformers' layers without this rank's positions; use strategy.pp=1"
+    if m.get("head", "lm") != "lm":
+        return f"model.head={m.head} scores a sequence at its last token, which one rank's slice does not hold"
+    config = hf.auto_config(m)
+    text = config.get_text_config()
+    cls = type(hf.meta_model(m))
+    if not getattr(cls, "_supports_attention_backend", False):
+        return f"{cls.__name__}'s attention does not go through transformers' AttentionInterface"
+    window = getattr(text, "sliding_window", None)
+    on = getattr(text, "use_sliding_window", True) or any("sliding" in str(t) for t in getattr(text, "layer_types", None) or [])
+    seq = int(cfg.dataset.seq_len)
+    if window and on and int(window) < seq:  # a window as long as the sequence is plain causal attention
+        return (f"its sliding-window attention (sliding_window={window} < dataset.seq_len={seq}) is more than the "
+                "causal attention Ulysses runs over the whole sequence")
+    if getattr(text, "attn_logit_softcapping", None):
+        return "its attention logits are soft-capped, which SDPA (Ulysses' attention) cannot do"
+    return None

@@ -28,6 +28,7 @@ class HFCausalLMModule(LoomModule):
     units: the classes the model names in `_no_split_modules` (its decoder layers)."""
 
     head_shapes: dict[str, tuple[int, ...]] = {}  # model.head=score: the head's parameters (set by build_model)
+    _context: Any = None  # strategy.cp: this rank's ContextShard (loom.models.hf.context)
     _scores: list[torch.Tensor] | None = None  # model.head=score: where the head's output lands (_score_tap)
     std = 0.02
 
@@ -121,9 +122,27 @@ class HFCausalLMModule(LoomModule):
         scores = self.token_scores(inputs)
         return scores.gather(1, last_token(targets)[:, None]).squeeze(1)
 
+    def context_parallel(self, mesh: Any, style: str) -> None:
+        """Ulysses through transformers' attention interface (`hf/context.py`; ring is refused at validation)."""
+        from loom.models.context_parallel import ContextShard
+        from loom.models.hf import context
+
+        self._context = ContextShard(mesh.get_group(), mesh.size(), mesh.get_local_rank(), style)
+        n = context.apply(self.model, self._context)
+        log.info(f"context parallelism: each sequence split over cp={mesh.size()} ranks ({style}), this rank's "
+                 f"chunks {self._context.chunks()} of {mesh.size()}; {n} attention modules of "
+                 f"{type(self.model).__name__} through transformers' AttentionInterface ({context.NAME})")
+
     def _loss(self, batch: Batch) -> torch.Tensor:
-        """Tokens only: checks refuse documents packing (positions) for a transformers model."""
-        return batch_loss(self.forward(batch.inputs), batch)
+        """Tokens only: checks refuse documents packing (positions) for a transformers model. Under
+        context parallelism, this rank's share of the whole sequences' loss (`local_loss`)."""
+        if self._context is None:
+            return batch_loss(self.forward(batch.inputs), batch)
+        from loom.models.context_parallel import local_loss
+        from loom.models.hf import context
+
+        logits = context.logits(self.model, batch.inputs, self._context)
+        return local_loss(logits, batch.targets, self._context, batch.loss_scale, None)
 
 
 def last_token(targets: torch.Tensor) -> torch.Tensor:

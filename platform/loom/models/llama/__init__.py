@@ -176,7 +176,7 @@ FAMILY = ModelFamily(
     shapes=lambda cfg: hf_config.llama_shapes(cfg.model), normalize=normalize,
     summary="Loom's Llama 2/3 decoder (GQA, SwiGLU, RoPE with 3.1 scaling); Qwen2 and Mistral checkpoints load",
     split_problem=lambda cfg, how: None, layers=lambda cfg: int(cfg.model.n_layer), width=lambda cfg: int(cfg.model.d_model),
-    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head"}, hf_config=lambda cfg: hf_config.config_from_fields(cfg.model),
+    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_heads"}, hf_config=lambda cfg: hf_config.config_from_fields(cfg.model),
     parts=lambda cfg: parts(cfg.model), largest=lambda cfg: float(parts(cfg.model).largest),
     document_masks=True, lora_targets=lora_targets, module_classes=hf_config.MODULE_CLASSES,
     init_from_problems=init_from_problems, context_parallel=lambda cfg: None,

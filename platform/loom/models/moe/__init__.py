@@ -170,7 +170,7 @@ FAMILY = ModelFamily(
     summary="Loom's mixture of experts (Qwen3-MoE, Mixtral): dropless top-k router, grouped-matmul experts",
     splits_note="experts by strategy.ep (fsdp, nd); no tensor or pipeline split yet", split_problem=split_problem,
     layers=lambda cfg: int(cfg.model.n_layer), width=lambda cfg: int(cfg.model.d_model),
-    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head"},
+    heads=lambda cfg: int(cfg.model.n_head), keys={"layers": "model.n_layer", "heads": "model.n_head", "kv_heads": "model.n_kv_heads"},
     hf_config=lambda cfg: hf_config.config_from_fields(cfg.model), parts=lambda cfg: parts(cfg.model),
     largest=lambda cfg: float(parts(cfg.model).largest), module_classes=hf_config.MODULE_CLASSES,
     init_from_problems=init_from_problems, experts=lambda cfg: int(cfg.model.num_experts),
