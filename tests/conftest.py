@@ -332,3 +332,46 @@ def fake_world_of_2():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def resume_in_process(cfg, run_dir: Path, says: str) -> None:
+    """Freeze `cfg` (a resume of `run_dir` at another layout, whose line says `says`) and train it in
+    this process as rank 0 of a one-rank world; the default process group fit forms is destroyed after,
+    so later in-process tests form their own."""
+    import torch.distributed as dist
+
+    from loom.freeze import freeze
+    from loom.plan import make_plan
+    from loom.rundir.config_file import load_frozen
+    from loom.worker.fit import fit
+
+    frozen = freeze(cfg, make_plan(cfg))
+    assert frozen.state == "resume" and says in frozen.message, frozen.message
+    try:
+        assert fit(load_frozen(run_dir / "config.yaml"), run_dir, 0) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(worker, args: tuple, nprocs: int, out_dir: Path, timeout: float = 600) -> list[dict]:
+    """Start `worker(rank, *args)` on `nprocs` spawned processes (a gloo group each forms itself) and
+    return what each saved to out_dir/<rank>.pt; a rank's saved traceback, a crash or a hang past
+    `timeout` fails the test instead of hanging it."""
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn", join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in context.processes:
+                    p.terminate()
+                raise AssertionError(f"the {nprocs} ranks did not finish within {timeout} s")
+    except mp.ProcessRaisedException as e:
+        raise AssertionError(str(e)) from None
+    except mp.ProcessExitedException:
+        errors = [torch.load(f, weights_only=False).get("traceback") for f in sorted(out_dir.glob("*.pt"))]
+        raise AssertionError("\n".join(e for e in errors if e)) from None
+    return [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(nprocs)]

@@ -8,7 +8,6 @@ import copy
 import csv
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -167,26 +166,11 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
     torch.save(result, Path(out_dir) / f"{rank}.pt")
 
 
-def run_ranks(world: int, cp: int, tp: int, family: str, documents: bool, tmp_path: Path,
-              timeout: float = 600) -> list[dict]:
-    import torch.multiprocessing as mp
+def run_ranks(world: int, cp: int, tp: int, family: str, documents: bool, tmp_path: Path) -> list[dict]:
+    from conftest import spawn_ranks
 
-    context = mp.start_processes(worker, args=(world, cp, tp, family, documents, str(tmp_path / "init"),
-                                               str(tmp_path)),
-                                 nprocs=world, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout  # a hung collective fails the test instead of hanging it
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in context.processes:
-                    p.terminate()
-                raise AssertionError(f"the {world} ranks did not finish within {timeout} s")
-    except mp.ProcessRaisedException as e:
-        raise AssertionError(str(e)) from None
-    except mp.ProcessExitedException:
-        errors = [torch.load(f, weights_only=False).get("traceback") for f in sorted(tmp_path.glob("*.pt"))]
-        raise AssertionError("\n".join(e for e in errors if e)) from None
-    return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(world)]
+    return spawn_ranks(worker, (world, cp, tp, family, documents, str(tmp_path / "init"), str(tmp_path)), world,
+                       tmp_path)
 
 
 @pytest.mark.parametrize("world, cp, tp, family, documents", [
@@ -217,15 +201,10 @@ def test_cp_run_follows_singles_curve_and_resumes_at_cp_1(shared, tmp_path):
     """The shared Llama import (tests/test_llama_runs.py) trained 5 steps under fsdp with cp 2 x dp 2
     on 4 ranks, then resumed in this process at cp 1 on one rank (states resharded from the DCP
     checkpoint) to 10: every step's loss is the shared `single` run's within 1e-5."""
-    import torch.distributed as dist
-    from conftest import run_loom
+    from conftest import resume_in_process, run_loom
     from test_llama_runs import completed_llama_runs, llama_args
 
-    from loom.freeze import freeze
     from loom.pipeline import resolve
-    from loom.plan import make_plan
-    from loom.rundir.config_file import load_frozen
-    from loom.worker.fit import fit
 
     single = completed_llama_runs(shared, ["single"])["single"].losses()
     common = [a for a in llama_args(shared, "fsdp") if not a.startswith(("checkpoint.", "trainer.max_steps"))]
@@ -240,13 +219,7 @@ def test_cp_run_follows_singles_curve_and_resumes_at_cp_1(shared, tmp_path):
     assert plan["parallel"]["cp"] == 2
 
     cfg = resolve([*both, "hardware.devices=1", "strategy.cp=1", "trainer.max_steps=10", f"run.root={tmp_path}"])
-    frozen = freeze(cfg, make_plan(cfg))
-    assert frozen.state == "resume" and "strategy.cp 2 -> 1" in frozen.message, frozen.message
-    try:  # fsdp in this process forms a (one-rank) default process group: later in-process tests form their own
-        assert fit(load_frozen(run.run_dir / "config.yaml"), run.run_dir, 0) == 0
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    resume_in_process(cfg, run.run_dir, "strategy.cp 2 -> 1")
     got = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(open(run.run_dir / "metrics.csv"))
            if r.get("train/loss")}
     assert sorted(got) == list(range(1, 11)), got

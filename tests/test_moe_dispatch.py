@@ -6,7 +6,6 @@ outputs and gradients), each rank with its own, uneven batch and only its own ex
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -133,24 +132,10 @@ def worker(rank: int, ep: int, init_file: str, out_dir: str) -> None:
                Path(out_dir) / f"{rank}.pt")
 
 
-def run_ranks(ep: int, tmp_path: Path, timeout: float = 600) -> list[dict]:
-    import torch.multiprocessing as mp
+def run_ranks(ep: int, tmp_path: Path) -> list[dict]:
+    from conftest import spawn_ranks
 
-    context = mp.start_processes(worker, args=(ep, str(tmp_path / "init"), str(tmp_path)), nprocs=ep,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout  # a hung collective fails the test instead of hanging it
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in context.processes:
-                    p.terminate()
-                raise AssertionError(f"the {ep} ranks did not finish within {timeout} s")
-    except mp.ProcessRaisedException as e:
-        raise AssertionError(str(e)) from None
-    except mp.ProcessExitedException:
-        errors = [torch.load(f, weights_only=False).get("traceback") for f in sorted(tmp_path.glob("*.pt"))]
-        raise AssertionError("\n".join(e for e in errors if e)) from None
-    return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(ep)]
+    return spawn_ranks(worker, (ep, str(tmp_path / "init"), str(tmp_path)), ep, tmp_path)
 
 
 def check_ranks(results: list[dict], ep: int) -> None:

@@ -30,7 +30,7 @@ def test_ep_2_over_4_ranks_trains_as_one_process_and_resumes_at_ep_1(tmp_path):
     for 2 steps, then the same run resumed in this process at ep 1 on one rank (a world and
     expert-parallel change: the checkpoint's experts resharded) and raised to 4 steps: every
     step's loss is that of the same global batch trained by one process (no second launch)."""
-    import torch.distributed as dist
+    from conftest import resume_in_process
 
     from loom.freeze import freeze
     from loom.rundir.config_file import load_frozen
@@ -53,13 +53,7 @@ def test_ep_2_over_4_ranks_trains_as_one_process_and_resumes_at_ep_1(tmp_path):
     assert any(r.get("moe/expert_load_max") for r in rows) and any(r.get("moe/expert_load_min") for r in rows)
 
     cfg = resolve([*both, "hardware.devices=1", f"run.root={tmp_path}"])
-    frozen = freeze(cfg, make_plan(cfg))
-    assert frozen.state == "resume" and "strategy.ep 2 -> 1" in frozen.message, frozen.message
-    try:  # fsdp in this process forms a (one-rank) default process group: later in-process tests form their own
-        assert fit(load_frozen(run.run_dir / "config.yaml"), run.run_dir, 0) == 0
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    resume_in_process(cfg, run.run_dir, "strategy.ep 2 -> 1")
 
     cfg = resolve([*PARITY, "strategy=single", "dataset.batch_size=32", f"run.root={tmp_path}", "run.id=one"])
     one = freeze(cfg, make_plan(cfg)).run_dir
