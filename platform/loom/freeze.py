@@ -46,6 +46,8 @@ def identity(cfg: DictConfig) -> dict[str, Any]:
             data["model"].pop(key)
     if data.get("objective") == {"name": "lm"}:  # the default objective: as frozen before the group existed
         data.pop("objective")
+    if (data.get("float8") or {}).get("name") == "none":  # no float8: as frozen before the group existed
+        data.pop("float8")
     if data.get("trainer", {}).get("global_batch_size", 0) is None:  # null: the run's own (adopt_run_batch)
         data["trainer"].pop("global_batch_size")
     return data

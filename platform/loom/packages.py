@@ -37,6 +37,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "optuna": ("hydra-optuna-sweeper", "sweeps"),
     "kubeflow_trainer_api": ("kubeflow-trainer-api", "kubernetes"),
     "lm_eval": ("lm-eval", "eval"),
+    "torchao": ("torchao", "float8"),
 }
 
 

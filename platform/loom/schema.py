@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from loom.errors import ConfigError
 
 # The config groups of conf/ (the `group=option` choices), in the order they are checked.
-GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking", "eval", "objective")
+GROUPS = ("hardware", "strategy", "dataset", "model", "optim", "tracking", "eval", "objective", "float8")
 
 
 @dataclass

@@ -34,7 +34,7 @@ from loom.schema import (
 from loom.target_allowlist import ALLOWED_PREFIXES, disallowed_targets
 
 # Group checks run in this order (the first failure is the one reported).
-CHECK_ORDER = ("optim", "hardware", "dataset", "model", "strategy", "tracking", "eval", "objective")
+CHECK_ORDER = ("optim", "hardware", "dataset", "model", "strategy", "tracking", "eval", "objective", "float8")
 
 
 # The run's own sections' rows of loom.packages' table (the groups hand theirs as `NEEDS`).

@@ -8,7 +8,7 @@ import typing
 from types import ModuleType
 from typing import Any
 
-from loom import data, eval, hardware, models, objectives, optim, strategies, tracking
+from loom import data, eval, float8, hardware, models, objectives, optim, strategies, tracking
 from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names
 
 # The package of each config group (conf/<group>/ -> loom/<package>/): each has SCHEMAS (option
@@ -16,6 +16,7 @@ from loom.schema import GROUPS, SECTIONS, TOP_LEVEL, field_names
 GROUP_PACKAGES: dict[str, ModuleType] = {
     "hardware": hardware, "strategy": strategies, "dataset": data,
     "model": models, "optim": optim, "tracking": tracking, "eval": eval, "objective": objectives,
+    "float8": float8,
 }
 
 
