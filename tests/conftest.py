@@ -337,7 +337,7 @@ def fake_world_of_2():
 def resume_in_process(cfg, run_dir: Path, says: str) -> None:
     """Freeze `cfg` (a resume of `run_dir` at another layout, whose line says `says`) and train it in
     this process as rank 0 of a one-rank world; the default process group fit forms is destroyed after,
-    so later in-process tests form their own."""
+    so later in-process tests form their own (the environment it sets: `environment_restored`)."""
     import torch.distributed as dist
 
     from loom.freeze import freeze
@@ -375,3 +375,16 @@ def spawn_ranks(worker, args: tuple, nprocs: int, out_dir: Path, timeout: float 
         errors = [torch.load(f, weights_only=False).get("traceback") for f in sorted(out_dir.glob("*.pt"))]
         raise AssertionError("\n".join(e for e in errors if e)) from None
     return [torch.load(out_dir / f"{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test leaves os.environ as it found it. An in-process `fit` sets MASTER_ADDR, MASTER_PORT,
+    WORLD_SIZE (Lightning's environment); inherited by this pytest worker's later subprocesses, they
+    sent a launch to the port the in-process store still held (EADDRINUSE in test_elastic, fresh-clone
+    .ci/run at a5e40c0) and lm-eval's CLI into torch.distributed ("RANK expected", test_eval)."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
