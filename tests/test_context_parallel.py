@@ -96,67 +96,70 @@ def global_batch(step: int, dp: int, documents: bool) -> tuple[torch.Tensor, tor
     return x, pos, y
 
 
-def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool, init_file: str,
-           out_dir: str) -> None:
-    """One rank: the network context-parallel over cp and FSDP2-sharded over dp x cp, beside an unsplit
-    copy trained by this process on the whole global batch; losses and full gradients to out_dir/<rank>.pt."""
-    import torch.distributed as dist
-
+def train_scenario(rank: int, world: int, cp: int, tp: int, family: str, documents: bool) -> dict:
+    """One scenario on this rank: the network context-parallel over cp and FSDP2-sharded over dp x cp;
+    rank 0 also trains an unsplit copy on the whole global batch. Rank 0 returns its losses, the
+    unsplit copy's, and the largest relative gradient difference of each step (full gradients)."""
+    from loom.data.batch import Batch
     from loom.layout import ParallelLayout
-    from loom.models.context_parallel import apply_context_parallel, local_loss
+    from loom.models.context_parallel import ContextShard, apply_context_parallel, local_loss
     from loom.models.lit import batch_loss
     from loom.strategies.mesh import context_mesh
     from loom.strategies.model_parallel import shard_roots
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        dp = world // (cp * tp)
-        lay = ParallelLayout(world, world, 1, dp, tp, 1, cp=cp, cp_style="ulysses")
-        mesh = context_mesh("cpu", lay)
-        net = network(family)
-        ref = copy.deepcopy(net)
-        if tp > 1:
-            tensor_parallel(net, mesh["tensor_parallel"])
-        if family == "hf":
-            from loom.models.context_parallel import ContextShard
-            from loom.models.hf import context
+    dp = world // (cp * tp)
+    lay = ParallelLayout(world, world, 1, dp, tp, 1, cp=cp, cp_style="ulysses")
+    mesh = context_mesh("cpu", lay)
+    net = network(family)
+    ref = copy.deepcopy(net) if rank == 0 else None
+    if tp > 1:
+        tensor_parallel(net, mesh["tensor_parallel"])
+    if family == "hf":
+        from loom.models.hf import context
 
-            cp_mesh = mesh["cp"]
-            shard = ContextShard(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
-            assert context.apply(net, shard) == NETS_HF_LAYERS
-            hf_cp = shard
-        else:
-            shard, hf_cp = apply_context_parallel(net, mesh["cp"], "ulysses"), None
-        assert shard.rank == lay.cp_rank(rank), (shard.rank, lay.cp_rank(rank))
-        units = tuple({type(b) for b in (net.blocks if family == "gpt" else net.model.layers)})
-        shard_roots([net], units, mesh["data_parallel"], True)
-        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (net, ref))
-        losses, ref_losses, grad_gaps = [], [], []
-        mine = slice(lay.dp_rank(rank) * B, (lay.dp_rank(rank) + 1) * B)
-        for step in range(STEPS):
-            x, pos, y = global_batch(step, dp, documents)
-            logits = forward(net, x[mine], None if pos is None else pos[mine], hf_cp)
-            loss = loss_of(net, local_loss(logits, y[mine], shard, None, None))
-            loss.backward()
+        cp_mesh = mesh["cp"]
+        shard = hf_cp = ContextShard(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+        assert context.apply(net, shard) == NETS_HF_LAYERS
+    else:
+        shard, hf_cp = apply_context_parallel(net, mesh["cp"], "ulysses"), None
+    assert shard.rank == lay.cp_rank(rank), (shard.rank, lay.cp_rank(rank))
+    units = tuple({type(b) for b in (net.blocks if family == "gpt" else net.model.layers)})
+    shard_roots([net], units, mesh["data_parallel"], True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (net, ref) if m is not None]
+    out: dict = {"losses": [], "ref_losses": [], "grad_gaps": []}
+    mine = slice(lay.dp_rank(rank) * B, (lay.dp_rank(rank) + 1) * B)
+    for step in range(STEPS):
+        x, pos, y = global_batch(step, dp, documents)
+        logits = forward(net, x[mine], None if pos is None else pos[mine], hf_cp)
+        loss = loss_of(net, local_loss(logits, y[mine], shard, None, None))
+        loss.backward()
+        grads = [p.grad.full_tensor() for p in net.parameters()]  # a collective: every rank
+        out["losses"].append(loss.item())
+        if ref is not None:  # the unsplit model: each dp rank's own mean, averaged (Loom's dp semantics)
             per_rank = []
-            for d in range(dp):  # the unsplit model: each dp rank's own mean, averaged (Loom's dp semantics)
+            for d in range(dp):
                 rows = slice(d * B, (d + 1) * B)
-                from loom.data.batch import Batch
-
                 batch = Batch(inputs=x[rows], targets=y[rows], positions=None if pos is None else pos[rows])
                 logits = forward(ref, x[rows], None if pos is None else pos[rows])
                 per_rank.append(loss_of(ref, batch_loss(logits, batch)))
             torch.stack(per_rank).mean().backward()
-            gaps = [(p.grad.full_tensor() - r.grad).abs().max().item() / max(r.grad.abs().max().item(), 1e-12)
-                    for p, r in zip(net.parameters(), ref.parameters(), strict=True)]
-            grad_gaps.append(max(gaps))
-            losses.append(loss.item())
-            ref_losses.append(per_rank[lay.dp_rank(rank)].item())
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad(set_to_none=True)
-        result = {"losses": losses, "ref_losses": ref_losses, "grad_gaps": grad_gaps}
+            out["grad_gaps"].append(max((g - r.grad).abs().max().item() / max(r.grad.abs().max().item(), 1e-12)
+                                        for g, r in zip(grads, ref.parameters(), strict=True)))
+            out["ref_losses"].append(per_rank[0].item())
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    return out
+
+
+def worker(rank: int, world: int, scenarios: list, init_file: str, out_dir: str) -> None:
+    """One rank of a gloo group running every scenario in turn; what each returned to out_dir/<rank>.pt."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = {tuple(sc): train_scenario(rank, world, *sc) for sc in scenarios}
         dist.destroy_process_group()
     except BaseException:  # report instead of leaving the other ranks to time out silently
         import traceback
@@ -166,32 +169,32 @@ def worker(rank: int, world: int, cp: int, tp: int, family: str, documents: bool
     torch.save(result, Path(out_dir) / f"{rank}.pt")
 
 
-def run_ranks(world: int, cp: int, tp: int, family: str, documents: bool, tmp_path: Path) -> list[dict]:
+# (cp, tp, family, documents) per world size: one spawned group each runs its scenarios in turn
+SCENARIOS = {
+    2: [(2, 1, "gpt", True),       # GPT, packed documents: the mask of the whole sequence on every rank
+        (2, 1, "moe", False),      # MoE: routing per token, the balance loss over whole sequences
+        (2, 1, "hf", False)],      # transformers' Llama through its AttentionInterface, rotary at position_ids
+    4: [(4, 1, "llama", False),    # Llama GQA at cp 4: two query heads and one key/value head per rank
+        (2, 1, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
+        (2, 2, "llama", True)],    # cp 2 x tp 2: Ulysses over each tensor-parallel rank's heads
+}
+
+
+@pytest.mark.parametrize("world", sorted(SCENARIOS))
+def test_cp_ranks_train_as_one_process(tmp_path, world):
+    """10 AdamW steps: rank 0's loss (the whole sequences', every cp rank's alike) and full gradients
+    equal the unsplit model's on the same global batch within 1e-5 (fp32) at every step."""
     from conftest import spawn_ranks
 
-    return spawn_ranks(worker, (world, cp, tp, family, documents, str(tmp_path / "init"), str(tmp_path)), world,
-                       tmp_path)
-
-
-@pytest.mark.parametrize("world, cp, tp, family, documents", [
-    (2, 2, 1, "gpt", True),       # GPT, packed documents: the mask of the whole sequence on every rank
-    (4, 4, 1, "llama", False),    # Llama GQA at cp 4: one query pair and one key/value head per rank
-    (4, 2, 1, "llama", True),     # dp 2 x cp 2, documents: FSDP2 over both, each dp rank its own rows
-    (4, 2, 2, "llama", True),     # cp 2 x tp 2: Ulysses over each tensor-parallel rank's heads
-    (2, 2, 1, "moe", False),      # MoE: routing per token, the balance loss over whole sequences
-    (2, 2, 1, "hf", False),       # transformers' Llama through its AttentionInterface, rotary at position_ids
-])
-def test_cp_ranks_train_as_one_process(tmp_path, world, cp, tp, family, documents):
-    results = run_ranks(world, cp, tp, family, documents, tmp_path)
-    for rank, r in enumerate(results):
+    ranks = spawn_ranks(worker, (world, SCENARIOS[world], str(tmp_path / "init"), str(tmp_path)), world, tmp_path)
+    for sc in SCENARIOS[world]:
+        r = ranks[0][sc]
         assert len(r["losses"]) == STEPS
         for got, want in zip(r["losses"], r["ref_losses"], strict=True):
-            assert abs(got - want) <= 1e-5 * abs(want), (rank, r["losses"], r["ref_losses"])
-        assert max(r["grad_gaps"]) <= 1e-5, (rank, r["grad_gaps"])
-    # the cp ranks of one data-parallel rank report the same whole-sequence loss
-    assert results[0]["losses"] == results[1]["losses"]
-    # and the losses move: training happened
-    assert results[0]["losses"][0] != results[0]["losses"][-1]
+            assert abs(got - want) <= 1e-5 * abs(want), (sc, r["losses"], r["ref_losses"])
+        assert max(r["grad_gaps"]) <= 1e-5, (sc, r["grad_gaps"])
+        assert ranks[sc[1]][sc]["losses"] == r["losses"], sc  # rank 0's cp peer: the same whole-sequence loss
+        assert r["losses"][0] != r["losses"][-1], sc  # training happened
 
 
 # --- one launch: `loom train strategy=fsdp strategy.cp=2` beside the shared Llama runs ---------------------
