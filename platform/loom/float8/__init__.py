@@ -24,7 +24,7 @@ from loom.packages import Need
 
 SCHEMAS: dict[str, type] = {name: Float8Config for name in RECIPES}
 NEEDS: tuple[Need, ...] = (
-    Need("float8=tensorwise|rowwise|rowwise_with_gw_hp|mxfp8", lambda cfg: enabled(cfg), "torchao",
+    Need("float8=tensorwise, rowwise, rowwise_with_gw_hp or mxfp8", lambda cfg: enabled(cfg), "torchao",
          example=("float8=tensorwise",)),
 )
 

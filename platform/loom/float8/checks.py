@@ -25,6 +25,7 @@ from loom.layout import ParallelLayout
 # Compute capability each peak key's matmuls need (torch's `_scaled_mm`: 8.9; MX block scales: 10.0).
 CAPABILITY = {"fp8": (8, 9), "mxfp8": (10, 0)}
 CAPABLE = {"fp8": "H100, H200, L40S, RTX 4090, B200", "mxfp8": "B200 (Blackwell)"}
+ELSEWHERE = {"fp8": "a profile with such a GPU (e.g. hardware=h100x8)", "mxfp8": "a Blackwell GPU's profile"}
 EMULATE_FIX = "float8.emulate=true (torchao's emulation: the numerics of float8, no speedup)"
 
 # A strategy's mixed-precision mechanism (strategies.registry `mixed_precision`) that cannot carry
@@ -94,7 +95,7 @@ def _check_hardware(cfg: DictConfig) -> None:
                f" has no {'MXFP8' if key == 'mxfp8' else 'float8'} matmuls: use float8=none,")
         raise ConfigError(
             f"Invalid config: float8={name} on {where}, compute capability {row.cc[0]}.{row.cc[1]}): "
-            f"{_needs(key)}; this GPU{has} a profile with such a GPU (e.g. hardware=h100x8), or {EMULATE_FIX}.")
+            f"{_needs(key)}; this GPU{has} {ELSEWHERE[key]}, or {EMULATE_FIX}.")
     declared = (hw.get("peak_tflops") or {}).get(key)
     if row is None and not declared:
         old = "" if hw.get("bf16_supported", True) else " (hardware.bf16_supported=false: pre-Ampere, no float8)"
