@@ -150,10 +150,11 @@ def test_deepspeed_zero_is_refused(strategy):
 
 
 def test_pipelines_and_tensor_parallelism_are_refused():
-    pp = _refusal("hardware=cpu", "hardware.devices=2", "strategy=pp", "model=llama_tiny", "float8=rowwise")
-    assert "pp=2" in pp and "pipeline" in pp
+    pp = _refusal("hardware=cpu", "hardware.devices=2", "strategy=pp", "model=llama_tiny", "model.tie_embeddings=false",
+                  "float8=rowwise")
+    assert "float8=rowwise with strategy=pp: pp=2: pipeline stages" in pp and "float8=none" in pp
     tp = _refusal("hardware=cpu", "hardware.devices=2", "strategy=fsdp_tp", "model=llama_tiny", "float8=rowwise")
-    assert "tp=2" in tp and "not built yet" in tp
+    assert "float8=rowwise with strategy=fsdp_tp: tp=2" in tp and "not built yet" in tp
 
 
 def test_all_gather_needs_tensorwise():
