@@ -191,7 +191,7 @@ def test_auto_gpu_of_the_peak_table_gets_its_datasheet_peaks(monkeypatch):
     monkeypatch.setattr(hardware, "gpu_info", lambda: hardware.GpuInfo(2, "NVIDIA H100 PCIe", 85.5, (9, 0)))
     cfg = resolve([])
     assert (cfg.hardware.name, cfg.hardware.devices, cfg.hardware.precision) == ("gpu", 2, "bf16-mixed")
-    assert dict(cfg.hardware.peak_tflops) == {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}
+    assert dict(cfg.hardware.peak_tflops) == {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2, "fp8": 1513.0}
     assert make_plan(cfg).peak_flops_per_device == pytest.approx(756.5e12)
 
 

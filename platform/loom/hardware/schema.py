@@ -54,7 +54,8 @@ class HardwareConfig:
     device_name: str = "cpu"
     device_memory_gb: float | None = None
     bf16_supported: bool = True       # false for pre-Ampere GPUs (V100, T4)
-    # Datasheet dense peak per precision (bf16, fp16, tf32, fp32), TFLOP/s per device.
+    # Datasheet dense peak per precision (bf16, fp16, tf32, fp32; fp8 and mxfp8 for float8 training),
+    # TFLOP/s per device.
     # null or missing key: MFU is null.
     peak_tflops: dict[str, float | None] = field(default_factory=dict)
     # fp32 matmuls and convolutions in TF32 on GPUs that have it (Ampere and later; ~1e-3
@@ -89,7 +90,7 @@ class HardwareConfig:
 # Every profile has the same shape: one schema for all options.
 SCHEMAS: dict[str, type] = {"*": HardwareConfig}
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32")
+PEAK_KEYS = ("bf16", "fp16", "tf32", "fp32", "fp8", "mxfp8")  # fp8 / mxfp8: float8 training (loom.float8)
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("torchrun", "slurm", "kubernetes")
 # Launchers that submit the frozen run as a job elsewhere (no ranks start on this machine), and

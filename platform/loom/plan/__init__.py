@@ -15,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from loom import data, strategies
 from loom.compose import group_options
+from loom.float8.checks import strategy_refused
 from loom.hardware.machine import usable_cores
-from loom.hardware.peaks import peak_flops, precision_key
+from loom.hardware.peaks import precision_key
 from loom.layout import ParallelLayout
 from loom.models import model_spec, trainable_params
 from loom.models.spec import ModelSpec
@@ -24,6 +25,7 @@ from loom.optim import run_warnings as optim_warnings
 from loom.plan.context import collective, context_summary, cp_degrees
 from loom.plan.evaluation import eval_cost
 from loom.plan.experts import experts_summary
+from loom.plan.float8 import float8_summary, float8_warnings, peaks, wire_adjusted
 from loom.plan.memory import (
     GB,
     HOST_USABLE,
@@ -38,6 +40,7 @@ from loom.plan.memory import (
     offloads_optimizer,
     per_param_bytes,
     tp_bytes,
+    wire_bytes,
 )
 from loom.plan.messages import comm_messages
 from loom.plan.pipeline import p2p_bytes, pipeline_summary
@@ -126,6 +129,13 @@ class Plan:
     # a preference objective's reference model: {mode, bytes_per_device, flops_per_step, flops_once, options,
     # pairs, recommended, why} (plan/reference.py); online's copy is in memory_per_device_bytes.params
     reference: dict[str, Any] | None = None
+    # the hardware.peak_tflops key of peak_flops_per_device (MFU's basis): bf16, fp32, tf32, ... or fp8 / mxfp8
+    peak_precision: str | None = None
+    # float8 on: hardware.precision's peak beside the float8 one (perf/mfu_bf16_peak's basis); else null
+    peak_flops_per_device_bf16: float | None = None
+    # float8 on: {recipe, emulated, all_gather, all_gather_requested, peak_precision, skip, auto_filter,
+    # converted_params, flops_share, compute_speedup, cast_bytes_per_device} (plan/float8.py)
+    float8: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +156,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     tokens = global_batch * spec.items_per_sample  # classification: one item per sample
     params = spec.params or 0  # None: unknown before the model is built (custom)
     mem = memory_of(cfg, s.name, layout, params)
+    peak_pair = peaks(cfg)  # (MFU's peak, hardware.precision's under float8, MFU's peak key)
+    f8 = float8_summary(cfg, layout, spec, peak_pair)
+    mem.float8_cast = f8["cast_bytes_per_device"] if f8 else 0.0
     pipe = pipeline_summary(cfg, s.name, layout)
     if pipe:  # a device holds its stages only: the plan's memory is the fullest stage's
         mem = _fullest_stage(pipe, mem)
@@ -157,7 +170,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     comm = comm_bytes(cfg, s.name, params, layout) if layout.world > 1 else {}
     if layout.pp > 1:
         comm["pipeline_send"] = p2p_bytes(cfg, layout)
-    peak = peak_flops(hw)
+    comm = wire_adjusted(cfg, layout, comm, params, f8 and f8["converted_params"], wire_bytes(cfg, s.name)[0])
+    peak = peak_pair[0]
     build, build_source = build_host_bytes(cfg, s.name, layout, params)
     build_ok = build_host_ok(cfg, build)
     plan = Plan(
@@ -185,7 +199,8 @@ def make_plan(cfg: DictConfig) -> Plan:
         activation_checkpointing=cfg.trainer.activation_checkpointing,
         build_host_bytes_per_rank=build, build_host_source=build_source, build_host_ok=build_ok,
         host_capacity_bytes=HOST_USABLE * float(hw.host_memory_gb) * GB,
-        warnings=_warnings(cfg, spec, peak, cap), parallel=layout.parallel(), pipeline=pipe,
+        warnings=_warnings(cfg, spec, peak_pair, cap) + float8_warnings(cfg, layout), parallel=layout.parallel(),
+        pipeline=pipe, peak_precision=peak_pair[2], peak_flops_per_device_bf16=peak_pair[1], float8=f8,
         trainable_params=trainable_params(cfg),
         experts=experts_summary(cfg, layout, spec.active_params, _a2a_bandwidth(hw)),
         context_parallel=context_summary(cfg, layout),
@@ -214,7 +229,7 @@ def _max_micro_batch(cfg: DictConfig, mem: MemoryEstimate, cap: float | None, mi
     per_sample = mem.activations / micro if micro else 0.0
     if cap is None or not per_sample:
         return None
-    room = cap - mem.params - mem.optimizer - mem.runtime - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
+    room = cap - mem.params - mem.optimizer - mem.runtime - mem.float8_cast - (mem.host_offload if cfg.hardware.accelerator != "gpu" else 0.0)
     if mem.grads_in_forward:
         room -= mem.grads
     elif mem.grads > room:  # the gradients alone do not fit beside the weights and states
@@ -243,11 +258,12 @@ def _comm_time(hw: DictConfig, comm_total: float) -> float | None:
     return comm_total / (busbw * GB) if busbw and comm_total else None
 
 
-def _warnings(cfg: DictConfig, spec: ModelSpec, peak: float | None, cap: float | None) -> list[str]:
-    hw = cfg.hardware
+def _warnings(cfg: DictConfig, spec: ModelSpec, peak_pair: tuple[float | None, float | None, str | None],
+              cap: float | None) -> list[str]:
+    hw, (peak, _, key) = cfg.hardware, peak_pair
     out: list[str] = []
     if peak is None:
-        key = precision_key(hw) or hw.precision
+        key = key or precision_key(hw) or hw.precision
         out.append(f"hardware={hw.name} ({hw.device_name}) has no hardware.peak_tflops.{key}: MFU will be "
                    f"null. Set it from the device's datasheet or select a profile written by `loom probe`.")
     if spec.params is None:
@@ -332,6 +348,8 @@ def _cheapest_fit(cfg: DictConfig, params: float, layout: ParallelLayout, cap: f
                 continue  # one rank: sharding over 1 saves nothing (offloading still does)
             if cfg.hardware.accelerator != "gpu" and offload:
                 continue  # on CPU the host *is* the device
+            if strategy_refused(cfg, name):
+                continue  # float8 does not train under it (loom.float8.checks)
             if _fits_with(cfg, name, strategies.layout_of(cfg, name=name), params, cap, ac):
                 extra = [f"trainer.activation_checkpointing={ac}"] if ac != own_ac else []
                 return name, [f"strategy={name}", *extra]

@@ -13,7 +13,9 @@ train` accepts. The step time model, per device:
 
     compute = FLOPs per step / world x recompute / rate
     (rate: `loom probe`'s hardware.measured.matmul_tflops, else peak x PEAK_EFFICIENCY,
-     else FALLBACK_TFLOPS for the accelerator)
+     else FALLBACK_TFLOPS for the accelerator; float8: x the plan's `float8.compute_speedup`, the
+     converted layers' FLOPs at the float8 peak (plan/float8.py). Every layout trains the run's own
+     float8 setting: those float8 refuses (ZeRO, pipelines, tp > 1) are counted as refused, not listed)
     comm    = the plan's bytes per step per device / bandwidth
     (bandwidth: hardware.measured.allreduce_busbw_gbps, else the profile's interconnect
      figure, the inter-node one across nodes, else FALLBACK_GBPS)
@@ -88,7 +90,8 @@ class Candidate:
         keys = ("strategy", "degrees", "ep", "cp", "cp_style", "overrides", "memory_per_device_bytes",
                 "capacity_per_device_bytes", "fits", "compute_s", "comm_s", "comm_exposed_s", "bubble_fraction",
                 "predicted_step_s", "note")
-        return {k: getattr(self, k) for k in keys}
+        f8 = self.plan.float8 if self.plan is not None else None
+        return {**{k: getattr(self, k) for k in keys}, "float8": f8["recipe"] if f8 else "none"}
 
 
 @dataclass
@@ -258,7 +261,8 @@ def predict(cfg: DictConfig, plan: Plan) -> Prediction:
     """(compute s, communication s by kind (bytes and calls), the exposed part of it s, bubble
     fraction, step s) of one step of `plan`."""
     hw = cfg.hardware
-    rate, _ = compute_rate(hw, plan.peak_flops_per_device)
+    rate, _ = compute_rate(hw, plan.peak_flops_per_device_bf16 or plan.peak_flops_per_device)
+    rate *= (plan.float8 or {}).get("compute_speedup", 1.0)  # float8: its layers' share at the float8 peak
     share = _oversubscription(hw, plan.world_size)
     compute = None
     if plan.flops_per_step is not None:
@@ -316,7 +320,7 @@ def render_comparison(result: Comparison, hardware: str, model: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}{_batch(result)}")
+    t = Table(title=f"loom plan --compare: model={model} on hardware={hardware}{_batch(result)}{_float8(result)}")
     notes = any(c.note for c in result.candidates)
     for col in ("#", "strategy", "repl x shard x tp x pp x ep x cp", "memory / device", "fits", "compute s",
                 "comm s", "exposed s", "bubble", "step s (predicted)", "overrides", *(("note",) if notes else ())):
@@ -348,6 +352,14 @@ def _batch(result: Comparison) -> str:
         return (f", global batch {p.global_batch} x {p.items_per_sample} tokens (dataset.seq_len)"
                 f" = {p.tokens_per_step:,} tokens per step")
     return f", global batch {p.global_batch} per step"
+
+
+def _float8(result: Comparison) -> str:
+    """The run's own float8 setting, which every layout trains with (layouts float8 refuses are not listed)."""
+    f8 = result.candidates[0].plan.float8 if result.candidates else None
+    if not f8:
+        return ""
+    return f", float8={f8['recipe']}" + (" (emulated)" if f8["emulated"] else f" (x{f8['compute_speedup']:.2f} compute)")
 
 
 def _secs(v: float | None) -> str:

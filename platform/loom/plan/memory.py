@@ -65,6 +65,7 @@ class MemoryEstimate:
     # Whether the gradients exist while forward stores the activations (`grads_beside_activations`);
     # False: the peak holds the larger of the two, not their sum.
     grads_in_forward: bool = True
+    float8_cast: float = 0.0     # float8=...: the transient float8 weight copies (plan.float8.cast_bytes)
 
     @property
     def states(self) -> float:
@@ -79,7 +80,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.params + self.optimizer + self.step_bytes + self.runtime
+        return self.params + self.optimizer + self.step_bytes + self.runtime + self.float8_cast
 
 
 def per_param_bytes(strategy: str, precision: str, optim: DictConfig | None = None) -> tuple[float, float, float]:

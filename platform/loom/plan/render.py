@@ -66,9 +66,7 @@ def render(plan: dict[str, Any]) -> None:
                                    f"({plan['build_host_source']})"
                      + ("" if plan.get("build_host_ok", True) else " [red]does not fit the host[/red]")))
     rows += _comm_rows(plan)
-    peak = plan["peak_flops_per_device"]
-    rows.append(("peak", f"{peak / 1e12:,.4g} TFLOP/s per device ({plan['precision']})" if peak
-                 else "unknown (MFU will be null)"))
+    rows += _peak_rows(plan)
     if plan.get("evaluation"):
         rows.append(("evaluation", cost_line(plan["evaluation"])))
     if plan.get("reference"):
@@ -82,6 +80,23 @@ def render(plan: dict[str, Any]) -> None:
         t.add_row(k, v)
     Console().print(t)
 
+
+
+def _peak_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """MFU's peak (float8: the float8 one, hardware.precision's beside it) and the float8 row."""
+    peak, f8 = plan["peak_flops_per_device"], plan.get("float8")
+    if not f8:
+        return [("peak", f"{peak / 1e12:,.4g} TFLOP/s per device ({plan['precision']})" if peak
+                 else "unknown (MFU will be null)")]
+    basis = f8["peak_precision"] or plan["precision"]
+    line = (f"{peak / 1e12:,.5g} TFLOP/s per device ({basis}: MFU's basis)" if peak
+            else f"unknown (no hardware.peak_tflops.{basis}: MFU will be null)")
+    bf16 = plan.get("peak_flops_per_device_bf16")
+    if bf16 and bf16 != peak:
+        line += f"; {plan['precision']} peak {bf16 / 1e12:,.5g} TFLOP/s beside it (perf/mfu_bf16_peak)"
+    from loom.plan.float8 import float8_line
+
+    return [("peak", line), ("float8", float8_line(f8))]
 
 
 def _batch_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:

@@ -17,8 +17,8 @@ first logged window (or `tracking.warmup_steps`) and every window in which any r
 WARNING line naming its step and the guard that failed. Rank 0 writes the attempt's span into
 world_history.json at every log step (the run's totals add up every attempt's) and logs "training
 loop started at step N" and "training loop ended" lines, so the rank log's timestamps are an
-independent stopwatch. A window's data wait (batch end to the
-next batch's start, less checkpoint saves) as a share of its step time: loom.tracking.data_wait.
+independent stopwatch. A window's data wait (batch end to the next batch's start, less checkpoint saves)
+as a share of its step time: loom.tracking.data_wait. float8: perf/mfu_bf16_peak beside perf/mfu (trained.rates).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Recorder(pl.Callback):
         warmup_steps: int | None = None,  # tracking.warmup_steps (None: the first logged window)
         on_log=None,                    # rank 0, at every log step: on_log(span) (world_history)
         model_parallel: int = 1,        # ranks that see the same batch (tp x pp x cp): trained tokens count once
+        bf16_peak_flops: float | None = None, peak_precision: str | None = None,  # the plan's (float8)
     ) -> None:
         self.log_every = log_every
         self.token_data = token_data
@@ -69,11 +70,9 @@ class Recorder(pl.Callback):
         self.seq_len = seq_len
         self.flops_per_token = flops_per_token
         self.world_size = world_size
-        self.peak_flops = peak_flops_per_device
+        self.peak_flops, self.bf16_peak, self.peak_precision = peak_flops_per_device, bf16_peak_flops, peak_precision
         self.mfu_error: str | None = None  # the first impossible MFU (> 1): the peak is wrong
-        self.throughput = Throughput(
-            available_flops=peak_flops_per_device, world_size=world_size, window_size=2
-        )
+        self.throughput = Throughput(available_flops=peak_flops_per_device, world_size=world_size, window_size=2)
         self.proc = psutil.Process()
         self.gpu = GpuStats()
         # State of this attempt (the run's totals add up every attempt's span: world_history).
@@ -121,8 +120,7 @@ class Recorder(pl.Callback):
         self.last_log_time = self.batch_end = self.clock.loop_start
         self.ckpt_at_batch_end = self._ckpt_seconds()
         self.data_watch.start(loader_workers(trainer))
-        self.throughput.update(time=0.0, batches=0, samples=0, lengths=0,
-                               flops=0 if self.flops_per_token else None)
+        self.throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0 if self.flops_per_token else None)
         if trainer.global_rank == 0:  # before the collective below: the line's time is the clock's start
             log.info(f"training loop started at step {self.start_step}")
         hosts = gather_hosts(trainer.world_size)  # once, for naming a straggler's host
@@ -317,11 +315,12 @@ class Recorder(pl.Callback):
         return row
 
     def _mfu(self, row: dict[str, float], value: float) -> None:
-        """perf/mfu, unless > 1 (the profile's peak is wrong): then no value, and the error is
-        logged once (rank 0) and kept for summary.json `throughput.mfu_error`."""
+        """perf/mfu (float8: and perf/mfu_bf16_peak), unless > 1 (the profile's peak is wrong): then no value,
+        and the error is logged once (rank 0) and kept for summary.json `throughput.mfu_error`."""
         err = mfu_error(value, self.peak_flops)
         if err is None:
             row["perf/mfu"] = value
+            row |= {"perf/mfu_bf16_peak": value * self.peak_flops / self.bf16_peak} if self.bf16_peak else {}
         elif self.mfu_error is None:
             self.mfu_error = err
             log.error(err)
@@ -384,7 +383,8 @@ class Recorder(pl.Callback):
     def rates(self, samples: int, seconds: float, peak_flops: float | None) -> dict[str, Any]:
         """loom.tracking.trained.rates of this run; an impossible MFU's error logged once."""
         out = trained.rates(samples, seconds, peak_flops, items_per_sample=self.seq_len, token_data=self.token_data,
-                            flops_per_token=self.flops_per_token, world_size=self.world_size)
+                            flops_per_token=self.flops_per_token, world_size=self.world_size,
+                            bf16_peak_flops=self.bf16_peak, peak_precision=self.peak_precision)
         if out["mfu_error"] and self.mfu_error is None:
             log.error(out["mfu_error"])
         out["mfu_error"] = out["mfu_error"] or self.mfu_error

@@ -38,17 +38,23 @@ class TrainedTokens:
 
 
 def rates(samples: int, seconds: float, peak_flops: float | None, *, items_per_sample: int, token_data: bool,
-          flops_per_token: float | None, world_size: int) -> dict[str, Any]:
+          flops_per_token: float | None, world_size: int, bf16_peak_flops: float | None = None,
+          peak_precision: str | None = None) -> dict[str, Any]:
     """samples/s, tokens/s, TFLOP/s per device and MFU of `samples` trained in `seconds` (an MFU
-    above 1 is an error, `mfu_error`, not a number: the profile's peak is wrong)."""
+    above 1 is an error, `mfu_error`, not a number: the profile's peak is wrong). float8 runs: MFU is
+    against the float8 peak and `mfu_bf16_peak` against hardware.precision's (`bf16_peak_flops`, the plan's
+    `peak_flops_per_device_bf16`; null without float8), `mfu_peak_precision` the peak MFU is against."""
     tokens = samples * items_per_sample
     ok = seconds > 0 and samples > 0
     out: dict[str, Any] = {"samples_per_sec": samples / seconds if ok else None,
                            "tokens_per_sec": tokens / seconds if ok and token_data else None,
-                           "tflops_per_device": None, "mfu": None, "mfu_error": None}
+                           "tflops_per_device": None, "mfu": None, "mfu_error": None, "mfu_bf16_peak": None,
+                           "mfu_peak_precision": peak_precision}
     if flops_per_token and ok:
         out["tflops_per_device"] = tokens * flops_per_token / world_size / seconds / 1e12
         value = mfu(tokens / seconds, flops_per_token, peak_flops, world_size)
         out["mfu_error"] = mfu_error(value, peak_flops)
         out["mfu"] = None if out["mfu_error"] else value
+        if bf16_peak_flops and not out["mfu_error"]:
+            out["mfu_bf16_peak"] = mfu(tokens / seconds, flops_per_token, bf16_peak_flops, world_size)
     return out
