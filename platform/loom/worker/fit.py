@@ -64,7 +64,8 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
             samples_per_step=layout.global_batch(cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches),
             seq_len=spec.items_per_sample,  # "tokens" per sample: seq_len, or 1 for classification
             flops_per_token=spec.flops_per_token,
-            peak_flops_per_device=plan.peak_flops_per_device,
+            peak_flops_per_device=plan.peak_flops_per_device,  # the matmuls' precision's (float8's under float8=)
+            bf16_peak_flops=plan.peak_flops_per_device_bf16, peak_precision=plan.peak_precision,
             world_size=layout.world,
             token_data=data.is_token_data(cfg.dataset),
             warmup_steps=cfg.tracking.get("warmup_steps"),
