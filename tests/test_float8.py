@@ -320,8 +320,43 @@ def test_a_float8_run_resumes_bit_identically_and_switches_float8_off(tmp_path, 
 
     # and switched off at resume: the same checkpoint continues in high precision
     off = killed_copy(run_dir, root, root3)
-    resume_in_process(resolve([*FIT, "float8=none", f"run.root={root3}"]), off, "float8 tensorwise -> none from step 2")
+    resume_in_process(resolve([*FIT, "float8=none", f"run.root={root3}"]), off, "float8 tensorwise -> none from step 2 (the checkpoint's high-precision weights, trained on in high precision)")
     assert load_frozen(off / "config.yaml").float8.name == "none"
     after = _losses(off)
     assert [after[s] for s in (1, 2)] == [_losses(run_dir)[s] for s in (1, 2)]
     assert "float8" not in json.loads((off / "summary.json").read_text())
+
+
+def test_fsdp2_with_float8_all_gather_checkpoints_and_resumes_bit_identically(tmp_path):
+    """strategy=fsdp on one rank, in process: the weights FSDP2 shards are torchao's float8
+    all-gather wrappers; its DCP checkpoint resumes bit for bit and final/ holds plain tensors."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from loom.freeze import freeze
+    from loom.pipeline import resolve
+    from loom.plan import make_plan
+    from loom.rundir.config_file import load_frozen
+    from loom.worker.fit import fit
+
+    args = [*FIT, *F8, "strategy=fsdp", "hardware.devices=1"]
+
+    def run(root: Path) -> Path:
+        cfg = resolve([*args, f"run.root={root}"])
+        run_dir = freeze(cfg, make_plan(cfg)).run_dir
+        try:
+            assert fit(load_frozen(run_dir / "config.yaml"), run_dir, 0) == 0
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return run_dir
+
+    run_dir = run(tmp_path / "a")
+    f8 = json.loads((run_dir / "summary.json").read_text())["float8"]
+    assert f8["all_gather"] is True and f8["converted"] == 14
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert all(type(t) is torch.Tensor for t in final.values())
+    killed_copy(run_dir, tmp_path / "a", tmp_path / "b")
+    copy = run(tmp_path / "b")
+    assert _losses(copy) == _losses(run_dir)
+    assert all(torch.equal(final[k], t) for k, t in load_file(copy / "final" / "model.safetensors").items())

@@ -312,6 +312,7 @@ def change_float8(old: DictConfig, cfg: DictConfig, record: dict[str, Any], run_
     step = step_of(ckpts[0]) if ckpts else 0
     names = [str((c.get("float8") or {}).get("name", "none")) for c in (old, cfg)]
     what = f"float8 {names[0]} -> {names[1]}" if names[0] != names[1] else f"float8 {names[1]} options changed"
-    line = f"{what} from step {step} (the checkpoint's high-precision weights, converted again)"
+    how = "trained on in high precision" if names[1] == "none" else "converted at load"
+    line = f"{what} from step {step} (the checkpoint's high-precision weights, {how})"
     return f"{before}\n{line}" if before else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"
 
