@@ -3,7 +3,10 @@
 # - one GPU: a few bf16-mixed steps of every strategy that fits one device (single, ddp, fsdp,
 #   zero1, zero2, zero3, zero3_offload), then scripts/bench/gpu_mfu.py and gpu_memory.py;
 # - 2+ GPUs, besides: ddp, fsdp, fsdp_tp, zero2, zero3, pp and nd at the machine's world size
-#   (every visible GPU), and a SIGKILL of one rank mid-run that must resume and complete.
+#   (every visible GPU), and a SIGKILL of one rank mid-run that must resume and complete;
+# - float8 (FLOAT8=tensorwise by default; FLOAT8= skips it, as does a python without torchao): a
+#   compiled single-GPU run in float8=$FLOAT8 beside the same run in bf16 (float8_compiled and
+#   bf16_compiled: tokens/s and MFU in the table), and gpu_mfu.py's float8 pair (--float8).
 # Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md (one row per check) and keeps the run
 # dirs under OUT_DIR/runs/ (rank logs, summary.json) for whatever failed. tracking=csv: it never
 # needs wandb, datasets or the sweeper (a core install from scripts/wheelhouse.sh is enough).
@@ -27,6 +30,7 @@ STEPS="${STEPS:-20}"
 MODEL="${MODEL:-gpt_small}"
 STRATEGIES="${STRATEGIES:-single ddp fsdp zero1 zero2 zero3 zero3_offload}"
 MULTI="${MULTI:-ddp fsdp fsdp_tp zero2 zero3 pp nd}"
+FLOAT8="${FLOAT8-tensorwise}"
 EXIT_SKIPPED=4
 EXIT_NO_PYTHON=2
 
@@ -83,6 +87,13 @@ kill_and_resume() {
 }
 
 for s in $STRATEGIES; do check "$s" "strategy=$s" hardware.devices=1; done
+if [ -n "$FLOAT8" ] && ! "$PY" -c "import torchao" 2>/dev/null; then
+  echo "gpu_check: float8 skipped: $PY cannot import torchao (the float8 extra)"; FLOAT8=""
+fi
+if [ -n "$FLOAT8" ]; then  # the float8 leg: the same compiled run in bf16 and in float8
+  check bf16_compiled strategy=single hardware.devices=1 trainer.compile=true
+  check "float8_${FLOAT8}_compiled" strategy=single hardware.devices=1 trainer.compile=true "float8=$FLOAT8"
+fi
 if [ "$GPUS" -ge 2 ]; then
   for s in $MULTI; do
     extra=()
@@ -95,7 +106,7 @@ fi
 mfu_rc=skipped mem_rc=skipped
 if [ -z "${SKIP_BENCH:-${SKIP_MFU:-}}" ]; then
   echo "gpu_check: scripts/bench/gpu_mfu.py"
-  "$PY" scripts/bench/gpu_mfu.py --json "$OUT/gpu_mfu.json" > "$OUT/gpu_mfu.out" 2>&1
+  "$PY" scripts/bench/gpu_mfu.py --json "$OUT/gpu_mfu.json" ${FLOAT8:+--float8 "$FLOAT8"} > "$OUT/gpu_mfu.out" 2>&1
   mfu_rc=$?
   echo "gpu_check: scripts/bench/gpu_memory.py"
   "$PY" scripts/bench/gpu_memory.py --json "$OUT/gpu_memory.json" > "$OUT/gpu_memory.out" 2>&1
@@ -123,7 +134,8 @@ for line in results.read_text().splitlines():
                  "world": s.get("world_size"), "final_loss": s.get("final_loss"),
                  "tokens_per_sec": t.get("tokens_per_sec"), "mfu": t.get("mfu"),
                  "peak_gpu_mem_gb": first("peak_gpu_mem_gb_per_rank"),
-                 "peak_gpu_reserved_gb": first("peak_gpu_reserved_gb_per_rank"), "log": f"runs/{run_id}.out"})
+                 "peak_gpu_reserved_gb": first("peak_gpu_reserved_gb_per_rank"),
+                 "float8": (s.get("float8") or {}).get("converted"), "log": f"runs/{run_id}.out"})
 for bench, rc in bench_rc.items():
     if rc == "skipped":
         continue
@@ -137,7 +149,7 @@ def cell(v):
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 cols = ["check", "passed", "exit", "wall_s", "world", "final_loss", "tokens_per_sec", "mfu", "peak_gpu_mem_gb",
-        "peak_gpu_reserved_gb", "log"]
+        "peak_gpu_reserved_gb", "float8", "log"]
 md = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
 md += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
 (out / "gpu_check.md").write_text("\n".join(md) + "\n")

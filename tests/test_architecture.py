@@ -172,7 +172,8 @@ def test_the_architecture_page_states_the_layers_lint_imports_holds():
     contract = [sorted(re.split(r"\s*[|:]\s*", layer.replace("loom.", ""))) for layer in layers]
     text = " ".join(ARCHITECTURE.read_text().split())
     line = re.search(r"`(cli > [^`]+)`", text).group(1)
-    page = [sorted(["hardware", "strategies", "data", "models", "optim", "tracking", "eval", "objectives", "float8"]) if part == "config groups"
+    page = [sorted(["hardware", "strategies", "data", "models", "optim", "tracking", "eval", "objectives",
+                   "float8"]) if part == "config groups"
             else sorted(re.split(r"\s*\|\s*", part)) for part in (p.strip() for p in line.split(">"))]
     assert page == contract
 

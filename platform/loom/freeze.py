@@ -171,14 +171,17 @@ def freeze(cfg: DictConfig, plan: Plan) -> Frozen:
         adopt_run_batch(cfg, old, run_dir)
         diff = config_diff(identity(old), identity(cfg)) + inputs_diff(run_dir, inputs)
         world = [line for line in diff if world_change_only([line])]
-        rest = [line for line in diff if line not in world]
-        if world and not rest and is_completed(run_dir, cfg):
+        float8 = [line for line in diff if line.startswith("float8.")]
+        rest = [line for line in diff if line not in world and line not in float8]
+        if (world or float8) and not rest and is_completed(run_dir, cfg):
             return Frozen(run_dir, rid, "completed", export_hint(old, cfg, run_dir))  # nothing left to train
-        if diff and (not rest or max_steps_only(rest)):  # a raised max_steps and/or another world
+        if diff and (not rest or max_steps_only(rest)):  # a raised max_steps, another world and/or float8
             record = {**plan.to_dict(), "inputs": inputs}
             message = extend(old, cfg, record, run_dir) if rest else None
             if world:
                 message = change_world(old, cfg, inputs, run_dir, message)
+            if float8:
+                message = change_float8(old, cfg, record, run_dir, message, refrozen=bool(rest or world))
             return Frozen(run_dir, rid, "resume", message)
         if diff:
             raise ConfigError(
@@ -288,3 +291,28 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     if cps[0] != cps[1]:
         line += f"; strategy.cp {cps[0]} -> {cps[1]} (sequences split over other ranks, states resharded)"
     return f"{extended}\n{line}" if extended else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"
+
+
+def change_float8(old: DictConfig, cfg: DictConfig, record: dict[str, Any], run_dir: Path,
+                  before: str | None, refrozen: bool) -> str:
+    """Refreeze a run resumed with other `float8.*` options (plan.json, then config.yaml, unless a
+    max_steps or world change already did) and return the line the launcher prints. float8 changes
+    how the Linear layers compute, never what a checkpoint holds: torchao's float8 layers keep the
+    high-precision `weight` and `bias` under the same names, so the checkpoint loads either way."""
+    from loom.rundir.checkpoints import complete_checkpoints, step_of
+
+    if not refrozen:
+        rd = RunDir(run_dir)
+        old_plan = _read_json(rd.plan)
+        keep = {k: old_plan[k] for k in ("extended_from_steps", "extended_at_steps", "world_changes")
+                if k in old_plan}
+        atomic_write_text(rd.plan, json.dumps({**record, **keep}, indent=2) + "\n")
+        atomic_write_text(rd.config, frozen_yaml(cfg))
+    ckpts = complete_checkpoints(run_dir)
+    step = step_of(ckpts[0]) if ckpts else 0
+    names = [str((c.get("float8") or {}).get("name", "none")) for c in (old, cfg)]
+    what = f"float8 {names[0]} -> {names[1]}" if names[0] != names[1] else f"float8 {names[1]} options changed"
+    how = "trained on in high precision" if names[1] == "none" else "converted at load"
+    line = f"{what} from step {step} (the checkpoint's high-precision weights, {how})"
+    return f"{before}\n{line}" if before else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"
+

@@ -10,6 +10,10 @@ For each model (default gpt_125m, gpt_1b and llama3_1b) four runs, one after ano
                   bf16-mixed), the same network class (GPT or Llama), data, optimizer and seed;
 - plain compiled: the same with torch.compile(model).
 Loom compiled is compared with plain compiled, Loom eager with plain eager.
+With `--float8 RECIPE` (e.g. tensorwise) a fifth run, `loom float8 compiled`: the loom compiled run
+with float8=RECIPE (torchao; the same model, batch and data), compared with bf16's loom compiled
+(`loom float8 compiled / loom compiled` tokens/s). Its MFU here counts the same FLOPs against the
+bf16 peak (so the two read on one scale); Loom's own `loom_mfu_reported` is against its float8 peak.
 Steady-state rates only: Loom's last logged window (metrics.csv perf/tokens_per_sec, the
 steps after `--warmup`; trainer.log_every_n_steps is set to steps - warmup so the window is
 exactly those steps) and the plain loop timed over the same steps (CUDA-synchronized).
@@ -46,6 +50,7 @@ from _bench import (
 BATCH = {"gpt_125m": 16, "gpt_1b": 8, "llama3_1b": 4, "gpt_7b": 1}
 DEFAULT_MODELS = ("gpt_125m", "gpt_1b", "llama3_1b")
 PAIRS = (("loom eager", "plain eager"), ("loom compiled", "plain compiled"))
+FLOAT8_SIDE = "loom float8 compiled"  # --float8: compared with bf16's "loom compiled"
 
 
 def flops_per_token(cfg: dict) -> float:
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20, help="steps before the timed window (compile, allocator)")
     ap.add_argument("--peak-tflops", type=float, help="bf16 dense peak of this GPU (default: the profile's)")
     ap.add_argument("--no-compile", action="store_true", help="skip both compiled runs (Loom's and plain)")
+    ap.add_argument("--float8", metavar="RECIPE", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"),
+                    help="also run Loom compiled with float8=RECIPE and compare it with bf16's loom compiled")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args(argv)
@@ -124,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"MFU {'%.1f%%' % (100 * mfu) if mfu is not None else 'n/a'}", flush=True)
 
             compiled = [False] if args.no_compile else [False, True]
-            for compile_ in compiled:
-                side = "loom compiled" if compile_ else "loom eager"
+            loom_runs = [(c, "loom compiled" if c else "loom eager", []) for c in compiled]
+            if args.float8:  # the float8 pair: bf16's loom compiled vs the same run in float8
+                loom_runs.append((not args.no_compile, FLOAT8_SIDE, [f"float8={args.float8}"]))
+            for compile_, side, more in loom_runs:
                 try:
                     s = run_loom([*overrides, *LOOM_COMMON, f"trainer.max_steps={args.steps}",
-                                  f"trainer.compile={str(compile_).lower()}"], root,
-                                 f"mfu-{model}-{'compiled' if compile_ else 'eager'}", timeout=1800)
+                                  f"trainer.compile={str(compile_).lower()}", *more], root,
+                                 f"mfu-{model}-{'compiled' if compile_ else 'eager'}{'-float8' if more else ''}",
+                                 timeout=1800)
                     row = last_row(Path(s["run_dir"]) / "metrics.csv")
                     mem = s["memory"]
                     record(side, float(row["perf/tokens_per_sec"]) if row else None,
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                             "summary_tokens_per_sec": s["throughput"]["tokens_per_sec"],
                             "peak_gpu_mem_gb": (mem.get("peak_gpu_mem_gb_per_rank") or [None])[0],
                             "peak_gpu_reserved_gb": (mem.get("peak_gpu_reserved_gb_per_rank") or [None])[0],
-                            "final_loss": s.get("final_loss")})
+                            "final_loss": s.get("final_loss"), **({"float8": s.get("float8")} if more else {})})
                 except Failed as e:
                     print(f"  {model} {side}: FAILED\n{e}", flush=True)
             config_json = plain_config(cfg)
@@ -153,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Failed as e:
                     print(f"  {model} {side}: FAILED\n{e}", flush=True)
             ratios = {}
-            for loom_side, plain_side in PAIRS:
+            pairs = [*PAIRS, (FLOAT8_SIDE, "loom compiled" if not args.no_compile else "loom eager")] \
+                if args.float8 else PAIRS
+            for loom_side, plain_side in pairs:
                 a, b = (res.get(k, {}).get("tokens_per_sec") for k in (loom_side, plain_side))
                 if a and b:
                     ratios[f"{loom_side} / {plain_side}"] = a / b

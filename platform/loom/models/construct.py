@@ -86,9 +86,12 @@ def parallelized(module: Any, strategy: Any | None) -> tuple[torch.nn.Module, An
     if lora_on(module.cfg.get("model")):  # before AC, compile and fully_shard, which must see the adapters
         init = _lora(module, model, init, on_meta=model is meta_model, zero3=zero3)
         how += f", LoRA r={module.cfg.model.lora.r} adapters (base frozen)"
+    parallelize = getattr(strategy, "parallelize", None)
+    converter = getattr(module, "model_converter", None)
+    if converter is not None:  # float8: Linear layers swapped before AC, compile, TP and fully_shard see them
+        converter.convert(model, device, fsdp2=parallelize is not None)
     with _outside_zero_init(zero3):  # the wrapper holds no parameters; zero.Init's hooks break it
         _activation_checkpointing(module, model)
-    parallelize = getattr(strategy, "parallelize", None)
     _compile(module, model, per_unit=parallelize is not None)
     if parallelize is not None:
         parallelize(module)

@@ -42,6 +42,9 @@ class LoomModule(pl.LightningModule):
     sharding_units: tuple[type, ...] = ()
     tensor_parallel_plan: dict[type, dict[str, str]] = {}
     pair_step: Any = None  # a pair objective's step (loom.objectives.step.PairStep), handed over by the worker
+    # float8 (loom.float8.convert.Float8Conversion), handed over by the worker: `convert` swaps the built
+    # network's Linear layers before it is parallelized; `after_optimizer_step` follows every step
+    model_converter: Any = None
 
     def __init__(self, cfg: DictConfig, make_model: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
@@ -168,6 +171,8 @@ class LoomModule(pl.LightningModule):
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if not self.trainer.strategy.handles_gradient_accumulation:
             optimizer.zero_grad(set_to_none=True)
+        if self.model_converter is not None:  # float8 all-gather's weight scales for the next step
+            self.model_converter.after_optimizer_step(self.model)
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         pipe = self._pipeline()

@@ -33,6 +33,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
     import pytorch_lightning as pl
 
     quiet_library_consoles()
+    from loom.float8.convert import converter as float8_converter
     from loom.tracking.recorder import Recorder
     from loom.worker.checkpoint_saver import Checkpointing
 
@@ -53,6 +54,7 @@ def fit(cfg: DictConfig, run_dir: Path, rank: int, progress: Progress | None = N
         progress.phase = "building the model"
         module = models.build_module(cfg)
         module.pair_step = objective_step(cfg)  # a preference objective's step and reference, else None
+        module.model_converter = float8_converter(cfg)  # float8 training (torchao), else None
         # a resume restores the checkpoint's weights; a LoRA checkpoint holds the adapter alone: the base is read again
         if cfg.model.get("init_from") and (resume is None or lora_on(cfg.model)):
             module.init_source = cfg.model.init_from

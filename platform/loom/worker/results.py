@@ -55,6 +55,9 @@ class RunResults:
         own = getattr(module, "summary_fields", None)  # a family's own figures (a mixture of experts' load)
         if own is not None:
             self.summary.update(own())
+        converter = getattr(module, "model_converter", None)  # float8: what was converted, what kept
+        if converter is not None:
+            self.summary.update(converter.summary_fields())
         pairs = getattr(module, "pair_step", None)  # a preference objective's figures
         if pairs is not None:
             self.summary["objective"] = pairs.summary()
