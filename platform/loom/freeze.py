@@ -262,11 +262,9 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     and the global batch were checked by `adopt_run_batch`; plan.json's `world_changes` records
     each change ({at_step, from_world, to_world}); returns the line the launcher prints."""
     from loom.plan import make_plan
-    from loom.rundir.checkpoints import complete_checkpoints, step_of
 
     check_elastic_range(cfg)
-    ckpts = complete_checkpoints(run_dir)
-    step = step_of(ckpts[0]) if ckpts else 0
+    step = _resume_step(run_dir)
     before = world_of(old.hardware)
     after = world_of(cfg.hardware)
     rd = RunDir(run_dir)
@@ -276,9 +274,7 @@ def change_world(old: DictConfig, cfg: DictConfig, inputs: dict[str, str], run_d
     if not changes or changes[-1] != entry:  # not twice (every node of a multi-node run freezes)
         changes.append(entry)
     keep = {k: old_plan[k] for k in ("extended_from_steps", "extended_at_steps") if k in old_plan}
-    record = {**make_plan(cfg).to_dict(), "inputs": inputs, **keep, "world_changes": changes}
-    atomic_write_text(rd.plan, json.dumps(record, indent=2) + "\n")
-    atomic_write_text(rd.config, frozen_yaml(cfg))
+    _refreeze(rd, cfg, {**make_plan(cfg).to_dict(), "inputs": inputs, **keep, "world_changes": changes})
     tr = cfg.trainer
     what = f"World change: {before} -> {after} rank(s)" if before != after else "Layout change"
     line = (f"{what} from step {step}; trainer.accumulate_grad_batches "
@@ -299,20 +295,29 @@ def change_float8(old: DictConfig, cfg: DictConfig, record: dict[str, Any], run_
     max_steps or world change already did) and return the line the launcher prints. float8 changes
     how the Linear layers compute, never what a checkpoint holds: torchao's float8 layers keep the
     high-precision `weight` and `bias` under the same names, so the checkpoint loads either way."""
-    from loom.rundir.checkpoints import complete_checkpoints, step_of
-
     if not refrozen:
         rd = RunDir(run_dir)
         old_plan = _read_json(rd.plan)
         keep = {k: old_plan[k] for k in ("extended_from_steps", "extended_at_steps", "world_changes")
                 if k in old_plan}
-        atomic_write_text(rd.plan, json.dumps({**record, **keep}, indent=2) + "\n")
-        atomic_write_text(rd.config, frozen_yaml(cfg))
-    ckpts = complete_checkpoints(run_dir)
-    step = step_of(ckpts[0]) if ckpts else 0
+        _refreeze(rd, cfg, {**record, **keep})
+    step = _resume_step(run_dir)
     names = [str((c.get("float8") or {}).get("name", "none")) for c in (old, cfg)]
     what = f"float8 {names[0]} -> {names[1]}" if names[0] != names[1] else f"float8 {names[1]} options changed"
     how = "trained on in high precision" if names[1] == "none" else "converted at load"
     line = f"{what} from step {step} (the checkpoint's high-precision weights, {how})"
     return f"{before}\n{line}" if before else f"Resuming run {cfg.run.id} in {run_dir}\n{line}"
 
+
+def _resume_step(run_dir: Path) -> int:
+    """The step a resumed run continues from: its newest complete checkpoint's (0 without one)."""
+    from loom.rundir.checkpoints import complete_checkpoints, step_of
+
+    ckpts = complete_checkpoints(run_dir)
+    return step_of(ckpts[0]) if ckpts else 0
+
+
+def _refreeze(rd: RunDir, cfg: DictConfig, record: dict[str, Any]) -> None:
+    """A resumed run's new plan.json, then its config.yaml: what a world or float8 change rewrites."""
+    atomic_write_text(rd.plan, json.dumps(record, indent=2) + "\n")
+    atomic_write_text(rd.config, frozen_yaml(cfg))
