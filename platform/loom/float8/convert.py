@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from loom.float8.rules import emulates
 from loom.float8.schema import RECIPES
 
 log = logging.getLogger("loom")
@@ -76,7 +77,7 @@ class Float8Conversion:
 
     def convert(self, model: nn.Module, device: torch.device, fsdp2: bool) -> None:
         """Swap `model`'s eligible Linear layers in place (the model may be on the meta device)."""
-        self.emulated = (device.type != "cuda") if self.emulate_cfg is None else bool(self.emulate_cfg)
+        self.emulated = emulates(self.emulate_cfg, on_gpu=device.type == "cuda")
         self.all_gather = self.all_gather_cfg and self.recipe == "tensorwise" and fsdp2
         small = auto_filter(self.recipe) if self.use_auto_filter else None
         chosen: list[str] = []

@@ -25,8 +25,13 @@ def enabled(cfg: DictConfig) -> bool:
 def emulated(cfg: DictConfig) -> bool:
     """Whether the float8 matmuls are emulated (torchao's `emulate=True`: cast to float8 and back, the
     matmul in high precision): `float8.emulate`, or by default on every accelerator but a GPU."""
-    flag = cfg.float8.get("emulate")
-    return bool(flag) if flag is not None else cfg.hardware.accelerator != "gpu"
+    return emulates(cfg.float8.get("emulate"), on_gpu=cfg.hardware.accelerator == "gpu")
+
+
+def emulates(flag: bool | None, on_gpu: bool) -> bool:
+    """The one rule, for the plan (by the profile's accelerator) and the worker (by the model's device):
+    `float8.emulate` when set, else everywhere but on a GPU."""
+    return bool(flag) if flag is not None else not on_gpu
 
 
 def fsdp2_sharded(cfg: DictConfig, layout: ParallelLayout) -> bool:
